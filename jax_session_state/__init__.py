@@ -1,0 +1,60 @@
+"""jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
+
+from jax_session_state import accounting, errors
+from jax_session_state.accounting import SeenStorages, device_bytes, device_key
+from jax_session_state.base import StateObject, check, is_state_object
+from jax_session_state.errors import (
+    BudgetExceededError,
+    CapacityError,
+    NotEvictableError,
+    NotResidentError,
+    RecomputeGraphError,
+    SessionAdmissionError,
+    SessionStateError,
+    SessionStateLostError,
+)
+from jax_session_state.objects import (
+    EncodeOnceKV,
+    FixedState,
+    KVCache,
+    KVChunk,
+    KVView,
+    LatentBuffer,
+    LatentView,
+    RetrievalStore,
+    RetrievalView,
+    Retrieved,
+)
+from jax_session_state.session import Session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetExceededError",
+    "CapacityError",
+    "EncodeOnceKV",
+    "FixedState",
+    "KVCache",
+    "KVChunk",
+    "KVView",
+    "LatentBuffer",
+    "LatentView",
+    "NotEvictableError",
+    "NotResidentError",
+    "RecomputeGraphError",
+    "RetrievalStore",
+    "RetrievalView",
+    "Retrieved",
+    "SeenStorages",
+    "Session",
+    "SessionAdmissionError",
+    "SessionStateError",
+    "SessionStateLostError",
+    "StateObject",
+    "accounting",
+    "check",
+    "device_bytes",
+    "device_key",
+    "errors",
+    "is_state_object",
+]

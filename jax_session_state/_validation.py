@@ -1,0 +1,157 @@
+"""Trace-time checks of payloads and allocate arguments, with clear messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+ShapePattern = Sequence["int | str"]
+
+
+def shape_str(shape: Sequence[Any]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+def check_array(
+    x: Any,
+    *,
+    owner: str,
+    what: str,
+    shape: ShapePattern,
+    dtype: Any,
+    sizes: dict[str, int] | None = None,
+) -> None:
+    """Checks ``x`` against a shape pattern and an exact dtype.
+
+    Args:
+      x: the array given.
+      owner: names the object and operation, e.g. ``"KVCache(...).stage"``.
+      what: names the argument, e.g. ``"k"``.
+      shape: ints are fixed sizes; strings name free sizes, bound in ``sizes``
+        on first use so two arrays can be required to agree (``"T"``).
+      dtype: the dtype required exactly (no silent casts, so no retrace).
+      sizes: bindings of the free sizes, shared across calls; updated here.
+
+    Raises:
+      TypeError: not an array, or the wrong dtype.
+      ValueError: the wrong rank or shape.
+    """
+    sizes = {} if sizes is None else sizes
+    expected = f"shape {shape_str(shape)} and dtype {dtype_name(dtype)}"
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{owner}: {what} must be an array of {expected}; got {type(x).__name__}.")
+    got = f"shape {shape_str(x.shape)} and dtype {dtype_name(x.dtype)}"
+    mismatch = len(x.shape) != len(shape)
+    for want, have in zip(shape, x.shape):
+        if isinstance(want, str):
+            if sizes.setdefault(want, have) != have:
+                mismatch = True
+        elif want != have:
+            mismatch = True
+    if mismatch:
+        bound = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        hint = f" (with {bound})" if bound else ""
+        raise ValueError(f"{owner}: {what} must have {expected}{hint}; got {got}.")
+    if x.dtype != dtype:
+        raise TypeError(f"{owner}: {what} must have {expected}; got {got}. Cast it first.")
+
+
+def check_tree(
+    x: Any,
+    *,
+    owner: str,
+    what: str,
+    treedef: jax.tree_util.PyTreeDef,
+    leaves: Sequence[jax.ShapeDtypeStruct],
+    leading: ShapePattern = (),
+    sizes: dict[str, int] | None = None,
+) -> list[Any]:
+    """Checks a pytree's structure, and every leaf's shape and dtype exactly.
+
+    Args:
+      x: the pytree given.
+      owner: names the object and operation.
+      what: names the argument.
+      treedef: the structure required.
+      leaves: the shape and dtype required of each leaf, in flatten order.
+      leading: a shape pattern each leaf must start with (e.g. ``("n",)`` for
+        a batch of values), before the leaf's own shape.
+      sizes: bindings of free sizes, as in :func:`check_array`.
+
+    Returns:
+      The leaves of ``x``, in flatten order.
+    """
+    x_leaves, x_treedef = jax.tree_util.tree_flatten(x)
+    if x_treedef != treedef:
+        raise TypeError(
+            f"{owner}: {what} must have the pytree structure {treedef}; got {x_treedef}."
+        )
+    sizes = {} if sizes is None else sizes
+    for i, (leaf, spec) in enumerate(zip(x_leaves, leaves)):
+        check_array(
+            leaf,
+            owner=owner,
+            what=f"{what} leaf {i}",
+            shape=(*leading, *spec.shape),
+            dtype=spec.dtype,
+            sizes=sizes,
+        )
+    return x_leaves
+
+
+def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
+    """Returns ``value`` as an int, or raises naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{owner}: {name} must be an int >= {minimum}; got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{owner}: {name} must be >= {minimum}; got {value}.")
+    return int(value)
+
+
+def source_names(owner: str, recompute_source: Any) -> tuple[str, ...]:
+    """Normalises a recompute source (a name or names) to a tuple of names."""
+    names = (recompute_source,) if isinstance(recompute_source, str) else tuple(recompute_source)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{owner}: recompute_source must be object names; got {recompute_source!r}.")
+    return names
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, (int, np.integer)) for d in x)
+
+
+def leaf_specs(
+    owner: str, shapes: Any, dtype: Any
+) -> tuple[jax.tree_util.PyTreeDef, tuple[jax.ShapeDtypeStruct, ...]]:
+    """The structure and leaf specs of a pytree spec.
+
+    Args:
+      owner: names the caller, for messages.
+      shapes: a pytree whose leaves are shape tuples (of ``dtype``),
+        :class:`jax.ShapeDtypeStruct` or arrays (their shape and dtype); a bare
+        shape tuple is a single leaf.
+      dtype: the dtype of leaves given as shape tuples.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
+    if not leaves:
+        raise ValueError(f"{owner}: the spec holds no arrays; got {shapes!r}.")
+    specs = []
+    for leaf in leaves:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            specs.append(jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype))
+        elif _is_shape(leaf):
+            specs.append(jax.ShapeDtypeStruct(tuple(int(d) for d in leaf), dtype))
+        else:
+            raise TypeError(f"{owner}: spec leaves must be shapes, ShapeDtypeStructs or arrays; got {leaf!r}.")
+    return treedef, tuple(specs)

@@ -1,0 +1,157 @@
+"""Byte accounting by device key, de-duplicated by storage.
+
+A *device key* names where bytes live:
+
+- ``"cpu:0"``, ``"cuda:0"``, ``"tpu:3"`` (``platform:id``) for a device's
+  default memory;
+- ``"cpu:0/pinned_host"`` for another memory kind of that device;
+- ``"host"`` for numpy arrays.
+
+A sharded :class:`jax.Array` counts each addressable shard on its own device,
+so a replicated array counts once on every device that holds it.  Storage is
+de-duplicated by ``(device key, buffer pointer)`` through a caller-owned
+:class:`SeenStorages`, so two references to one buffer count once — across the
+objects of a session and across sessions.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jax_session_state.accounting import SeenStorages, device_bytes
+  >>> x = jnp.zeros((4, 4), jnp.float32)
+  >>> seen = SeenStorages()
+  >>> device_bytes(x, seen)
+  {'cpu:0': 64}
+  >>> device_bytes(x, seen)  # the same buffer again counts nothing
+  {}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "HOST",
+    "SeenStorages",
+    "add_bytes",
+    "device_key",
+    "device_bytes",
+    "tree_bytes_by_device",
+]
+
+HOST = "host"
+"""Device key of numpy (host) arrays."""
+
+
+class SeenStorages:
+    """The set of storages already counted, keyed by (device key, pointer).
+
+    Pass one instance through every ``nbytes_by_device`` call that should
+    count a shared buffer once.
+    """
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, key: str, pointer: int) -> bool:
+        """Records a storage; returns True when it was not seen before."""
+        entry = (key, pointer)
+        if entry in self._seen:
+            return False
+        self._seen.add(entry)
+        return True
+
+    def __contains__(self, entry: object) -> bool:
+        return entry in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def _platform_name(device: jax.Device) -> str:
+    # jax calls every NVIDIA/AMD device platform "gpu"; the client says which.
+    if device.platform == "gpu":
+        return getattr(device.client, "platform", "gpu")
+    return device.platform
+
+
+def device_key(device: jax.Device, memory_kind: str | None = None) -> str:
+    """The device key of ``device``'s ``memory_kind`` memory.
+
+    Args:
+      device: a jax device.
+      memory_kind: a memory kind of that device, or None for its default.
+
+    Returns:
+      ``"platform:id"`` for the default memory kind, else
+      ``"platform:id/memory_kind"``.
+    """
+    base = f"{_platform_name(device)}:{device.id}"
+    if memory_kind is None:
+        return base
+    try:
+        default_kind = device.default_memory().kind
+    except Exception:  # backends without memory kinds: one memory per device
+        return base
+    return base if memory_kind == default_kind else f"{base}/{memory_kind}"
+
+
+def add_bytes(total: dict[str, int], more: Mapping[str, int]) -> dict[str, int]:
+    """Adds ``more`` into ``total`` per key (in place) and returns ``total``."""
+    for key, nbytes in more.items():
+        total[key] = total.get(key, 0) + nbytes
+    return total
+
+
+def device_bytes(x: Any, seen: SeenStorages | None = None) -> dict[str, int]:
+    """Bytes of storage ``x`` holds, by device key, skipping storages in ``seen``.
+
+    Args:
+      x: a :class:`jax.Array` (each addressable shard counts on its device), a
+        :class:`numpy.ndarray` (counts under ``"host"``), or anything else
+        (Python scalars, None: no storage).
+      seen: storages already counted; updated with those counted here.  None
+        counts everything.
+
+    Returns:
+      A dict from device key to bytes; keys with nothing new are absent.
+
+    Raises:
+      TypeError: ``x`` is a tracer (inside ``jit`` there is no storage to count).
+    """
+    if seen is None:
+        seen = SeenStorages()
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            "device_bytes() counts storage of concrete arrays; it got a traced "
+            "value. Count bytes outside jit, on the step's inputs or outputs."
+        )
+    out: dict[str, int] = {}
+    if isinstance(x, jax.Array):
+        if x.is_deleted():  # donated away: it holds nothing any more
+            return out
+        memory_kind = getattr(x.sharding, "memory_kind", None)
+        for shard in x.addressable_shards:
+            key = device_key(shard.device, memory_kind)
+            if seen.add(key, shard.data.unsafe_buffer_pointer()):
+                out[key] = out.get(key, 0) + shard.data.nbytes
+    elif isinstance(x, np.ndarray):
+        if seen.add(HOST, x.__array_interface__["data"][0]):
+            out[HOST] = x.nbytes
+    return out
+
+
+def tree_bytes_by_device(
+    tree: Any, seen: SeenStorages | None = None
+) -> dict[str, int]:
+    """Sums :func:`device_bytes` over the leaves of a pytree."""
+    if seen is None:
+        seen = SeenStorages()
+    total: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        add_bytes(total, device_bytes(leaf, seen))
+    return total

@@ -1,0 +1,272 @@
+"""``StateObject``: the abstract pytree contract every kind of state follows.
+
+A state object is a frozen dataclass registered as a pytree
+(:class:`flax.struct.PyTreeNode`).  Arrays are leaves; sizes, dtypes, mode
+flags and the recompute edge are static fields.  Per-step methods (``stage``,
+``commit``, ``discard``, ``append``, ``view``) are pure and jittable and keep
+the pytree structure, shapes and dtypes unchanged, so a jitted step compiles
+once and a donated input aliases its output: under ``jax.jit`` with donation a
+write costs what it writes, not what the object holds.
+
+Writes are two-phase: ``stage`` holds data for the in-progress window (seen
+only by ``view(include_staged=True)``), ``commit()`` makes it persistent and
+``discard()`` drops it without touching committed data.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import jax_session_state as jss
+  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+  >>> step = jax.jit(lambda c, k, v: c.append((k, v)), donate_argnums=0)
+  >>> kv = step(kv, jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4)))
+  >>> kv.view().lengths
+  Array([3], dtype=int32)
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
+from jax_session_state.errors import CapacityError, NotEvictableError, NotResidentError
+
+__all__ = ["StateObject", "check", "is_state_object", "overwrite"]
+
+Self = TypeVar("Self", bound="StateObject")
+
+
+class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
+    """Abstract base of every kind of session state.
+
+    Subclasses declare their storage as pytree fields and their spec as static
+    fields (``struct.field(pytree_node=False)``), and implement ``allocate``,
+    ``_empty_storage``, ``stage``, ``_commit_staged``, ``discard`` and
+    ``view``.  A non-resident object (after ``evict`` or ``reset``) keeps its
+    static spec and holds None in every storage field.
+
+    Attributes:
+      recompute_source: names of sibling objects in the same session this
+        object can be rebuilt from (empty when it cannot be rebuilt).
+      recompute_cost: estimated work to rebuild it (any unit, compared across
+        objects by the eviction planner).
+    """
+
+    recompute_source: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    recompute_cost: float = struct.field(pytree_node=False, default=0.0)
+
+    # Whether a write can overflow; kinds that can carry an ``overflowed`` flag.
+    can_overflow: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------ spec
+    @classmethod
+    @abc.abstractmethod
+    def allocate(cls: type[Self], **kwargs: Any) -> Self:
+        """Returns an empty, resident object; keyword-only sizing arguments."""
+
+    @abc.abstractmethod
+    def _empty_storage(self) -> dict[str, Any]:
+        """The storage fields of an empty object of this spec, freshly allocated."""
+
+    def empty(self: Self) -> Self:
+        """A new empty, resident object with this object's spec (new buffers)."""
+        return self.replace(**self._empty_storage())
+
+    @classmethod
+    @functools.cache
+    def storage_fields(cls) -> tuple[str, ...]:
+        """Names of the fields that hold storage (the pytree children)."""
+        return tuple(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.metadata.get("pytree_node", True)
+        )
+
+    @classmethod
+    @functools.cache
+    def spec_fields(cls) -> tuple[str, ...]:
+        """Names of the static fields (the spec), without the recompute edge."""
+        return tuple(
+            f.name
+            for f in dataclasses.fields(cls)
+            if not f.metadata.get("pytree_node", True)
+            and f.name not in ("recompute_source", "recompute_cost")
+        )
+
+    def describe(self) -> str:
+        """A short name for messages: the kind and its spec, no array values."""
+        spec = ", ".join(f"{name}={_spec_repr(getattr(self, name))}" for name in self.spec_fields())
+        return f"{type(self).__name__}({spec})"
+
+    def __repr__(self) -> str:
+        state = "resident" if self.resident else "not resident"
+        source = f", recompute_source={self.recompute_source}" if self.recompute_source else ""
+        return f"{self.describe()[:-1]}{source}) <{state}>"
+
+    # ------------------------------------------------------------- lifecycle
+    @abc.abstractmethod
+    def stage(self: Self, payload: Any) -> Self:
+        """Holds ``payload`` for the in-progress window.
+
+        Visible only to ``view(include_staged=True)`` until ``commit()``.
+        """
+
+    @abc.abstractmethod
+    def _commit_staged(self: Self) -> Self:
+        """Promotes what is staged to committed (the object is resident)."""
+
+    def commit(self: Self, payload: Any = None) -> Self:
+        """Makes data persistent.
+
+        Args:
+          payload: written after anything already staged, and everything is
+            committed (``commit(p)`` equals ``stage(p).commit()``).  When None,
+            what is staged is promoted.
+
+        Returns:
+          The new object.
+        """
+        self._require_resident("commit")
+        if payload is None:
+            return self._commit_staged()
+        return self.stage(payload)._commit_staged()
+
+    def append(self: Self, payload: Any) -> Self:
+        """Stages and commits ``payload`` in one write."""
+        return self.commit(payload)
+
+    @abc.abstractmethod
+    def discard(self: Self) -> Self:
+        """Drops what is staged; committed data is never touched."""
+
+    @abc.abstractmethod
+    def view(self, *, include_staged: bool = True) -> Any:
+        """What attention kernels and the pipeline read: a small pytree."""
+
+    # ------------------------------------------------------------ residency
+    @property
+    def resident(self) -> bool:
+        """Whether the object holds storage."""
+        return getattr(self, self.storage_fields()[0]) is not None
+
+    @property
+    def evictable(self) -> bool:
+        """Whether ``evict()`` may release this object's storage."""
+        return True
+
+    def evict(self: Self) -> tuple[Self, int]:
+        """Releases the storage.
+
+        Returns:
+          The non-resident object (it keeps its static spec) and the bytes
+          freed.
+
+        Raises:
+          NotEvictableError: this object may never be dropped.
+        """
+        if not self.evictable:
+            raise NotEvictableError(
+                f"{self.describe()} cannot be evicted: it has no recompute source, "
+                "so its contents could not be rebuilt. Declare recompute_source= "
+                "at allocate, park it to host memory, or reset() it deliberately."
+            )
+        freed = self.nbytes if self.resident else 0
+        return self.reset(), freed
+
+    def reset(self: Self) -> Self:
+        """Back to the unallocated (non-resident) state; the spec is kept."""
+        return self.replace(**{name: None for name in self.storage_fields()})
+
+    def _require_resident(self, operation: str) -> None:
+        if not self.resident:
+            raise NotResidentError(
+                f"{operation}() on {self.describe()}, which is not resident (it was "
+                "evicted or reset). Rebuild it, restore it through the manager, or "
+                "start over with .empty()."
+            )
+
+    # ------------------------------------------------------------ accounting
+    def nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
+        """Bytes of storage held, by device key, de-duplicated through ``seen``."""
+        return tree_bytes_by_device(self, seen)
+
+    def staged_nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
+        """Bytes held only for staged data (none where staging is in-buffer)."""
+        del seen
+        return {}
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes held, all devices together (for reporting only)."""
+        return sum(self.nbytes_by_device().values())
+
+    # ------------------------------------------------------------- overflow
+    def _refuse_now_if(self, refused: jax.Array, error: Callable[[], Exception]) -> None:
+        """Raises ``error()`` at once when ``refused`` is concretely True.
+
+        Under ``jit`` (or ``vmap``) ``refused`` is traced; the caller records
+        it in the ``overflowed`` flag instead and writes nothing.
+        """
+        if not isinstance(refused, jax.core.Tracer) and bool(refused):
+            raise error()
+
+
+def overwrite(old: Any, new: Any) -> Any:
+    """``new``, shaped and typed like ``old``, computed into ``old``'s buffers.
+
+    ``jit`` prunes inputs a function never reads, and a pruned donated input
+    cannot lend its buffer to the output.  A method that replaces a storage
+    leaf wholesale (a flag reset, a new carry) goes through here so the old
+    leaf stays an input and donation still aliases it.
+    """
+    return jax.tree_util.tree_map(lambda o, n: jnp.where(True, n, o).astype(o.dtype), old, new)
+
+
+def _spec_repr(value: Any) -> str:
+    if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
+        return np.dtype(value).name
+    return repr(value)
+
+
+def is_state_object(x: Any) -> bool:
+    """Whether ``x`` is a :class:`StateObject` (handy as ``is_leaf``)."""
+    return isinstance(x, StateObject)
+
+
+def check(tree: Any) -> None:
+    """Raises :class:`CapacityError` for every overflowed object in ``tree``.
+
+    Inside ``jit`` an overflowing write writes nothing and sets the object's
+    ``overflowed`` flag; call ``check`` on the step's output, outside ``jit``.
+
+    Args:
+      tree: any pytree holding state objects (a Session, a dict, an object).
+
+    Raises:
+      CapacityError: naming each flagged object by its path in ``tree``.
+      TypeError: called on traced values.
+    """
+    flagged = []
+    paths_and_objects, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state_object)
+    for path, obj in paths_and_objects:
+        if not isinstance(obj, StateObject) or not obj.can_overflow or not obj.resident:
+            continue
+        flag = obj.overflowed
+        if isinstance(flag, jax.core.Tracer):
+            raise TypeError("check() reads overflow flags; call it outside jit on the step's output.")
+        if bool(flag):
+            flagged.append(f"{jax.tree_util.keystr(path) or '<root>'}: {obj.describe()}")
+    if flagged:
+        raise CapacityError(
+            "a write inside jit did not fit and wrote nothing, in: "
+            + "; ".join(flagged)
+            + ". Allocate more capacity (or max_staged / max_chunk for rings), "
+            "commit or discard staged data sooner, or evict old entries."
+        )

@@ -1,0 +1,59 @@
+"""The exception types of ``jax_session_state``.
+
+Every error subclasses :class:`SessionStateError` (catch-all) and the standard
+exception that fits it, so ``except ValueError`` or ``except RuntimeError``
+keeps working in code that does not know this library.  Messages say what
+happened, to which object or session, and what the caller can do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+      "SessionStateError",
+      "CapacityError",
+      "NotResidentError",
+      "NotEvictableError",
+      "RecomputeGraphError",
+      "BudgetExceededError",
+      "SessionAdmissionError",
+      "SessionStateLostError",
+]
+
+
+class SessionStateError(Exception):
+    """Base class of every error raised by ``jax_session_state``."""
+
+
+class CapacityError(SessionStateError, RuntimeError):
+    """A write did not fit the object's capacity; nothing was written.
+
+    Raised at once outside ``jit``.  Inside ``jit`` the object's ``overflowed``
+    flag is set instead and :func:`jax_session_state.check` raises this error.
+    """
+
+
+class NotResidentError(SessionStateError, RuntimeError):
+    """An evicted or reset object was read or written."""
+
+
+class NotEvictableError(SessionStateError, RuntimeError):
+    """``evict()`` was called on an object that may never be dropped."""
+
+
+class RecomputeGraphError(SessionStateError, ValueError):
+    """A recompute source names a missing object, or the sources form a cycle."""
+
+
+class BudgetExceededError(SessionStateError, RuntimeError):
+    """A put or create would exceed a byte budget and nothing could be freed."""
+
+
+class SessionAdmissionError(SessionStateError, RuntimeError):
+    """The manager is full and may not evict to admit another session."""
+
+
+class SessionStateLostError(SessionStateError, LookupError):
+    """The session is unknown, was dropped, or was preempted.
+
+    Raised instead of silently handing back an empty session.
+    """

@@ -1,0 +1,148 @@
+"""``ItemBuffer``: the write path shared by kinds that hold a sequence of items.
+
+Items (frames, latent chunks, retrieval entries) are pytrees of fixed-shape
+arrays stored along a leading slot axis.  A buffer shows its last ``maxlen``
+items: in ring mode older items are overwritten, otherwise a write past
+``maxlen`` is refused.  Staging is in-buffer; a ring reserves ``max_staged``
+slots beyond ``maxlen`` so staged items never overwrite visible ones.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ItemBuffer"]
+
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from jax_session_state import _validation as v
+from jax_session_state.base import StateObject, overwrite
+from jax_session_state.errors import CapacityError
+from jax_session_state.objects import _ring
+
+
+class ItemBuffer(StateObject, kw_only=True):
+    """Abstract: count/staged bookkeeping and in-buffer writes of item pytrees.
+
+    Subclasses define the static fields ``maxlen`` (items visible), ``ring``
+    and ``max_staged``, the storage pytree (``_buffers`` / ``_with_buffers``) and what an item is
+    (``item_treedef`` / ``item_specs``).
+    """
+
+    count: Array | None = None
+    """``Int[Array, ""]`` items ever committed."""
+    staged: Array | None = None
+    """``Int[Array, ""]`` items staged after them."""
+    overflowed: Array | None = None
+    """``Bool[Array, ""]`` a write was refused under jit."""
+
+    can_overflow = True
+
+    @property
+    def slots(self) -> int:
+        """Storage slots: ``maxlen``, plus the staging margin of a ring."""
+        return self.maxlen + (self.max_staged if self.ring else 0)
+
+    @abc.abstractmethod
+    def _buffers(self) -> Any:
+        """The storage pytree, each leaf ``[slots, ...]``, in item order."""
+
+    @abc.abstractmethod
+    def _with_buffers(self, buffers: Any) -> ItemBuffer:
+        """A copy holding ``buffers`` as storage."""
+
+    @property
+    @abc.abstractmethod
+    def item_treedef(self) -> jax.tree_util.PyTreeDef:
+        """The pytree structure of one item."""
+
+    @property
+    @abc.abstractmethod
+    def item_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The shape and dtype of each leaf of one item."""
+
+    def _bookkeeping(self) -> dict[str, Array]:
+        return {"count": jnp.zeros((), jnp.int32), "staged": jnp.zeros((), jnp.int32), "overflowed": jnp.zeros((), bool)}
+
+    def _items(self, payload: Any, operation: str) -> tuple[list[Array], int]:
+        """Checks one item or a batch of items; returns leaves ``[n, ...]`` and n."""
+        owner = f"{self.describe()}.{operation}"
+        leaves, treedef = jax.tree_util.tree_flatten(payload)
+        if treedef != self.item_treedef:
+            raise TypeError(f"{owner}: items must have the pytree structure {self.item_treedef}; got {treedef}.")
+        first, spec = leaves[0], self.item_specs[0]
+        single = hasattr(first, "shape") and len(first.shape) == len(spec.shape)
+        leading = () if single else ("n",)
+        sizes: dict[str, int] = {}
+        v.check_tree(
+            payload, owner=owner, what="items", treedef=self.item_treedef,
+            leaves=self.item_specs, leading=leading, sizes=sizes,
+        )
+        leaves = [jnp.asarray(x)[None] if single else jnp.asarray(x) for x in leaves]
+        n = 1 if single else sizes["n"]
+        if n > self.slots:
+            raise ValueError(f"{owner}: {n} items at once exceed the {self.slots} slots.")
+        return leaves, n
+
+    def _write(self, leaves: list[Array], n: int, *, staging: bool) -> ItemBuffer:
+        start = self.count + self.staged
+        if not self.ring:
+            refused = start + n > self.maxlen
+            limit = f"maxlen {self.maxlen}"
+        elif staging:
+            refused = self.staged + n > self.max_staged
+            limit = f"max_staged {self.max_staged} items staged between commits"
+        else:  # committed ring writes may overwrite the oldest items
+            refused = jnp.zeros((), bool)
+            limit = ""
+        self._refuse_now_if(
+            refused,
+            lambda: CapacityError(
+                f"{self.describe()}: writing {n} items after {int(start)} exceeds {limit}; "
+                "nothing was written. Allocate more, or commit/discard sooner."
+            ),
+        )
+        slots = _ring.slot_of(start + jnp.arange(n, dtype=jnp.int32), sink=0, ring=self.slots if self.ring else None)
+        slots = jnp.where(refused, self.slots, slots)  # out of range: dropped
+        buffers = self.item_treedef.unflatten(
+            [b.at[slots].set(x, mode="drop") for b, x in zip(jax.tree_util.tree_leaves(self._buffers()), leaves)]
+        )
+        return self._with_buffers(buffers).replace(
+            staged=self.staged + jnp.where(refused, 0, n),
+            overflowed=self.overflowed | refused,
+        )
+
+    def stage(self, payload: Any) -> ItemBuffer:
+        """Stages one item or a batch of items after the committed ones."""
+        self._require_resident("stage")
+        leaves, n = self._items(payload, "stage")
+        return self._write(leaves, n, staging=True)
+
+    def commit(self, payload: Any = None) -> ItemBuffer:
+        """Commits what is staged, then ``payload`` (one item or a batch) if given.
+
+        In ring mode a committed write never overflows: it overwrites the
+        oldest items.
+        """
+        self._require_resident("commit")
+        if payload is None:
+            return self._commit_staged()
+        leaves, n = self._items(payload, "commit")
+        return self._write(leaves, n, staging=False)._commit_staged()
+
+    def _commit_staged(self) -> ItemBuffer:
+        return self.replace(count=self.count + self.staged, staged=overwrite(self.staged, 0))
+
+    def discard(self) -> ItemBuffer:
+        """Forgets staged items (O(1)); committed items are untouched."""
+        self._require_resident("discard")
+        return self.replace(staged=overwrite(self.staged, 0))
+
+    def _visible_range(self, include_staged: bool) -> tuple[Array, Array]:
+        """``(start, end)``: positions of the items a reader sees."""
+        end = self.count + self.staged if include_staged else self.count
+        return jnp.maximum(end - self.maxlen, 0), end
+

@@ -1,0 +1,151 @@
+"""``EncodeOnceKV``: conditioning K/V (text, image tokens), written once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from jax_session_state import _validation as v
+from jax_session_state.base import StateObject, overwrite
+from jax_session_state.objects import _ring
+from jax_session_state.objects.kv import KVChunk, KVView
+
+__all__ = ["EncodeOnceKV"]
+
+
+class EncodeOnceKV(StateObject, kw_only=True):
+    """Cross-attention K/V of the conditioning, computed once per session.
+
+    The first commit writes it; **every later commit is a no-op** and so is
+    staging once written, so a rollout step can commit the conditioning
+    unconditionally and only the first call writes.  It is usually rebuilt
+    from a prompt embedding (``recompute_source="prompt"``) rather than kept
+    when memory is short.  The view is a :class:`KVView` in append mode;
+    attend to it with ``causal=False``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=4, length=8)
+      >>> cond = cond.commit((jnp.ones((1, 5, 2, 4)), jnp.ones((1, 5, 2, 4))))
+      >>> cond = cond.commit((jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2, 4))))  # no-op
+      >>> bool(cond.written), cond.view().lengths
+      (True, Array([5], dtype=int32))
+    """
+
+    batch: int = struct.field(pytree_node=False)
+    kv_heads: int = struct.field(pytree_node=False)
+    head_dim: int = struct.field(pytree_node=False)
+    length: int = struct.field(pytree_node=False)
+    dtype: np.dtype = struct.field(pytree_node=False)
+
+    k: Array | None = None
+    """``Float[Array, "batch kv_heads length head_dim"]``."""
+    v: Array | None = None
+    """``Float[Array, "batch kv_heads length head_dim"]``."""
+    lengths: Array | None = None
+    """``Int[Array, "batch"]`` conditioning tokens per row (staged or written)."""
+    written: Array | None = None
+    """``Bool[Array, ""]`` committed; later writes are no-ops."""
+    staged: Array | None = None
+    """``Bool[Array, ""]`` holds staged, uncommitted conditioning."""
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        length: int,
+        dtype: Any = jnp.float32,
+        recompute_source: str | tuple[str, ...] = (),
+        recompute_cost: float = 0.0,
+    ) -> EncodeOnceKV:
+        """An empty, unwritten conditioning cache.
+
+        Args:
+          batch: batch rows.
+          kv_heads: K/V heads.
+          head_dim: size of each head.
+          length: the most conditioning tokens per row.
+          dtype: storage dtype; payloads must match it exactly.
+          recompute_source: sibling object(s) it is rebuilt from.
+          recompute_cost: estimated work to rebuild it.
+        """
+        owner = "EncodeOnceKV.allocate"
+        spec = cls(
+            batch=v.positive_int(owner, "batch", batch),
+            kv_heads=v.positive_int(owner, "kv_heads", kv_heads),
+            head_dim=v.positive_int(owner, "head_dim", head_dim),
+            length=v.positive_int(owner, "length", length),
+            dtype=np.dtype(dtype),
+            recompute_source=v.source_names(owner, recompute_source),
+            recompute_cost=float(recompute_cost),
+        )
+        return spec.empty()
+
+    def _empty_storage(self) -> dict[str, Any]:
+        shape = (self.batch, self.kv_heads, self.length, self.head_dim)
+        return {
+            "k": jnp.zeros(shape, self.dtype),
+            "v": jnp.zeros(shape, self.dtype),
+            "lengths": jnp.zeros((self.batch,), jnp.int32),
+            "written": jnp.zeros((), bool),
+            "staged": jnp.zeros((), bool),
+        }
+
+    def stage(self, payload: KVChunk | tuple[Array, ...]) -> EncodeOnceKV:
+        """Stages the conditioning (replacing anything staged); a no-op once written.
+
+        Args:
+          payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
+            Float[Array, "batch T kv_heads head_dim"]``, ``T <= length``.
+        """
+        self._require_resident("stage")
+        owner = f"{self.describe()}.stage"
+        if not isinstance(payload, tuple) or len(payload) not in (2, 3):
+            raise TypeError(f"{owner}: payload must be a KVChunk(k, v[, counts]); got {type(payload).__name__}.")
+        chunk = KVChunk(*payload)
+        sizes: dict[str, int] = {}
+        pattern = (self.batch, "T", self.kv_heads, self.head_dim)
+        v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=self.dtype, sizes=sizes)
+        v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=self.dtype, sizes=sizes)
+        T = sizes["T"]
+        if T > self.length:
+            raise ValueError(f"{owner}: {T} conditioning tokens exceed length {self.length}.")
+        if chunk.counts is None:
+            counts = jnp.full((self.batch,), T, jnp.int32)
+        else:
+            v.check_array(chunk.counts, owner=owner, what="counts", shape=(self.batch,), dtype=jnp.int32)
+            bad = jnp.any((chunk.counts < 0) | (chunk.counts > T))
+            self._refuse_now_if(bad, lambda: ValueError(f"{owner}: counts must lie in [0, {T}]."))
+            counts = jnp.clip(chunk.counts, 0, T)
+        # Once written, every slot index is out of range: the scatter writes nothing.
+        slots = jnp.where(self.written, self.length, jnp.arange(T, dtype=jnp.int32))
+        return self.replace(
+            k=self.k.at[:, :, slots].set(chunk.k.transpose(0, 2, 1, 3), mode="drop"),
+            v=self.v.at[:, :, slots].set(chunk.v.transpose(0, 2, 1, 3), mode="drop"),
+            lengths=jnp.where(self.written, self.lengths, counts),
+            staged=overwrite(self.staged, ~self.written),
+        )
+
+    def _commit_staged(self) -> EncodeOnceKV:
+        return self.replace(written=self.written | self.staged, staged=overwrite(self.staged, False))
+
+    def discard(self) -> EncodeOnceKV:
+        """Drops staged conditioning; written conditioning is never touched."""
+        self._require_resident("discard")
+        return self.replace(staged=overwrite(self.staged, False))
+
+    def view(self, *, include_staged: bool = True) -> KVView:
+        """The conditioning as a :class:`KVView` (empty until written or staged)."""
+        self._require_resident("view")
+        shown = self.written | (self.staged & include_staged)
+        lengths = jnp.where(shown, self.lengths, 0)
+        positions = _ring.slot_positions(self.length, lengths, sink=0, ring=None)
+        return KVView(k=self.k, v=self.v, lengths=lengths, positions=positions)

@@ -1,0 +1,144 @@
+"""``FixedState``: a pytree of constant-size arrays, replaced each commit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jax_session_state import _validation as v
+from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
+from jax_session_state.base import StateObject, overwrite
+
+__all__ = ["FixedState"]
+
+
+class FixedState(StateObject, kw_only=True):
+    """A recurrent carry: linear-attention or SSM state, a causal-conv cache.
+
+    Every commit replaces the whole value and must match its structure,
+    shapes and dtypes exactly (``TypeError`` / ``ValueError`` otherwise): that
+    is what keeps a jitted step from retracing.  The staged value is held
+    beside the committed one (its bytes are reported by
+    ``staged_nbytes_by_device``).  A carry usually cannot be rebuilt, so
+    ``evict()`` raises :class:`NotEvictableError` unless a recompute source is
+    declared.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> carry = jss.FixedState.allocate(shapes={"h": (2, 16), "conv": (2, 3, 16)})
+      >>> carry = carry.commit({"h": jnp.ones((2, 16)), "conv": jnp.ones((2, 3, 16))})
+      >>> carry.view()["h"].sum()
+      Array(32., dtype=float32)
+    """
+
+    treedef: jax.tree_util.PyTreeDef = struct.field(pytree_node=False)
+    leaf_specs: tuple[jax.ShapeDtypeStruct, ...] = struct.field(pytree_node=False)
+
+    value: Any = None
+    """The committed value: a pytree of the spec's shapes and dtypes."""
+    staged_value: Any = None
+    """The staged value, same spec; meaningful while ``has_staged``."""
+    has_staged: jax.Array | None = None
+    """``Bool[Array, ""]`` a value is staged."""
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        shapes: Any,
+        dtype: Any = jnp.float32,
+        recompute_source: str | tuple[str, ...] = (),
+        recompute_cost: float = 0.0,
+    ) -> FixedState:
+        """A zero-filled state of the given spec.
+
+        Args:
+          shapes: a pytree whose leaves are shape tuples (of ``dtype``),
+            :class:`jax.ShapeDtypeStruct` or arrays (their shape and dtype).
+          dtype: the dtype of leaves given as shape tuples.
+          recompute_source: sibling object(s) it can be rebuilt from; without
+            one it is never evictable.
+          recompute_cost: estimated work to rebuild it.
+        """
+        owner = "FixedState.allocate"
+        treedef, specs = v.leaf_specs(owner, shapes, dtype)
+        spec = cls(
+            treedef=treedef,
+            leaf_specs=specs,
+            recompute_source=v.source_names(owner, recompute_source),
+            recompute_cost=float(recompute_cost),
+        )
+        return spec.empty()
+
+    def _empty_storage(self) -> dict[str, Any]:
+        def zeros() -> Any:
+            return self.treedef.unflatten([jnp.zeros(s.shape, s.dtype) for s in self.leaf_specs])
+
+        return {"value": zeros(), "staged_value": zeros(), "has_staged": jnp.zeros((), bool)}
+
+    def describe(self) -> str:
+        shapes = self.treedef.unflatten(
+            [f"{np.dtype(s.dtype).name}{list(s.shape)}" for s in self.leaf_specs]
+        )
+        return f"FixedState({shapes})"
+
+    def _checked(self, payload: Any, operation: str) -> Any:
+        v.check_tree(
+            payload,
+            owner=f"{self.describe()}.{operation}",
+            what="value",
+            treedef=self.treedef,
+            leaves=self.leaf_specs,
+        )
+        return jax.tree_util.tree_map(jnp.asarray, payload)
+
+    def stage(self, payload: Any) -> FixedState:
+        """Holds ``payload`` (same spec exactly) beside the committed value."""
+        self._require_resident("stage")
+        return self.replace(
+            staged_value=overwrite(self.staged_value, self._checked(payload, "stage")),
+            has_staged=overwrite(self.has_staged, True),
+        )
+
+    def commit(self, payload: Any = None) -> FixedState:
+        """Replaces the committed value with ``payload``, or with the staged one."""
+        self._require_resident("commit")
+        if payload is None:
+            return self._commit_staged()
+        return self.replace(
+            value=overwrite(self.value, self._checked(payload, "commit")),
+            has_staged=overwrite(self.has_staged, False),
+        )
+
+    def _commit_staged(self) -> FixedState:
+        value = jax.tree_util.tree_map(
+            lambda staged, committed: jnp.where(self.has_staged, staged, committed),
+            self.staged_value,
+            self.value,
+        )
+        return self.replace(value=value, has_staged=overwrite(self.has_staged, False))
+
+    def discard(self) -> FixedState:
+        """Drops the staged value."""
+        self._require_resident("discard")
+        return self.replace(has_staged=overwrite(self.has_staged, False))
+
+    def view(self, *, include_staged: bool = True) -> Any:
+        """The value: the staged one when included and present, else committed."""
+        self._require_resident("view")
+        if not include_staged:
+            return self.value
+        return self._commit_staged().value
+
+    @property
+    def evictable(self) -> bool:
+        return bool(self.recompute_source)
+
+    def staged_nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
+        """Bytes of the slot that holds the staged value."""
+        return tree_bytes_by_device(self.staged_value, seen)

@@ -1,0 +1,326 @@
+"""``KVCache``: growing self-attention K/V, append mode or a sink + window ring."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from jax_session_state import _validation as v
+from jax_session_state.base import StateObject, overwrite
+from jax_session_state.errors import CapacityError
+from jax_session_state.objects import _ring
+
+__all__ = ["KVCache", "KVChunk", "KVView"]
+
+
+class KVChunk(NamedTuple):
+    """A chunk of K/V rows to write, token-major as a model produces them.
+
+    Attributes:
+      k: ``Float[Array, "batch T kv_heads head_dim"]``.
+      v: ``Float[Array, "batch T kv_heads head_dim"]``.
+      counts: ``Int[Array, "batch"]`` rows of the chunk each batch row takes
+        (a ragged write: row ``b`` takes ``k[b, :counts[b]]``), or None for
+        all ``T``.
+    """
+
+    k: Array
+    v: Array
+    counts: Array | None = None
+
+
+class KVView(struct.PyTreeNode):
+    """What attention reads from a K/V cache.
+
+    Storage is head-major, ``[batch, kv_heads, capacity, head_dim]``: measured
+    on XLA CPU, a token-major ``[batch, capacity, kv_heads, head_dim]`` cache
+    made XLA transpose the whole cache every attention step (3x slower, 2.5x
+    the cache's bytes at peak), while head-major feeds the score matmuls
+    directly.  Slots are not in position order in ring mode; ``positions``
+    says which absolute position each slot holds.
+
+    Attributes:
+      k: ``Float[Array, "batch kv_heads capacity head_dim"]``.
+      v: ``Float[Array, "batch kv_heads capacity head_dim"]``.
+      lengths: ``Int[Array, "batch"]`` tokens visible per row; in append mode
+        slots ``0..lengths-1`` are exactly the valid ones.
+      positions: ``Int[Array, "batch capacity"]`` absolute position held by
+        each slot, -1 where a slot is empty or not visible.
+      window: sliding-window size, or None in append mode.  A query at ``q``
+        sees key ``p`` when ``p < sink`` or ``q - p < window``.
+      sink: number of first positions kept for ever (0 without a window).
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+    positions: Array
+    window: int | None = struct.field(pytree_node=False, default=None)
+    sink: int = struct.field(pytree_node=False, default=0)
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """The visible rows of each batch row in position order, on the host.
+
+        Returns:
+          One dict per batch row with ``positions`` ``[n]``, ``k`` and ``v``
+          ``[n, kv_heads, head_dim]`` (numpy).
+        """
+        positions = np.asarray(self.positions)
+        k, v_ = np.asarray(self.k), np.asarray(self.v)
+        rows = []
+        for b in range(positions.shape[0]):
+            slots = np.flatnonzero(positions[b] >= 0)
+            slots = slots[np.argsort(positions[b, slots], kind="stable")]
+            rows.append(
+                {
+                    "positions": positions[b, slots],
+                    "k": k[b][:, slots].transpose(1, 0, 2),
+                    "v": v_[b][:, slots].transpose(1, 0, 2),
+                }
+            )
+        return rows
+
+
+class KVCache(StateObject, kw_only=True):
+    """Self-attention K/V that grows by appends, per-row (ragged) lengths.
+
+    Two modes:
+
+    - append mode (``window=None``): ``capacity`` rows per batch row; a write
+      past capacity writes nothing and is a :class:`CapacityError` (raised at
+      once eagerly; under ``jit`` the ``overflowed`` flag is set and
+      :func:`jax_session_state.check` raises).
+    - ring mode (``window=W, sink=S, max_chunk=C``): the first ``S`` tokens
+      are kept for ever and the last ``W`` in a ring of ``W + C`` slots, so a
+      chunk of up to ``C`` rows, staged or appended, never overwrites the
+      window its own queries attend to, and ``discard()`` restores the
+      committed view exactly.  Staging more than ``C`` rows before a commit
+      is a :class:`CapacityError`.
+
+    Staging is in-buffer: ``stage`` writes rows past the committed length,
+    ``commit()`` advances the length and ``discard()`` forgets the staged
+    count, both O(1).  Under ``jit`` with the cache donated every write is in
+    place and costs what it writes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=2, kv_heads=4, head_dim=8, capacity=64)
+      >>> rows = jnp.ones((2, 16, 4, 8))
+      >>> kv = kv.append(jss.KVChunk(rows, rows, counts=jnp.array([16, 5])))
+      >>> kv.view().lengths
+      Array([16,  5], dtype=int32)
+    """
+
+    batch: int = struct.field(pytree_node=False)
+    kv_heads: int = struct.field(pytree_node=False)
+    head_dim: int = struct.field(pytree_node=False)
+    capacity: int = struct.field(pytree_node=False)
+    dtype: np.dtype = struct.field(pytree_node=False)
+    window: int | None = struct.field(pytree_node=False, default=None)
+    sink: int = struct.field(pytree_node=False, default=0)
+    max_chunk: int | None = struct.field(pytree_node=False, default=None)
+
+    k: Array | None = None
+    """``Float[Array, "batch kv_heads capacity head_dim"]``."""
+    v: Array | None = None
+    """``Float[Array, "batch kv_heads capacity head_dim"]``."""
+    lengths: Array | None = None
+    """``Int[Array, "batch"]`` committed tokens per row."""
+    staged: Array | None = None
+    """``Int[Array, "batch"]`` staged tokens per row, after the committed ones."""
+    overflowed: Array | None = None
+    """``Bool[Array, ""]`` a write was refused under jit."""
+
+    can_overflow = True
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int | None = None,
+        dtype: Any = jnp.float32,
+        window: int | None = None,
+        sink: int = 0,
+        max_chunk: int | None = None,
+        recompute_source: str | tuple[str, ...] = (),
+        recompute_cost: float = 0.0,
+    ) -> KVCache:
+        """An empty cache.
+
+        Args:
+          batch: batch rows.
+          kv_heads: K/V heads.
+          head_dim: size of each head.
+          capacity: rows per batch row in append mode (derived in ring mode).
+          dtype: storage dtype; payloads must match it exactly.
+          window: ring mode: the last ``window`` tokens are kept.
+          sink: ring mode: the first ``sink`` tokens are kept for ever.
+          max_chunk: ring mode: the most rows staged or appended between
+            commits; the ring keeps this many slots beyond the window.
+          recompute_source: sibling object(s) this cache can be rebuilt from.
+          recompute_cost: estimated work to rebuild it.
+
+        Returns:
+          An empty, resident cache.
+        """
+        owner = "KVCache.allocate"
+        batch = v.positive_int(owner, "batch", batch)
+        kv_heads = v.positive_int(owner, "kv_heads", kv_heads)
+        head_dim = v.positive_int(owner, "head_dim", head_dim)
+        if window is None:
+            if sink or max_chunk is not None:
+                raise TypeError(f"{owner}: sink= and max_chunk= apply only to ring mode (window=...).")
+            if capacity is None:
+                raise TypeError(f"{owner}: append mode needs capacity=... (or window= for ring mode).")
+            capacity = v.positive_int(owner, "capacity", capacity)
+        else:
+            window = v.positive_int(owner, "window", window)
+            sink = v.positive_int(owner, "sink", sink, minimum=0)
+            if max_chunk is None:
+                raise TypeError(
+                    f"{owner}: ring mode needs max_chunk=..., the most rows staged or "
+                    "appended between commits (the ring keeps that many extra slots)."
+                )
+            max_chunk = v.positive_int(owner, "max_chunk", max_chunk)
+            if capacity is not None:
+                raise TypeError(f"{owner}: in ring mode capacity is sink + window + max_chunk; do not pass it.")
+            capacity = sink + window + max_chunk
+        spec = cls(
+            batch=batch,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            capacity=capacity,
+            dtype=np.dtype(dtype),
+            window=window,
+            sink=sink,
+            max_chunk=max_chunk,
+            recompute_source=v.source_names(owner, recompute_source),
+            recompute_cost=float(recompute_cost),
+        )
+        return spec.empty()
+
+    def _empty_storage(self) -> dict[str, Any]:
+        shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
+        rows = jnp.zeros((self.batch,), jnp.int32)
+        return {
+            "k": jnp.zeros(shape, self.dtype),
+            "v": jnp.zeros(shape, self.dtype),
+            "lengths": rows,
+            "staged": jnp.zeros_like(rows),
+            "overflowed": jnp.zeros((), bool),
+        }
+
+    @property
+    def ring_slots(self) -> int | None:
+        """Slots of the ring after the sinks, or None in append mode."""
+        return None if self.window is None else self.capacity - self.sink
+
+    # ------------------------------------------------------------- writes
+    def _chunk(self, payload: Any, operation: str) -> KVChunk:
+        owner = f"{self.describe()}.{operation}"
+        if not isinstance(payload, tuple) or len(payload) not in (2, 3):
+            raise TypeError(
+                f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
+                f"tuple; got {type(payload).__name__}."
+            )
+        chunk = KVChunk(*payload)
+        sizes: dict[str, int] = {}
+        pattern = (self.batch, "T", self.kv_heads, self.head_dim)
+        v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=self.dtype, sizes=sizes)
+        v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=self.dtype, sizes=sizes)
+        if chunk.counts is not None:
+            v.check_array(chunk.counts, owner=owner, what="counts", shape=(self.batch,), dtype=jnp.int32)
+        return chunk
+
+    def stage(self, payload: KVChunk | tuple[Array, ...]) -> KVCache:
+        """Writes rows after the committed (and already staged) ones.
+
+        Args:
+          payload: a :class:`KVChunk` or ``(k, v)`` / ``(k, v, counts)`` with
+            ``k, v: Float[Array, "batch T kv_heads head_dim"]`` of the cache's
+            dtype and ``counts: Int[Array, "batch"]`` in ``[0, T]``.
+
+        Returns:
+          The cache with the rows staged.  If any row would overflow (append
+          mode: past capacity; ring mode: more than ``max_chunk`` staged) or a
+          count is out of range, nothing is written: eagerly a
+          :class:`CapacityError` / :class:`ValueError` is raised, under jit
+          ``overflowed`` is set.
+        """
+        self._require_resident("stage")
+        chunk = self._chunk(payload, "stage")
+        T = chunk.k.shape[1]
+        counts = jnp.full((self.batch,), T, jnp.int32) if chunk.counts is None else chunk.counts
+        bad_counts = jnp.any((counts < 0) | (counts > T))
+        self._refuse_now_if(
+            bad_counts,
+            lambda: ValueError(f"{self.describe()}.stage: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
+        )
+        start = self.lengths + self.staged
+        if self.window is None:
+            room = self.capacity - start
+            limit = f"capacity {self.capacity}"
+        else:
+            room = self.max_chunk - self.staged
+            limit = f"max_chunk {self.max_chunk} rows staged between commits"
+        too_long = jnp.any(counts > room)
+        self._refuse_now_if(
+            too_long,
+            lambda: CapacityError(
+                f"{self.describe()}.stage: writing {np.asarray(counts).tolist()} rows after "
+                f"{np.asarray(start).tolist()} exceeds {limit}; nothing was written. Allocate "
+                "more, or commit/discard sooner."
+            ),
+        )
+        refused = bad_counts | too_long
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
+        keep = (jnp.arange(T) < counts[:, None]) & ~refused
+        slots = jnp.where(keep, slots, self.capacity)  # out of range: dropped
+        rows = jnp.arange(self.batch)[:, None]
+        written = jnp.where(refused, 0, counts)
+        return self.replace(
+            k=self.k.at[rows, :, slots].set(chunk.k, mode="drop"),
+            v=self.v.at[rows, :, slots].set(chunk.v, mode="drop"),
+            staged=self.staged + written,
+            overflowed=self.overflowed | refused,
+        )
+
+    def _commit_staged(self) -> KVCache:
+        return self.replace(lengths=self.lengths + self.staged, staged=overwrite(self.staged, 0))
+
+    def discard(self) -> KVCache:
+        """Forgets staged rows (O(1)); committed rows are untouched."""
+        self._require_resident("discard")
+        return self.replace(staged=overwrite(self.staged, 0))
+
+    # -------------------------------------------------------------- reads
+    def view(self, *, include_staged: bool = True) -> KVView:
+        """The cache as attention reads it; see :class:`KVView`.
+
+        In ring mode the view holds the sinks and the last ``window``
+        committed positions (plus the staged ones when included): exactly what
+        queries at the staged rows may attend to.
+        """
+        self._require_resident("view")
+        end = self.lengths + self.staged if include_staged else self.lengths
+        positions = _ring.slot_positions(self.capacity, end, sink=self.sink, ring=self.ring_slots)
+        start = 0 if self.window is None else (self.lengths - self.window)[:, None]
+        shown = _ring.visible(positions, start=start, end=end[:, None], sink=self.sink)
+        return KVView(
+            k=self.k,
+            v=self.v,
+            lengths=end,
+            positions=jnp.where(shown, positions, -1),
+            window=self.window,
+            sink=self.sink,
+        )

@@ -1,0 +1,126 @@
+"""``LatentBuffer``: recent frames or latent chunks, a ring or a bounded append."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from jax_session_state import _validation as v
+from jax_session_state.objects._items import ItemBuffer
+
+__all__ = ["LatentBuffer", "LatentView"]
+
+
+class LatentView(struct.PyTreeNode):
+    """Items oldest to newest.
+
+    Attributes:
+      items: ``Float[Array, "maxlen *item_shape"]``; ``items[:count]`` are the
+        visible items, oldest first; entries past ``count`` are unspecified.
+      count: ``Int[Array, ""]`` number of visible items.
+    """
+
+    items: Array
+    count: Array
+
+    def materialize(self) -> np.ndarray:
+        """The visible items, oldest first, as a numpy array."""
+        return np.asarray(self.items)[: int(self.count)]
+
+
+class LatentBuffer(ItemBuffer, kw_only=True):
+    """The last ``maxlen`` frames or latent chunks of a rollout.
+
+    With ``ring=True`` a write overwrites the oldest items (a model
+    conditioned on recent frames); without, a write past ``maxlen`` is a
+    :class:`CapacityError` and writes nothing.  A payload is one item
+    ``[*item_shape]`` or several ``[n, *item_shape]``.  A ring reserves
+    ``max_staged`` extra slots so staged items never overwrite visible ones.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> frames = jss.LatentBuffer.allocate(maxlen=4, item_shape=(8, 8), ring=True)
+      >>> for t in range(6):
+      ...     frames = frames.append(jnp.full((8, 8), float(t)))
+      >>> view = frames.view()
+      >>> int(view.count), view.items[:, 0, 0].tolist()
+      (4, [2.0, 3.0, 4.0, 5.0])
+    """
+
+    maxlen: int = struct.field(pytree_node=False)
+    item_shape: tuple[int, ...] = struct.field(pytree_node=False)
+    dtype: np.dtype = struct.field(pytree_node=False)
+    ring: bool = struct.field(pytree_node=False, default=False)
+    max_staged: int = struct.field(pytree_node=False, default=0)
+
+    items: Array | None = None
+    """``Float[Array, "slots *item_shape"]`` in slot order."""
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        maxlen: int,
+        item_shape: tuple[int, ...],
+        dtype: Any = jnp.float32,
+        ring: bool = False,
+        max_staged: int = 0,
+        recompute_source: str | tuple[str, ...] = (),
+        recompute_cost: float = 0.0,
+    ) -> LatentBuffer:
+        """An empty buffer.
+
+        Args:
+          maxlen: items kept (and visible).
+          item_shape: the shape of one item.
+          dtype: storage dtype; payloads must match it exactly.
+          ring: overwrite the oldest items instead of refusing writes.
+          max_staged: ring mode: the most items staged between commits.
+          recompute_source: sibling object(s) it can be rebuilt from.
+          recompute_cost: estimated work to rebuild it.
+        """
+        owner = "LatentBuffer.allocate"
+        if not ring and max_staged:
+            raise TypeError(f"{owner}: max_staged applies only to ring=True (append mode stages in place).")
+        spec = cls(
+            maxlen=v.positive_int(owner, "maxlen", maxlen),
+            item_shape=tuple(v.positive_int(owner, "item_shape", d, minimum=0) for d in item_shape),
+            dtype=np.dtype(dtype),
+            ring=bool(ring),
+            max_staged=v.positive_int(owner, "max_staged", max_staged, minimum=0),
+            recompute_source=v.source_names(owner, recompute_source),
+            recompute_cost=float(recompute_cost),
+        )
+        return spec.empty()
+
+    def _empty_storage(self) -> dict[str, Any]:
+        return {"items": jnp.zeros((self.slots, *self.item_shape), self.dtype), **self._bookkeeping()}
+
+    @property
+    def item_treedef(self) -> jax.tree_util.PyTreeDef:
+        return jax.tree_util.tree_structure(0)
+
+    @property
+    def item_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return (jax.ShapeDtypeStruct(self.item_shape, self.dtype),)
+
+    def _buffers(self) -> Array:
+        return self.items
+
+    def _with_buffers(self, buffers: Array) -> LatentBuffer:
+        return self.replace(items=buffers)
+
+    def view(self, *, include_staged: bool = True) -> LatentView:
+        """The visible items oldest to newest (a gather of ``maxlen`` items in ring mode)."""
+        self._require_resident("view")
+        start, end = self._visible_range(include_staged)
+        if not self.ring:
+            return LatentView(items=self.items, count=end)
+        slots = (start + jnp.arange(self.maxlen, dtype=jnp.int32)) % self.slots
+        return LatentView(items=jnp.take(self.items, slots, axis=0), count=end - start)

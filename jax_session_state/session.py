@@ -1,0 +1,198 @@
+"""``Session``: the named state objects of one rollout plus carried attrs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import struct
+
+from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
+from jax_session_state.base import StateObject
+from jax_session_state.errors import RecomputeGraphError
+
+__all__ = ["Session"]
+
+T = TypeVar("T")
+
+
+class Session(struct.PyTreeNode):
+    """A pytree of named state objects plus ``attrs``.
+
+    ``attrs`` are carried values the manager counts but never acts on (RNG
+    keys, counters, small conditioning arrays).  The lifecycle fans out to
+    every object; byte figures de-duplicate across objects and attrs.  The
+    recompute graph (each object's ``recompute_source``) is validated on
+    construction and on every ``replace``: every source must exist and there
+    must be no cycle.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> session = jss.Session(
+      ...     objects={
+      ...         "kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=16),
+      ...         "carry": jss.FixedState.allocate(shapes=(1, 8)),
+      ...     },
+      ...     attrs={"rng": jax.random.key(0)},
+      ... )
+      >>> rows = jnp.ones((1, 4, 2, 4))
+      >>> session = session.stage(kv=(rows, rows), carry=jnp.ones((1, 8))).commit()
+      >>> session.view()["kv"].lengths
+      Array([4], dtype=int32)
+    """
+
+    objects: Mapping[str, StateObject]
+    attrs: Mapping[str, Any] = struct.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.objects, Mapping) or not isinstance(self.attrs, Mapping):
+            raise TypeError("Session(objects=..., attrs=...) takes two mappings from names.")
+        object.__setattr__(self, "objects", dict(self.objects))
+        object.__setattr__(self, "attrs", dict(self.attrs))
+        for name in self.objects:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"Session object names must be non-empty strings; got {name!r}.")
+        _validate_recompute_graph(self.objects)
+
+    # ----------------------------------------------------------- mapping
+    def __getitem__(self, name: str) -> StateObject:
+        try:
+            return self.objects[name]
+        except KeyError:
+            raise KeyError(f"no object {name!r} in this session; it holds {sorted(self.objects)}.") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.objects
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.objects)
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+    def with_objects(self, **objects: StateObject) -> Session:
+        """A session with these objects added or replaced."""
+        return self.replace(objects={**self.objects, **objects})
+
+    def with_attrs(self, **attrs: Any) -> Session:
+        """A session with these attrs added or replaced."""
+        return self.replace(attrs={**self.attrs, **attrs})
+
+    # ---------------------------------------------------------- lifecycle
+    def _map(self, method: Callable[[str, StateObject], StateObject], names: Any) -> Session:
+        objects = dict(self.objects)
+        for name in names:
+            obj = self[name]
+            try:
+                objects[name] = method(name, obj)
+            except Exception as error:
+                raise _with_name(error, name) from error
+        return self.replace(objects=objects)
+
+    def stage(self, **payloads: Any) -> Session:
+        """Stages each payload into the object of that name."""
+        return self._map(lambda name, obj: obj.stage(payloads[name]), payloads)
+
+    def commit(self, **payloads: Any) -> Session:
+        """Commits the session's window.
+
+        Objects named in ``payloads`` commit that payload (after anything they
+        have staged); every other object promotes what it has staged.
+        """
+        return self._map(lambda name, obj: obj.commit(payloads.get(name)), self.objects)
+
+    def append(self, **payloads: Any) -> Session:
+        """Appends each payload to the object of that name; others are untouched."""
+        return self._map(lambda name, obj: obj.append(payloads[name]), payloads)
+
+    def discard(self) -> Session:
+        """Drops what every object has staged."""
+        return self._map(lambda name, obj: obj.discard(), self.objects)
+
+    def view(self, *, include_staged: bool = True) -> dict[str, Any]:
+        """Each object's view, by name."""
+        views = {}
+        for name, obj in self.objects.items():
+            try:
+                views[name] = obj.view(include_staged=include_staged)
+            except Exception as error:
+                raise _with_name(error, name) from error
+        return views
+
+    # ---------------------------------------------------------- accounting
+    def nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
+        """Bytes of objects and attrs by device key; a shared buffer counts once."""
+        seen = SeenStorages() if seen is None else seen
+        total: dict[str, int] = {}
+        for obj in self.objects.values():
+            add_bytes(total, obj.nbytes_by_device(seen))
+        return add_bytes(total, tree_bytes_by_device(self.attrs, seen))
+
+    def staged_nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
+        """Bytes held only for staged data, by device key."""
+        seen = SeenStorages() if seen is None else seen
+        total: dict[str, int] = {}
+        for obj in self.objects.values():
+            add_bytes(total, obj.staged_nbytes_by_device(seen))
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes, all devices together (for reporting only)."""
+        return sum(self.nbytes_by_device().values())
+
+    # ----------------------------------------------------- recompute graph
+    def recomputable(self, name: str) -> bool:
+        """Whether ``name`` could be rebuilt now: it has sources and all are resident."""
+        sources = self[name].recompute_source
+        return bool(sources) and all(self.objects[source].resident for source in sources)
+
+    # --------------------------------------------------------------- forks
+    def fork(self) -> Session:
+        """An independent deep copy (new buffers); safe to donate either side."""
+        return jax.tree_util.tree_map(_copy_leaf, self)
+
+
+def _copy_leaf(x: T) -> T:
+    return x.copy() if isinstance(x, (jax.Array, np.ndarray)) else x
+
+
+def _with_name(error: Exception, name: str) -> Exception:
+    """The same kind of error, its message prefixed with the object's name."""
+    try:
+        return type(error)(f"session object {name!r}: {error}")
+    except Exception:  # an exception type with another constructor: keep it as is
+        return error
+
+
+def _validate_recompute_graph(objects: Mapping[str, Any]) -> None:
+    """Raises RecomputeGraphError for a missing source or a cycle."""
+    sources = {
+        name: obj.recompute_source for name, obj in objects.items() if isinstance(obj, StateObject)
+    }
+    for name, names in sources.items():
+        for source in names:
+            if source not in objects:
+                raise RecomputeGraphError(
+                    f"recompute source {source!r} of {name!r} is not in this session; "
+                    f"it holds {sorted(objects)}. Add it, or allocate {name!r} without it."
+                )
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            cycle = path[path.index(node):] + [node]
+            raise RecomputeGraphError(
+                f"recompute sources form a cycle: {' -> '.join(cycle)}. An object "
+                "cannot be rebuilt from itself; drop one of these edges."
+            )
+        if node not in done:
+            for source in sources.get(node, ()):
+                visit(source, [*path, node])
+            done.add(node)
+
+    for name in sources:
+        visit(name, [])

@@ -1,0 +1,294 @@
+"""A conformance suite any :class:`StateObject` implementation can run.
+
+Point it at a factory of empty objects and a generator of valid payloads; it
+checks the contract of DESIGN's StateObject table: purity, two-phase writes,
+jit/eager agreement, one compile per step, donation aliasing every storage
+leaf, constant bytes under in-buffer staging, eviction, and clear errors for
+malformed payloads.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import jax_session_state as jss
+  >>> from jax_session_state.testing import Conformance
+  >>> suite = Conformance(
+  ...     make=lambda: jss.LatentBuffer.allocate(maxlen=8, item_shape=(3,)),
+  ...     payload=lambda rng: jnp.asarray(rng.normal(size=(2, 3)), jnp.float32),
+  ... )
+  >>> suite.run()  # raises AssertionError naming the first broken rule
+
+In pytest, parametrise over :data:`CHECKS` to get one test per rule::
+
+  @pytest.mark.parametrize("check", jss.testing.CHECKS)
+  def test_my_kind(check):
+      getattr(Conformance(make=..., payload=...), check)()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_session_state.accounting import SeenStorages
+from jax_session_state.base import StateObject
+from jax_session_state.errors import NotEvictableError, NotResidentError
+
+__all__ = ["CHECKS", "Conformance", "assert_logically_equal", "logical", "logically_equal"]
+
+CHECKS = (
+    "check_pure",
+    "check_staged_invisible",
+    "check_discard_restores",
+    "check_stage_commit_equals_append",
+    "check_jit_matches_eager",
+    "check_compiles_once",
+    "check_donation_aliases",
+    "check_nbytes_constant_under_staging",
+    "check_evict_and_reset",
+    "check_bad_payloads",
+)
+"""The names of every check, in the order :meth:`Conformance.run` runs them."""
+
+
+def logical(view: Any) -> Any:
+    """A view's logical contents on the host: what two equal states share.
+
+    Views that hold slots a reader must not see (past a length, outside a
+    ring's window) provide ``materialize()``, which drops them; other views
+    are compared leaf by leaf.
+    """
+    if hasattr(view, "materialize"):
+        return view.materialize()
+    if isinstance(view, dict):
+        return {name: logical(v) for name, v in view.items()}
+    return jax.tree_util.tree_map(np.asarray, view)
+
+
+def logically_equal(a: Any, b: Any) -> bool:
+    """Whether two views hold the same logical contents, exactly."""
+    leaves_a, tree_a = jax.tree_util.tree_flatten(logical(a))
+    leaves_b, tree_b = jax.tree_util.tree_flatten(logical(b))
+    return tree_a == tree_b and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+def assert_logically_equal(a: Any, b: Any, message: str) -> None:
+    """Asserts two views hold the same logical contents, exactly."""
+    assert logically_equal(a, b), f"{message}:\n{logical(a)}\n!=\n{logical(b)}"
+
+
+def _host_copy(tree: Any) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _pointers(tree: Any) -> list[int]:
+    return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _perturbed_dtype(dtype: Any) -> Any:
+    return jnp.float16 if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.float16 else jnp.float32
+
+
+@dataclasses.dataclass
+class Conformance:
+    """The contract checks for one kind of state object.
+
+    Attributes:
+      make: returns a fresh, empty, resident object (new buffers every call).
+      payload: returns a valid payload for ``stage`` / ``commit`` /
+        ``append`` from a numpy Generator, on random data; every payload it
+        returns must have the same shapes (so a jitted step compiles once).
+      seed: seeds the payload generator.
+      jit_steps: how many jitted appends must compile once.
+    """
+
+    make: Callable[[], StateObject]
+    payload: Callable[[np.random.Generator], Any]
+    seed: int = 0
+    jit_steps: int = 50
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def _payload(self) -> Any:
+        return self.payload(self._rng)
+
+    def _committed(self) -> StateObject:
+        """An object holding committed data."""
+        return self.make().append(self._payload())
+
+    def run(self) -> None:
+        """Runs every check in :data:`CHECKS`."""
+        for name in CHECKS:
+            getattr(self, name)()
+
+    # ------------------------------------------------------------- checks
+    def check_pure(self) -> None:
+        """No method changes or deletes its input."""
+        committed = self._committed()
+        staged = committed.stage(self._payload())
+        before = _host_copy((committed, staged))
+        payload = self._payload()
+        committed.stage(payload), committed.commit(payload), committed.append(payload)
+        staged.commit(), staged.discard(), staged.view(), staged.view(include_staged=False)
+        staged.reset()
+        if staged.evictable:
+            staged.evict()
+        after = _host_copy((committed, staged))
+        for x, y in zip(before, after, strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=f"{staged.describe()}: a method changed its input")
+
+    def check_staged_invisible(self) -> None:
+        """``view(include_staged=False)`` ignores staged data; the staged view shows it."""
+        fresh = self.make()
+        staged = fresh.stage(self._payload())
+        assert_logically_equal(staged.view(include_staged=False), fresh.view(), "staged data leaked into the committed view")
+        assert not logically_equal(staged.view(), fresh.view()), (
+            f"{fresh.describe()}: view(include_staged=True) does not show staged data"
+        )
+        obj = self._committed()
+        assert_logically_equal(
+            obj.stage(self._payload()).view(include_staged=False),
+            obj.view(include_staged=False),
+            "staged data changed the committed view",
+        )
+
+    def check_discard_restores(self) -> None:
+        """``discard`` restores the committed view exactly."""
+        obj = self._committed()
+        restored = obj.stage(self._payload()).discard()
+        assert_logically_equal(restored.view(), obj.view(), "discard did not restore the view")
+        assert_logically_equal(restored.view(include_staged=False), obj.view(include_staged=False), "discard")
+
+    def check_stage_commit_equals_append(self) -> None:
+        """``stage(p).commit()`` equals ``append(p)`` equals ``commit(p)``."""
+        obj, payload = self._committed(), self._payload()
+        appended = obj.append(payload)
+        assert_logically_equal(obj.stage(payload).commit().view(), appended.view(), "stage+commit != append")
+        assert_logically_equal(obj.commit(payload).view(), appended.view(), "commit(p) != append(p)")
+
+    def check_jit_matches_eager(self) -> None:
+        """Every lifecycle method gives the same result jitted and not."""
+        committed = self._committed()
+        staged = committed.stage(self._payload())
+        payload = self._payload()
+        steps: dict[str, tuple[StateObject, Callable[[StateObject, Any], Any]]] = {
+            "stage": (committed, lambda o, p: o.stage(p).view()),
+            "commit(payload)": (committed, lambda o, p: o.commit(p).view()),
+            "append": (committed, lambda o, p: o.append(p).view()),
+            "commit": (staged, lambda o, p: o.commit().view()),
+            "discard": (staged, lambda o, p: o.discard().view()),
+            "view(include_staged=False)": (staged, lambda o, p: o.view(include_staged=False)),
+        }
+        for name, (obj, step) in steps.items():
+            assert_logically_equal(jax.jit(step)(obj, payload), step(obj, payload), f"{name}: jit != eager")
+
+    def check_compiles_once(self) -> None:
+        """A jitted, donated ``append`` called ``jit_steps`` times compiles once."""
+        traces = []
+
+        def append(obj: StateObject, payload: Any) -> StateObject:
+            traces.append(None)
+            return obj.append(payload)
+
+        step = jax.jit(append, donate_argnums=0)
+        obj = self.make()
+        for _ in range(self.jit_steps):
+            obj = step(obj, self._payload())
+        jax.block_until_ready(obj)
+        assert len(traces) == 1, f"{obj.describe()}: a jitted append traced {len(traces)} times"
+
+    def check_donation_aliases(self) -> None:
+        """Donation writes in place: every storage leaf keeps its buffer.
+
+        Checked for ``stage``, ``commit``, ``discard`` and ``append`` by buffer
+        pointer and by the compiled program's aliased bytes.
+        """
+        steps: dict[str, Callable[[StateObject, Any], StateObject]] = {
+            "stage": lambda o, p: o.stage(p),
+            "commit": lambda o, p: o.commit(),
+            "discard": lambda o, p: o.discard(),
+            "append": lambda o, p: o.append(p),
+        }
+        for name, method in steps.items():
+            obj, payload = self._committed(), self._payload()
+            if name in ("commit", "discard"):
+                obj = obj.stage(self._payload())
+            step = jax.jit(method, donate_argnums=0)
+            storage = sum(x.nbytes for x in jax.tree_util.tree_leaves(obj))
+            aliased = step.lower(obj, payload).compile().memory_analysis().alias_size_in_bytes
+            assert aliased == storage, f"{obj.describe()}.{name}: {aliased} of {storage} storage bytes aliased"
+            before = _pointers(obj)
+            out = step(obj, payload)
+            assert _pointers(out) == before, f"{out.describe()}.{name}: a donated step moved storage"
+
+    def check_nbytes_constant_under_staging(self) -> None:
+        """Staging, committing and discarding allocate nothing."""
+        obj = self._committed()
+        staged = obj.stage(self._payload())
+        for state in (staged, staged.commit(), staged.discard()):
+            assert state.nbytes == obj.nbytes, f"{obj.describe()}: bytes changed under staging"
+        total = sum(obj.nbytes_by_device().values())
+        assert obj.nbytes_by_device(SeenStorages()) and total == obj.nbytes
+
+    def check_evict_and_reset(self) -> None:
+        """Evicted or reset objects hold nothing and refuse use."""
+        obj = self._committed()
+        released = [obj.reset()]
+        if obj.evictable:
+            evicted, freed = obj.evict()
+            assert freed == obj.nbytes > 0, f"{obj.describe()}: evict freed {freed} of {obj.nbytes} bytes"
+            released.append(evicted)
+        else:
+            try:
+                obj.evict()
+            except NotEvictableError:
+                pass
+            else:
+                raise AssertionError(f"{obj.describe()}: evict() of a non-evictable object did not raise")
+        payload = self._payload()
+        for gone in released:
+            assert not gone.resident and gone.nbytes == 0 and gone.nbytes_by_device() == {}
+            assert gone.describe() == obj.describe(), "the static spec was lost"
+            for use in (
+                lambda: gone.view(),
+                lambda: gone.commit(),
+                lambda: gone.stage(payload),
+                lambda: gone.append(payload),
+                lambda: gone.discard(),
+            ):
+                try:
+                    use()
+                except NotResidentError:
+                    continue
+                raise AssertionError(f"{obj.describe()}: a non-resident object did not raise NotResidentError")
+            assert gone.empty().resident and gone.empty().nbytes == obj.nbytes
+
+    def check_bad_payloads(self) -> None:
+        """Wrong structure, rank, shape or dtype: a clear error naming the object."""
+        obj, payload = self._committed(), self._payload()
+        leaves, treedef = jax.tree_util.tree_flatten(payload)
+        first = jnp.asarray(leaves[0])
+
+        def replace_first(x: Any) -> Any:
+            return treedef.unflatten([x, *leaves[1:]])
+
+        bad = {
+            "structure": [payload],
+            "rank": replace_first(first[..., None]),
+            "shape": replace_first(jnp.concatenate([first, first[..., :1]], axis=-1)),
+            "dtype": replace_first(first.astype(_perturbed_dtype(first.dtype))),
+        }
+        for what, wrong in bad.items():
+            for method in ("stage", "commit", "append"):
+                try:
+                    getattr(obj, method)(wrong)
+                except (TypeError, ValueError) as error:
+                    assert type(obj).__name__ in str(error), f"{what}: the message does not name the object: {error}"
+                    continue
+                raise AssertionError(f"{obj.describe()}.{method} accepted a payload of the wrong {what}")

@@ -1,0 +1,65 @@
+"""Factories and payload generators of every kind, shared by the tests."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import jax_session_state as jss
+
+B, H, D = 2, 3, 4
+
+
+def kv_payload(rng: np.random.Generator, T: int = 5, dtype=jnp.float32) -> jss.KVChunk:
+    k = jnp.asarray(rng.normal(size=(B, T, H, D)), dtype)
+    v = jnp.asarray(rng.normal(size=(B, T, H, D)), dtype)
+    return jss.KVChunk(k, v)
+
+
+def ragged_kv_payload(rng: np.random.Generator, T: int = 5) -> jss.KVChunk:
+    k, v, _ = kv_payload(rng, T)
+    return jss.KVChunk(k, v, jnp.asarray(rng.integers(0, T + 1, size=B), jnp.int32))
+
+
+KINDS = {
+    "kv_append": (
+        lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=64),
+        ragged_kv_payload,
+    ),
+    "kv_ring": (
+        lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=5),
+        ragged_kv_payload,
+    ),
+    "encode_once": (
+        lambda: jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=8),
+        kv_payload,
+    ),
+    "fixed": (
+        lambda: jss.FixedState.allocate(shapes={"h": (B, 6), "conv": (B, 3, 6)}),
+        lambda rng: {
+            "conv": jnp.asarray(rng.normal(size=(B, 3, 6)), jnp.float32),
+            "h": jnp.asarray(rng.normal(size=(B, 6)), jnp.float32),
+        },
+    ),
+    "fixed_evictable": (
+        lambda: jss.FixedState.allocate(shapes=(B, 6), recompute_source="prompt"),
+        lambda rng: jnp.asarray(rng.normal(size=(B, 6)), jnp.float32),
+    ),
+    "latent_bounded": (
+        lambda: jss.LatentBuffer.allocate(maxlen=200, item_shape=(3, 2)),
+        lambda rng: jnp.asarray(rng.normal(size=(2, 3, 2)), jnp.float32),
+    ),
+    "latent_ring": (
+        lambda: jss.LatentBuffer.allocate(maxlen=5, item_shape=(3, 2), ring=True, max_staged=2),
+        lambda rng: jnp.asarray(rng.normal(size=(2, 3, 2)), jnp.float32),
+    ),
+    "retrieval": (
+        lambda: jss.RetrievalStore.allocate(
+            capacity=6, key_dim=4, value_shapes={"a": (2,), "b": (3,)}, max_staged=3
+        ),
+        lambda rng: (
+            jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+            {"a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)},
+        ),
+    ),
+}
