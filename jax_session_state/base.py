@@ -48,7 +48,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
 
     Subclasses declare their storage as pytree fields and their spec as static
     fields (``struct.field(pytree_node=False)``), and implement ``allocate``,
-    ``_empty_storage``, ``stage``, ``_commit_staged``, ``discard`` and
+    ``_empty_storage``, ``_stage``, ``_commit_staged``, ``discard`` and
     ``view``.  A non-resident object (after ``evict`` or ``reset``) keeps its
     static spec and holds None in every storage field.
 
@@ -112,15 +112,32 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
 
     # ------------------------------------------------------------- lifecycle
     @abc.abstractmethod
+    def _stage(self: Self, payload: Any, operation: str) -> tuple[Self, Any]:
+        """Checks and writes ``payload`` after what is staged.
+
+        Args:
+          payload: the kind's payload; its structure, shapes and dtypes are
+            checked at trace time (``TypeError`` / ``ValueError`` naming the
+            object and ``operation``).
+          operation: the public method, for messages.
+
+        Returns:
+          The new object and whether the write was refused (a bool or a
+          traced bool).  A refused write writes nothing: eagerly it raises at
+          once, under ``jit`` it sets ``overflowed``.
+        """
+
+    @abc.abstractmethod
+    def _commit_staged(self: Self, when: Any = True) -> Self:
+        """Promotes what is staged to committed, where ``when`` (a bool, maybe traced)."""
+
     def stage(self: Self, payload: Any) -> Self:
         """Holds ``payload`` for the in-progress window.
 
         Visible only to ``view(include_staged=True)`` until ``commit()``.
         """
-
-    @abc.abstractmethod
-    def _commit_staged(self: Self) -> Self:
-        """Promotes what is staged to committed (the object is resident)."""
+        self._require_resident("stage")
+        return self._stage(payload, "stage")[0]
 
     def commit(self: Self, payload: Any = None) -> Self:
         """Makes data persistent.
@@ -128,7 +145,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         Args:
           payload: written after anything already staged, and everything is
             committed (``commit(p)`` equals ``stage(p).commit()``).  When None,
-            what is staged is promoted.
+            what is staged is promoted.  A refused write commits nothing.
 
         Returns:
           The new object.
@@ -136,7 +153,8 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         self._require_resident("commit")
         if payload is None:
             return self._commit_staged()
-        return self.stage(payload)._commit_staged()
+        written, refused = self._stage(payload, "commit")
+        return written._commit_staged(when=jnp.logical_not(refused))
 
     def append(self: Self, payload: Any) -> Self:
         """Stages and commits ``payload`` in one write."""
@@ -265,8 +283,8 @@ def check(tree: Any) -> None:
             flagged.append(f"{jax.tree_util.keystr(path) or '<root>'}: {obj.describe()}")
     if flagged:
         raise CapacityError(
-            "a write inside jit did not fit and wrote nothing, in: "
-            + "; ".join(flagged)
-            + ". Allocate more capacity (or max_staged / max_chunk for rings), "
-            "commit or discard staged data sooner, or evict old entries."
+            "a write inside jit was refused and wrote nothing (it did not fit, or its "
+            "per-row counts were out of range), in: " + "; ".join(flagged) + ". Allocate more "
+            "capacity (or max_staged / max_chunk for rings), commit or discard staged data "
+            "sooner, or pass counts in [0, T]."
         )

@@ -83,11 +83,11 @@ class ItemBuffer(StateObject, kw_only=True):
         )
         leaves = [jnp.asarray(x)[None] if single else jnp.asarray(x) for x in leaves]
         n = 1 if single else sizes["n"]
-        if n > self.slots:
-            raise ValueError(f"{owner}: {n} items at once exceed the {self.slots} slots.")
+        if self.ring and n > self.slots:  # they would collide in the ring
+            raise ValueError(f"{owner}: {n} items at once exceed the ring's {self.slots} slots.")
         return leaves, n
 
-    def _write(self, leaves: list[Array], n: int, *, staging: bool) -> ItemBuffer:
+    def _write(self, leaves: list[Array], n: int, *, staging: bool, operation: str) -> tuple[ItemBuffer, Array]:
         start = self.count + self.staged
         if not self.ring:
             refused = start + n > self.maxlen
@@ -101,7 +101,7 @@ class ItemBuffer(StateObject, kw_only=True):
         self._refuse_now_if(
             refused,
             lambda: CapacityError(
-                f"{self.describe()}: writing {n} items after {int(start)} exceeds {limit}; "
+                f"{self.describe()}.{operation}: writing {n} items after {int(start)} exceeds {limit}; "
                 "nothing was written. Allocate more, or commit/discard sooner."
             ),
         )
@@ -110,31 +110,25 @@ class ItemBuffer(StateObject, kw_only=True):
         buffers = self.item_treedef.unflatten(
             [b.at[slots].set(x, mode="drop") for b, x in zip(jax.tree_util.tree_leaves(self._buffers()), leaves)]
         )
-        return self._with_buffers(buffers).replace(
+        new = self._with_buffers(buffers).replace(
             staged=self.staged + jnp.where(refused, 0, n),
             overflowed=self.overflowed | refused,
         )
+        return new, refused
 
-    def stage(self, payload: Any) -> ItemBuffer:
-        """Stages one item or a batch of items after the committed ones."""
-        self._require_resident("stage")
-        leaves, n = self._items(payload, "stage")
-        return self._write(leaves, n, staging=True)
+    def _stage(self, payload: Any, operation: str) -> tuple[ItemBuffer, Array]:
+        """Writes one item or a batch of items after the staged ones.
 
-    def commit(self, payload: Any = None) -> ItemBuffer:
-        """Commits what is staged, then ``payload`` (one item or a batch) if given.
-
-        In ring mode a committed write never overflows: it overwrites the
-        oldest items.
+        A staged write into a ring must fit its ``max_staged`` margin; a
+        committed write (``commit(p)``, ``append``) may overwrite the oldest
+        items instead.
         """
-        self._require_resident("commit")
-        if payload is None:
-            return self._commit_staged()
-        leaves, n = self._items(payload, "commit")
-        return self._write(leaves, n, staging=False)._commit_staged()
+        leaves, n = self._items(payload, operation)
+        return self._write(leaves, n, staging=operation == "stage", operation=operation)
 
-    def _commit_staged(self) -> ItemBuffer:
-        return self.replace(count=self.count + self.staged, staged=overwrite(self.staged, 0))
+    def _commit_staged(self, when: Array | bool = True) -> ItemBuffer:
+        promoted = jnp.where(when, self.staged, 0)
+        return self.replace(count=self.count + promoted, staged=self.staged - promoted)
 
     def discard(self) -> ItemBuffer:
         """Forgets staged items (O(1)); committed items are untouched."""

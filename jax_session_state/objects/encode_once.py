@@ -53,6 +53,10 @@ class EncodeOnceKV(StateObject, kw_only=True):
     """``Bool[Array, ""]`` committed; later writes are no-ops."""
     staged: Array | None = None
     """``Bool[Array, ""]`` holds staged, uncommitted conditioning."""
+    overflowed: Array | None = None
+    """``Bool[Array, ""]`` a write with out-of-range counts was refused under jit."""
+
+    can_overflow = True
 
     @classmethod
     def allocate(
@@ -97,17 +101,18 @@ class EncodeOnceKV(StateObject, kw_only=True):
             "lengths": jnp.zeros((self.batch,), jnp.int32),
             "written": jnp.zeros((), bool),
             "staged": jnp.zeros((), bool),
+            "overflowed": jnp.zeros((), bool),
         }
 
-    def stage(self, payload: KVChunk | tuple[Array, ...]) -> EncodeOnceKV:
+    def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[EncodeOnceKV, Array]:
         """Stages the conditioning (replacing anything staged); a no-op once written.
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
             Float[Array, "batch T kv_heads head_dim"]``, ``T <= length``.
+          operation: the public method, for messages.
         """
-        self._require_resident("stage")
-        owner = f"{self.describe()}.stage"
+        owner = f"{self.describe()}.{operation}"
         if not isinstance(payload, tuple) or len(payload) not in (2, 3):
             raise TypeError(f"{owner}: payload must be a KVChunk(k, v[, counts]); got {type(payload).__name__}.")
         chunk = KVChunk(*payload)
@@ -122,20 +127,26 @@ class EncodeOnceKV(StateObject, kw_only=True):
             counts = jnp.full((self.batch,), T, jnp.int32)
         else:
             v.check_array(chunk.counts, owner=owner, what="counts", shape=(self.batch,), dtype=jnp.int32)
-            bad = jnp.any((chunk.counts < 0) | (chunk.counts > T))
-            self._refuse_now_if(bad, lambda: ValueError(f"{owner}: counts must lie in [0, {T}]."))
-            counts = jnp.clip(chunk.counts, 0, T)
-        # Once written, every slot index is out of range: the scatter writes nothing.
-        slots = jnp.where(self.written, self.length, jnp.arange(T, dtype=jnp.int32))
-        return self.replace(
+            counts = chunk.counts
+        refused = jnp.any((counts < 0) | (counts > T))
+        self._refuse_now_if(
+            refused, lambda: ValueError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}.")
+        )
+        skip = self.written | refused  # written: a no-op; refused: nothing written, flagged
+        # Out-of-range slot indices make the scatter write nothing.
+        slots = jnp.where(skip, self.length, jnp.arange(T, dtype=jnp.int32))
+        new = self.replace(
             k=self.k.at[:, :, slots].set(chunk.k.transpose(0, 2, 1, 3), mode="drop"),
             v=self.v.at[:, :, slots].set(chunk.v.transpose(0, 2, 1, 3), mode="drop"),
-            lengths=jnp.where(self.written, self.lengths, counts),
-            staged=overwrite(self.staged, ~self.written),
+            lengths=jnp.where(skip, self.lengths, counts),
+            staged=jnp.where(skip, self.staged, True),
+            overflowed=self.overflowed | refused,
         )
+        return new, refused
 
-    def _commit_staged(self) -> EncodeOnceKV:
-        return self.replace(written=self.written | self.staged, staged=overwrite(self.staged, False))
+    def _commit_staged(self, when: Array | bool = True) -> EncodeOnceKV:
+        promoted = self.staged & when
+        return self.replace(written=self.written | promoted, staged=self.staged & ~promoted)
 
     def discard(self) -> EncodeOnceKV:
         """Drops staged conditioning; written conditioning is never touched."""

@@ -97,13 +97,13 @@ class FixedState(StateObject, kw_only=True):
         )
         return jax.tree_util.tree_map(jnp.asarray, payload)
 
-    def stage(self, payload: Any) -> FixedState:
-        """Holds ``payload`` (same spec exactly) beside the committed value."""
-        self._require_resident("stage")
-        return self.replace(
-            staged_value=overwrite(self.staged_value, self._checked(payload, "stage")),
+    def _stage(self, payload: Any, operation: str) -> tuple[FixedState, bool]:
+        """Holds ``payload`` (same spec exactly) beside the committed value; never refused."""
+        new = self.replace(
+            staged_value=overwrite(self.staged_value, self._checked(payload, operation)),
             has_staged=overwrite(self.has_staged, True),
         )
+        return new, False
 
     def commit(self, payload: Any = None) -> FixedState:
         """Replaces the committed value with ``payload``, or with the staged one."""
@@ -115,13 +115,14 @@ class FixedState(StateObject, kw_only=True):
             has_staged=overwrite(self.has_staged, False),
         )
 
-    def _commit_staged(self) -> FixedState:
+    def _commit_staged(self, when: jax.Array | bool = True) -> FixedState:
+        promoted = self.has_staged & when
         value = jax.tree_util.tree_map(
-            lambda staged, committed: jnp.where(self.has_staged, staged, committed),
+            lambda staged, committed: jnp.where(promoted, staged, committed),
             self.staged_value,
             self.value,
         )
-        return self.replace(value=value, has_staged=overwrite(self.has_staged, False))
+        return self.replace(value=value, has_staged=self.has_staged & ~promoted)
 
     def discard(self) -> FixedState:
         """Drops the staged value."""

@@ -241,29 +241,29 @@ class KVCache(StateObject, kw_only=True):
             v.check_array(chunk.counts, owner=owner, what="counts", shape=(self.batch,), dtype=jnp.int32)
         return chunk
 
-    def stage(self, payload: KVChunk | tuple[Array, ...]) -> KVCache:
+    def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[KVCache, Array]:
         """Writes rows after the committed (and already staged) ones.
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v)`` / ``(k, v, counts)`` with
             ``k, v: Float[Array, "batch T kv_heads head_dim"]`` of the cache's
             dtype and ``counts: Int[Array, "batch"]`` in ``[0, T]``.
+          operation: the public method, for messages.
 
         Returns:
-          The cache with the rows staged.  If any row would overflow (append
-          mode: past capacity; ring mode: more than ``max_chunk`` staged) or a
-          count is out of range, nothing is written: eagerly a
-          :class:`CapacityError` / :class:`ValueError` is raised, under jit
-          ``overflowed`` is set.
+          The cache with the rows staged, and whether the write was refused:
+          if any row would overflow (append mode: past capacity; ring mode:
+          more than ``max_chunk`` staged) or a count is out of range, nothing
+          is written: eagerly a :class:`CapacityError` / :class:`ValueError`
+          is raised, under jit ``overflowed`` is set.
         """
-        self._require_resident("stage")
-        chunk = self._chunk(payload, "stage")
+        chunk = self._chunk(payload, operation)
         T = chunk.k.shape[1]
         counts = jnp.full((self.batch,), T, jnp.int32) if chunk.counts is None else chunk.counts
         bad_counts = jnp.any((counts < 0) | (counts > T))
         self._refuse_now_if(
             bad_counts,
-            lambda: ValueError(f"{self.describe()}.stage: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
+            lambda: ValueError(f"{self.describe()}.{operation}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
         )
         start = self.lengths + self.staged
         if self.window is None:
@@ -276,7 +276,7 @@ class KVCache(StateObject, kw_only=True):
         self._refuse_now_if(
             too_long,
             lambda: CapacityError(
-                f"{self.describe()}.stage: writing {np.asarray(counts).tolist()} rows after "
+                f"{self.describe()}.{operation}: writing {np.asarray(counts).tolist()} rows after "
                 f"{np.asarray(start).tolist()} exceeds {limit}; nothing was written. Allocate "
                 "more, or commit/discard sooner."
             ),
@@ -288,15 +288,17 @@ class KVCache(StateObject, kw_only=True):
         slots = jnp.where(keep, slots, self.capacity)  # out of range: dropped
         rows = jnp.arange(self.batch)[:, None]
         written = jnp.where(refused, 0, counts)
-        return self.replace(
+        new = self.replace(
             k=self.k.at[rows, :, slots].set(chunk.k, mode="drop"),
             v=self.v.at[rows, :, slots].set(chunk.v, mode="drop"),
             staged=self.staged + written,
             overflowed=self.overflowed | refused,
         )
+        return new, refused
 
-    def _commit_staged(self) -> KVCache:
-        return self.replace(lengths=self.lengths + self.staged, staged=overwrite(self.staged, 0))
+    def _commit_staged(self, when: Array | bool = True) -> KVCache:
+        promoted = jnp.where(when, self.staged, 0)
+        return self.replace(lengths=self.lengths + promoted, staged=self.staged - promoted)
 
     def discard(self) -> KVCache:
         """Forgets staged rows (O(1)); committed rows are untouched."""

@@ -1,0 +1,89 @@
+"""EncodeOnceKV: written once; later writes are no-ops; staging is discardable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import jax_session_state as jss
+from models import OK, REFUSED_COUNTS, Op, drive
+
+B, H, D, LENGTH = 2, 2, 3, 6
+
+
+class EncodeOnceModel:
+    def __init__(self):
+        self.rows, self.lengths = None, None
+        self.written = self.staged = self.overflowed = False
+
+    def apply(self, op):
+        if op.name in ("stage", "commit_payload", "append"):
+            k, v, counts = op.payload
+            T = k.shape[1]
+            counts = [T] * B if counts is None else list(np.asarray(counts))
+            if any(c < 0 or c > T for c in counts):
+                return REFUSED_COUNTS
+            if not self.written:
+                self.rows = (np.asarray(k), np.asarray(v))
+                self.lengths, self.staged = counts, True
+            if op.name == "stage":
+                return OK
+        if op.name == "discard":
+            self.staged = False
+        else:
+            self.written, self.staged = self.written or self.staged, False
+        return OK
+
+    def view(self, include_staged):
+        shown = self.written or (self.staged and include_staged)
+        out = []
+        for b in range(B):
+            n = self.lengths[b] if shown else 0
+            k = self.rows[0][b, :n] if shown else np.zeros((0, H, D), np.float32)
+            v = self.rows[1][b, :n] if shown else np.zeros((0, H, D), np.float32)
+            out.append({"positions": np.arange(n, dtype=np.int32), "k": k, "v": v})
+        return out
+
+
+@st.composite
+def ops(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    out = []
+    for _ in range(draw(st.integers(1, 8))):
+        name = draw(st.sampled_from(["stage", "append", "commit", "discard", "commit_payload"]))
+        if name in ("commit", "discard"):
+            out.append(Op(name))
+            continue
+        T = draw(st.sampled_from([2, LENGTH]))
+        k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) for _ in range(2))
+        counts = draw(st.sampled_from([None, "ragged", "bad"]))
+        if counts == "ragged":
+            counts = jnp.asarray(rng.integers(0, T + 1, size=B), jnp.int32)
+        elif counts == "bad":
+            counts = jnp.asarray([T + 1, 0], jnp.int32)
+        out.append(Op(name, jss.KVChunk(k, v, counts)))
+    return out
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@given(ops=ops())
+def test_matches_model(jit, ops):
+    cond = jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=LENGTH)
+    drive(cond, EncodeOnceModel(), ops, jit=jit)
+
+
+def test_second_commit_is_a_no_op_under_jit():
+    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, length=4)
+    step = jax.jit(lambda c, x: c.commit((x, x)), donate_argnums=0)
+    cond = step(cond, jnp.ones((1, 3, 1, 2)))
+    cond = step(cond, jnp.full((1, 3, 1, 2), 7.0))
+    assert bool(cond.written)
+    (row,) = cond.view().materialize()
+    np.testing.assert_array_equal(row["k"], np.ones((3, 1, 2)))
+
+
+def test_longer_than_length_is_an_error():
+    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, length=4)
+    with pytest.raises(ValueError, match=r"EncodeOnceKV\(.*5 conditioning tokens exceed length 4"):
+        cond.stage((jnp.ones((1, 5, 1, 2)), jnp.ones((1, 5, 1, 2))))

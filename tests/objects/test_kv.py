@@ -1,0 +1,145 @@
+"""KVCache against a plain-Python model: append and ring modes, ragged rows, overflow."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import jax_session_state as jss
+from models import KVModel, Op, drive
+
+B, H, D = 2, 2, 3
+CHUNKS = (1, 3, 4)  # few distinct T: few compiles
+
+
+@st.composite
+def kv_ops(draw, *, allow_bad_counts=True):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ops = []
+    for _ in range(draw(st.integers(1, 14))):
+        name = draw(st.sampled_from(["stage", "stage", "append", "commit", "discard", "commit_payload"]))
+        if name in ("commit", "discard"):
+            ops.append(Op(name))
+            continue
+        T = draw(st.sampled_from(CHUNKS))
+        k = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+        v = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+        kind = draw(st.sampled_from(["full", "ragged", "ragged", "bad"] if allow_bad_counts else ["full", "ragged"]))
+        if kind == "full":
+            counts = None
+        elif kind == "ragged":
+            counts = jnp.asarray([draw(st.integers(0, T)) for _ in range(B)], jnp.int32)
+        else:
+            counts = jnp.asarray([draw(st.sampled_from([-1, T + 1])), T], jnp.int32)
+        ops.append(Op(name, jss.KVChunk(k, v, counts)))
+    return ops
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@given(ops=kv_ops())
+def test_append_mode_matches_model(jit, ops):
+    cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=12)
+    drive(cache, KVModel(B, capacity=12, heads=H, head_dim=D), ops, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@given(ops=kv_ops(), sink=st.sampled_from([0, 2]))
+def test_ring_mode_matches_model(jit, ops, sink):
+    # Long sequences wrap the ring many times; staged rows must never clobber the window.
+    cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=5, sink=sink, max_chunk=4)
+    model = KVModel(B, window=5, sink=sink, max_chunk=4, heads=H, head_dim=D)
+    drive(cache, model, ops * 3, jit=jit)
+
+
+def test_view_layout_and_positions():
+    rng = np.random.default_rng(0)
+    cache = jss.KVCache.allocate(batch=2, kv_heads=H, head_dim=D, capacity=8)
+    k = jnp.asarray(rng.normal(size=(2, 4, H, D)), jnp.float32)
+    cache = cache.append(jss.KVChunk(k, k, jnp.array([4, 2], jnp.int32)))
+    view = cache.view()
+    assert view.k.shape == (2, H, 8, D)  # head-major
+    np.testing.assert_array_equal(view.k[0, :, :4], np.asarray(k[0]).transpose(1, 0, 2))
+    np.testing.assert_array_equal(view.positions, [[0, 1, 2, 3, -1, -1, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(view.lengths, [4, 2])
+
+
+def test_ring_keeps_sinks_and_window_after_wraparound():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, window=3, sink=2, max_chunk=2)
+    for t in range(10):
+        x = jnp.full((1, 1, 1, 1), float(t))
+        cache = cache.append((x, x))
+    (row,) = cache.view().materialize()
+    np.testing.assert_array_equal(row["positions"], [0, 1, 7, 8, 9])
+    np.testing.assert_array_equal(row["k"].ravel(), [0, 1, 7, 8, 9])
+
+
+def test_overflow_eager_raises_and_writes_nothing():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+    x = jnp.ones((1, 3, 1, 2))
+    cache = cache.append((x, x))
+    with pytest.raises(jss.CapacityError, match=r"KVCache\(.*capacity 4"):
+        cache.append((x, x))
+    assert int(cache.view().lengths[0]) == 3 and not bool(cache.overflowed)
+
+
+def test_overflow_under_jit_writes_nothing_and_check_raises():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+    step = jax.jit(lambda c, x: c.append((x, x)), donate_argnums=0)
+    cache = step(cache, jnp.ones((1, 3, 1, 2)))
+    before = np.asarray(cache.k).copy()
+    cache = step(cache, 2 * jnp.ones((1, 3, 1, 2)))  # would run past capacity 4
+    assert bool(cache.overflowed)
+    np.testing.assert_array_equal(cache.k, before)  # the tail was not overwritten (no clamping)
+    assert int(cache.view().lengths[0]) == 3
+    with pytest.raises(jss.CapacityError, match=r"\['kv'\]: KVCache"):
+        jss.check({"kv": cache})
+
+
+def test_bad_counts_eager_and_jit():
+    cache = jss.KVCache.allocate(batch=2, kv_heads=1, head_dim=2, capacity=8)
+    x = jnp.ones((2, 3, 1, 2))
+    for counts in ([-1, 2], [4, 0]):
+        with pytest.raises(ValueError, match=r"counts must lie in \[0, 3\]"):
+            cache.stage(jss.KVChunk(x, x, jnp.asarray(counts, jnp.int32)))
+    jitted = jax.jit(lambda c, n: c.stage(jss.KVChunk(x, x, n)))(cache, jnp.asarray([4, 0], jnp.int32))
+    assert bool(jitted.overflowed) and jitted.view().lengths.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"capcity": 8}, TypeError, "capcity"),
+        ({"capacity": 0}, ValueError, "capacity must be >= 1"),
+        ({"capacity": "8"}, TypeError, "capacity must be an int"),
+        ({}, TypeError, "needs capacity"),
+        ({"window": 4}, TypeError, "needs max_chunk"),
+        ({"window": 4, "max_chunk": 2, "capacity": 10}, TypeError, "capacity is sink"),
+        ({"capacity": 8, "sink": 2}, TypeError, "only to ring mode"),
+    ],
+)
+def test_allocate_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "k_shape, dtype, error, match",
+    [
+        ((1, 3, 1, 5), jnp.float32, ValueError, r"k must have shape \[1, T, 1, 2\]"),
+        ((1, 3, 1), jnp.float32, ValueError, r"got shape \[1, 3, 1\]"),
+        ((2, 3, 1, 2), jnp.float32, ValueError, r"\[1, T, 1, 2\]"),
+        ((1, 3, 1, 2), jnp.bfloat16, TypeError, "dtype float32; got .* bfloat16"),
+    ],
+)
+def test_bad_payload_names_the_object(k_shape, dtype, error, match):
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+    with pytest.raises(error, match=match) as raised:
+        cache.stage((jnp.ones(k_shape, dtype), jnp.ones(k_shape, dtype)))
+    assert "KVCache(batch=1" in str(raised.value)
+
+
+def test_k_and_v_must_agree():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+    with pytest.raises(ValueError, match=r"v must have .*T=3"):
+        cache.stage((jnp.ones((1, 3, 1, 2)), jnp.ones((1, 4, 1, 2))))

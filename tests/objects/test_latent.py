@@ -1,0 +1,61 @@
+"""LatentBuffer: ring and bounded append, one item or several, oldest to newest."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import jax_session_state as jss
+from models import ItemModel, Op, drive
+
+ITEM = (2, 3)
+
+
+class LatentModel(ItemModel):
+    def view(self, include_staged):
+        items = self.visible(include_staged)
+        return np.asarray(items, np.float32).reshape(len(items), *ITEM)
+
+
+@st.composite
+def ops(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    out = []
+    for _ in range(draw(st.integers(1, 16))):
+        name = draw(st.sampled_from(["stage", "stage", "append", "commit", "discard", "commit_payload"]))
+        if name in ("commit", "discard"):
+            out.append(Op(name))
+            continue
+        shape = draw(st.sampled_from([ITEM, (1, *ITEM), (3, *ITEM)]))
+        out.append(Op(name, jnp.asarray(rng.normal(size=shape), jnp.float32)))
+    return out
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@given(ops=ops(), ring=st.booleans())
+def test_matches_model(jit, ops, ring):
+    kwargs = {"ring": True, "max_staged": 3} if ring else {}
+    buffer = jss.LatentBuffer.allocate(maxlen=5, item_shape=ITEM, **kwargs)
+    model = LatentModel(maxlen=5, ring=ring, max_staged=3, single_rank=len(ITEM))
+    drive(buffer, model, ops, jit=jit)
+
+
+def test_bounded_buffer_refuses_past_maxlen():
+    buffer = jss.LatentBuffer.allocate(maxlen=2, item_shape=(1,)).append(jnp.ones((2, 1)))
+    with pytest.raises(jss.CapacityError, match=r"LatentBuffer\(.*exceeds maxlen 2"):
+        buffer.append(jnp.ones((1,)))
+    flagged = jax.jit(lambda b: b.append(jnp.ones((1,))))(buffer)
+    assert bool(flagged.overflowed) and int(flagged.view().count) == 2
+
+
+def test_ring_stage_beyond_margin_is_refused():
+    buffer = jss.LatentBuffer.allocate(maxlen=3, item_shape=(1,), ring=True, max_staged=1)
+    with pytest.raises(jss.CapacityError, match="max_staged 1"):
+        buffer.stage(jnp.ones((2, 1)))
+
+
+def test_wrong_item_shape_names_the_object():
+    buffer = jss.LatentBuffer.allocate(maxlen=3, item_shape=(2,))
+    with pytest.raises(ValueError, match=r"LatentBuffer\(.*items leaf 0 must have shape \[n, 2\]"):
+        buffer.append(jnp.ones((3, 3)))

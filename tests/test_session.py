@@ -1,0 +1,147 @@
+"""Session: fan-out of the lifecycle, the recompute graph, accounting, forks, check."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_session_state as jss
+from jax_session_state.testing import assert_logically_equal
+
+
+def make_session(**extra):
+    return jss.Session(
+        objects={
+            "prompt": jss.FixedState.allocate(shapes=(1, 4, 6)),
+            "cond": jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=3, length=4, recompute_source="prompt"),
+            "kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=3, capacity=16),
+            "frames": jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), ring=True, max_staged=2),
+            **extra,
+        },
+        attrs={"rng": jax.random.key(0), "step": jnp.zeros((), jnp.int32)},
+    )
+
+
+def rows(rng, T):
+    return jss.KVChunk(*(jnp.asarray(rng.normal(size=(1, T, 2, 3)), jnp.float32) for _ in range(2)))
+
+
+def test_lifecycle_fans_out_to_each_object():
+    rng = np.random.default_rng(0)
+    session = make_session()
+    chunk, frame = rows(rng, 3), jnp.asarray(rng.normal(size=(2,)), jnp.float32)
+    staged = session.stage(kv=chunk, frames=frame)
+    assert int(staged.view()["kv"].lengths[0]) == 3
+    assert int(staged.view(include_staged=False)["kv"].lengths[0]) == 0
+    committed = staged.commit()  # promotes every object's staged data
+    assert_logically_equal(committed.view()["kv"], session["kv"].append(chunk).view(), "commit()")
+    assert_logically_equal(committed.view()["frames"], session["frames"].append(frame).view(), "commit()")
+    discarded = staged.discard()
+    assert_logically_equal(discarded.view(), session.view(), "discard()")
+
+
+def test_commit_with_payloads_also_promotes_the_rest():
+    rng = np.random.default_rng(1)
+    session = make_session().stage(kv=rows(rng, 2))
+    frame = jnp.ones((2,))
+    session = session.commit(frames=frame)
+    assert int(session.view(include_staged=False)["kv"].lengths[0]) == 2
+    assert int(session.view(include_staged=False)["frames"].count) == 1
+
+
+def test_jitted_donated_step_compiles_once_and_keeps_buffers():
+    rng = np.random.default_rng(2)
+    traces = []
+
+    def step(session, chunk):
+        traces.append(None)
+        key, _ = jax.random.split(session.attrs["rng"])
+        return session.append(kv=chunk).with_attrs(rng=key, step=session.attrs["step"] + 1)
+
+    jitted = jax.jit(step, donate_argnums=0)
+    session = make_session()
+    pointer = session["kv"].k.unsafe_buffer_pointer()
+    for _ in range(5):
+        session = jitted(session, rows(rng, 2))
+    assert len(traces) == 1
+    assert session["kv"].k.unsafe_buffer_pointer() == pointer
+    assert int(session.attrs["step"]) == 5
+
+
+def test_errors_name_the_object():
+    session = make_session()
+    with pytest.raises(ValueError, match=r"session object 'kv': KVCache\(.*\)\.stage: k must have shape"):
+        session.stage(kv=(jnp.ones((1, 2, 2, 5)), jnp.ones((1, 2, 2, 5))))
+    with pytest.raises(KeyError, match="no object 'nope'"):
+        session.stage(nope=1)
+
+
+def test_missing_recompute_source():
+    with pytest.raises(jss.RecomputeGraphError, match="recompute source 'prompt' of 'cond_kv' is not in this session"):
+        jss.Session(objects={"cond_kv": jss.FixedState.allocate(shapes=(2,), recompute_source="prompt")})
+
+
+def test_recompute_cycle_is_named():
+    a = jss.FixedState.allocate(shapes=(2,), recompute_source="b")
+    b = jss.FixedState.allocate(shapes=(2,), recompute_source="a")
+    with pytest.raises(jss.RecomputeGraphError, match="a -> b -> a"):
+        jss.Session(objects={"a": a, "b": b})
+    with pytest.raises(jss.RecomputeGraphError, match="c -> c"):
+        jss.Session(objects={"c": jss.FixedState.allocate(shapes=(2,), recompute_source="c")})
+    session = jss.Session(objects={"a": a, "b": jss.FixedState.allocate(shapes=(2,))})
+    with pytest.raises(jss.RecomputeGraphError, match="a -> b -> a"):
+        session.with_objects(b=b)  # validated on replace too
+
+
+def test_recomputable_follows_source_residency():
+    session = make_session()
+    assert session.recomputable("cond") and not session.recomputable("kv")
+    prompt_gone = session.with_objects(prompt=session["prompt"].reset())
+    assert not prompt_gone.recomputable("cond")
+
+
+def test_nbytes_deduplicates_aliases_across_objects_and_attrs():
+    session = make_session()
+    alone = session.nbytes_by_device()
+    shared = session.with_attrs(alias=session["kv"].k)  # the same buffer, a second reference
+    assert shared.nbytes_by_device() == alone
+    copied = session.with_attrs(copy=session["kv"].k.copy())
+    assert copied.nbytes_by_device()["cpu:0"] == alone["cpu:0"] + session["kv"].k.nbytes
+    expected = sum(obj.nbytes for obj in session.objects.values()) + 8 + 4  # rng key, step
+    assert session.nbytes == expected
+
+
+def test_fork_is_independent_and_donation_safe():
+    rng = np.random.default_rng(3)
+    session = make_session().append(kv=rows(rng, 2))
+    fork = session.fork()
+    assert fork["kv"].k.unsafe_buffer_pointer() != session["kv"].k.unsafe_buffer_pointer()
+    step = jax.jit(lambda s, c: s.append(kv=c), donate_argnums=0)
+    advanced = step(fork, rows(rng, 3))  # deletes the fork's buffers, not the original's
+    assert session["kv"].k.is_deleted() is False
+    assert int(session.view()["kv"].lengths[0]) == 2 and int(advanced.view()["kv"].lengths[0]) == 5
+    np.testing.assert_array_equal(jax.random.key_data(session.attrs["rng"]), jax.random.key_data(advanced.attrs["rng"]))
+
+
+def test_check_reports_every_flagged_object_by_path():
+    session = jss.Session(
+        objects={
+            "a": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, capacity=2),
+            "b": jss.LatentBuffer.allocate(maxlen=1, item_shape=(1,)),
+        }
+    )
+    x = jnp.ones((1, 3, 1, 1))
+    bad = jax.jit(lambda s: s.append(a=(x, x), b=jnp.ones((2, 1))))(session)
+    with pytest.raises(jss.CapacityError, match=r"'a'\].*KVCache.*'b'\].*LatentBuffer"):
+        jss.check(bad)
+    jss.check(session)  # nothing flagged: no error
+
+
+def test_non_resident_objects_refuse_use():
+    session = make_session()
+    gone = session.with_objects(kv=session["kv"].evict()[0])
+    with pytest.raises(jss.NotResidentError, match=r"session object 'kv': view\(\) on KVCache"):
+        gone.view()
+    with pytest.raises(jss.NotResidentError):
+        gone.commit()
+    assert gone.nbytes == session.nbytes - session["kv"].nbytes
