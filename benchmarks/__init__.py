@@ -1,0 +1,1 @@
+"""Ratio benchmarks: each module measures in one run, prints a table and writes JSON."""

@@ -1,0 +1,184 @@
+"""Writes cost what they write: KVCache.append against capacity, donation, raw arrays.
+
+Measures, in one run:
+
+- a jitted ``KVCache.append`` of a 16-token chunk (8 kv-heads x 64, float32)
+  at capacity 1k and 32k tokens, donated and not (bars: donated 32k / 1k
+  <= 1.3; not donated / donated at 32k >= 100);
+- a 256-step ``lax.scan`` rollout (append 16 tokens + attention over the
+  valid prefix) written with the library against the same rollout written
+  by hand on raw arrays with ``lax.dynamic_update_slice`` (bar <= 1.10).
+
+Run:  python -m benchmarks.append [--full] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_session_state as jss
+from benchmarks._common import interleaved, parser, report
+
+HEADS, HEAD_DIM, CHUNK = 8, 64, 16
+BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "library_over_raw_rollout": 1.10}
+
+
+def _chunk(seed: int) -> jss.KVChunk:
+    rng = np.random.default_rng(seed)
+    k, v = (jnp.asarray(rng.normal(size=(1, CHUNK, HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+    return jss.KVChunk(k, v)
+
+
+PREFIX = 512  # tokens already in the cache when an append is timed, at every capacity
+
+
+def append_timings(*, rounds: int) -> dict[str, float]:
+    """Seconds per append at 1k and 32k capacity, donated, and at 32k not donated.
+
+    Every timed call appends 16 rows after the same 512-token prefix and then
+    rewinds the length (a one-int update), so thousands of calls never fill
+    the cache and both capacities write the same, warm rows: what differs is
+    only the capacity around them.  Donated calls are compared with each
+    other, interleaved, and separately with the copying calls, whose whole-cache
+    copies would otherwise evict the donated calls' rows from the CPU caches.
+    """
+    chunk = _chunk(0)
+
+    def append_then_forget(cache: jss.KVCache, chunk: jss.KVChunk) -> jss.KVCache:
+        cache = cache.append(chunk)
+        return cache.replace(lengths=cache.lengths - CHUNK)
+
+    steps = {"donated": jax.jit(append_then_forget, donate_argnums=0), "copied": jax.jit(append_then_forget)}
+    prefix = jnp.zeros((1, PREFIX, HEADS, HEAD_DIM), jnp.float32)
+    state = {}
+    for capacity in (1024, 32768):
+        empty = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=capacity)
+        for mode in steps:
+            state[mode, capacity] = empty.empty().append((prefix, prefix))
+            for _ in range(8):  # warm: first writes into a fresh buffer touch new pages
+                state[mode, capacity] = steps[mode](state[mode, capacity], chunk)
+    jax.block_until_ready(state)
+
+    def call(mode: str, capacity: int) -> None:
+        state[mode, capacity] = steps[mode](state[mode, capacity], chunk)
+        state[mode, capacity].lengths.block_until_ready()
+
+    donated = interleaved(
+        {"1k": functools.partial(call, "donated", 1024), "32k": functools.partial(call, "donated", 32768)},
+        rounds=rounds,
+        repeat=200,
+    )
+    copies = interleaved(
+        {"copied": functools.partial(call, "copied", 32768), "donated": functools.partial(call, "donated", 32768)},
+        rounds=rounds,
+        repeat={"copied": 3, "donated": 200},
+    )
+    copied_1k = interleaved({"copied": functools.partial(call, "copied", 1024)}, rounds=rounds, repeat=20)
+    return {
+        "donated_1k": donated["1k"],
+        "donated_32k": donated["32k"],
+        "copied_1k": copied_1k["copied"],
+        "copied_32k": copies["copied"],
+        "donated_32k_beside_copies": copies["donated"],
+    }
+
+
+def _prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, block: int) -> jax.Array:
+    """Attention of q ``[1, T, H, D]`` over head-major k/v up to ``length``, blockwise.
+
+    The same function serves both rollouts, so their difference is what the
+    library adds around it.
+    """
+    T = q.shape[1]
+    q_pos = length - T + jnp.arange(T)
+    qh = q[0].transpose(1, 0, 2) * (1.0 / np.sqrt(HEAD_DIM))  # [H, T, D]
+
+    def body(i, carry):
+        out, m, s = carry
+        kb = jax.lax.dynamic_slice_in_dim(k[0], i * block, block, axis=1)
+        vb = jax.lax.dynamic_slice_in_dim(v[0], i * block, block, axis=1)
+        scores = jnp.einsum("htd,hkd->htk", qh, kb)
+        pos = i * block + jnp.arange(block)
+        scores = jnp.where(pos[None, None, :] <= q_pos[None, :, None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.exp(scores - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        return out * scale[..., None] + jnp.einsum("htk,hkd->htd", p, vb), m_new, s * scale + p.sum(-1)
+
+    init = (jnp.zeros((HEADS, T, HEAD_DIM)), jnp.full((HEADS, T), -jnp.inf), jnp.zeros((HEADS, T)))
+    out, _, s = jax.lax.fori_loop(0, (length + block - 1) // block, body, init)
+    return (out / s[..., None]).transpose(1, 0, 2)[None]
+
+
+def rollout_timings(steps: int, *, rounds: int) -> dict[str, float]:
+    """Seconds per whole rollout: the library against raw arrays, same attention."""
+    capacity, block = steps * CHUNK, 256
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.normal(size=(steps, 1, CHUNK, HEADS, HEAD_DIM)), jnp.float32)
+
+    def library(cache: jss.KVCache, xs: jax.Array):
+        def step(cache, x):
+            cache = cache.append(jss.KVChunk(x, x))
+            view = cache.view()
+            return cache, _prefix_attention(x, view.k, view.v, view.lengths[0], block).sum()
+
+        return jax.lax.scan(step, cache, xs)
+
+    def raw(carry, xs: jax.Array):
+        def step(carry, x):
+            k, v, length = carry
+            rows = x.transpose(0, 2, 1, 3)  # head-major rows [1, H, T, D]
+            k = jax.lax.dynamic_update_slice(k, rows, (0, 0, length, 0))
+            v = jax.lax.dynamic_update_slice(v, rows, (0, 0, length, 0))
+            length = length + CHUNK
+            return (k, v, length), _prefix_attention(x, k, v, length, block).sum()
+
+        return jax.lax.scan(step, carry, xs)
+
+    library_fn, raw_fn = jax.jit(library, donate_argnums=0), jax.jit(raw, donate_argnums=0)
+    empty = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=capacity)
+    zeros = jnp.zeros((1, HEADS, capacity, HEAD_DIM), jnp.float32)
+    check_lib = library_fn(empty.empty(), xs)[1]
+    check_raw = raw_fn((zeros.copy(), zeros.copy(), jnp.int32(0)), xs)[1]
+    np.testing.assert_allclose(check_lib, check_raw, rtol=1e-6)  # the same computation
+
+    def run_library():
+        jax.block_until_ready(library_fn(empty.empty(), xs))
+
+    def run_raw():
+        jax.block_until_ready(raw_fn((zeros.copy(), zeros.copy(), jnp.int32(0)), xs))
+
+    return interleaved({"library": run_library, "raw": run_raw}, rounds=rounds, repeat=1)
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    rounds = 15 if args.full else 7
+    appends = append_timings(rounds=rounds)
+    rollout = rollout_timings(256, rounds=5 if args.full else 3)
+    rows = [
+        {"measure": "append 16 tokens, cap 1k, donated (us)", "value": appends["donated_1k"] * 1e6},
+        {"measure": "append 16 tokens, cap 32k, donated (us)", "value": appends["donated_32k"] * 1e6},
+        {"measure": "append 16 tokens, cap 1k, not donated (us)", "value": appends["copied_1k"] * 1e6},
+        {"measure": "append 16 tokens, cap 32k, not donated (us)", "value": appends["copied_32k"] * 1e6},
+        {"measure": "256-step rollout, library (ms)", "value": rollout["library"] * 1e3},
+        {"measure": "256-step rollout, raw arrays (ms)", "value": rollout["raw"] * 1e3},
+    ]
+    ratios = {
+        "donated_32k_over_1k": appends["donated_32k"] / appends["donated_1k"],
+        "copy_over_donated_32k": appends["copied_32k"] / appends["donated_32k_beside_copies"],
+        "library_over_raw_rollout": rollout["library"] / rollout["raw"],
+    }
+    for name, value in ratios.items():
+        bar = BARS[name]
+        holds = value >= bar if name == "copy_over_donated_32k" else value <= bar
+        rows.append({"measure": f"ratio {name}", "value": value, "bar": ("≥ " if name.startswith("copy") else "≤ ") + str(bar), "holds": holds})
+    report("append", rows, ["measure", "value", "bar", "holds"], args.out, ratios=ratios)
+
+
+if __name__ == "__main__":
+    main()
