@@ -3,6 +3,7 @@
 from jax_session_state import accounting, errors
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.base import StateObject, check, is_state_object
+from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
     BudgetExceededError,
     CapacityError,
@@ -14,6 +15,7 @@ from jax_session_state.errors import (
     SessionStateLostError,
 )
 from jax_session_state.objects import (
+    BranchKVView,
     EncodeOnceKV,
     FixedState,
     KVCache,
@@ -30,6 +32,8 @@ from jax_session_state.session import Session
 __version__ = "0.1.0"
 
 __all__ = [
+    "BranchKVView",
+    "Branches",
     "BudgetExceededError",
     "CapacityError",
     "EncodeOnceKV",
@@ -37,6 +41,7 @@ __all__ = [
     "KVCache",
     "KVChunk",
     "KVView",
+    "Lane",
     "LatentBuffer",
     "LatentView",
     "NotEvictableError",

@@ -2,11 +2,12 @@
 
 from jax_session_state.objects.encode_once import EncodeOnceKV
 from jax_session_state.objects.fixed import FixedState
-from jax_session_state.objects.kv import KVCache, KVChunk, KVView
+from jax_session_state.objects.kv import BranchKVView, KVCache, KVChunk, KVView
 from jax_session_state.objects.latent import LatentBuffer, LatentView
 from jax_session_state.objects.retrieval import RetrievalStore, RetrievalView, Retrieved
 
 __all__ = [
+    "BranchKVView",
     "EncodeOnceKV",
     "FixedState",
     "KVCache",

@@ -153,6 +153,9 @@ class EncodeOnceKV(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.replace(staged=overwrite(self.staged, False))
 
+    def holds_staged(self) -> Array:
+        return self.staged if self.resident else jnp.zeros((), bool)
+
     def view(self, *, include_staged: bool = True) -> KVView:
         """The conditioning as a :class:`KVView` (empty until written or staged)."""
         self._require_resident("view")

@@ -15,7 +15,7 @@ from jax_session_state.base import StateObject, overwrite
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
 
-__all__ = ["KVCache", "KVChunk", "KVView"]
+__all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
 
 
 class KVChunk(NamedTuple):
@@ -84,6 +84,29 @@ class KVView(struct.PyTreeNode):
                 }
             )
         return rows
+
+
+class BranchKVView(struct.PyTreeNode):
+    """What a speculative lane reads from a K/V cache: a shared prefix and its own rows.
+
+    Attention over it reads the prefix once for every lane (under ``vmap``
+    the prefix is not batched) and merges the two parts by log-sum-exp
+    (cascade attention).
+
+    Attributes:
+      prefix: the committed cache, shared by all lanes.
+      window: the lane's rows, positions absolute (after the prefix's).
+    """
+
+    prefix: KVView
+    window: KVView
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """Prefix rows then window rows of each batch row, in position order."""
+        return [
+            {key: np.concatenate([a[key], b[key]]) for key in a}
+            for a, b in zip(self.prefix.materialize(), self.window.materialize())
+        ]
 
 
 class KVCache(StateObject, kw_only=True):
@@ -305,6 +328,9 @@ class KVCache(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.replace(staged=overwrite(self.staged, 0))
 
+    def holds_staged(self) -> Array:
+        return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
+
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> KVView:
         """The cache as attention reads it; see :class:`KVView`.
@@ -326,3 +352,40 @@ class KVCache(StateObject, kw_only=True):
             window=self.window,
             sink=self.sink,
         )
+
+    # ------------------------------------------------------------ branches
+    def branch_window(self, size: int | None) -> KVCache:
+        """An append-mode cache of ``size`` rows for one lane's K/V."""
+        if size is None:
+            raise TypeError(f"{self.describe()}: lanes need a window size (rows per lane).")
+        return KVCache.allocate(
+            batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=size, dtype=self.dtype
+        )
+
+    def branch_view(self, window: KVCache) -> BranchKVView:
+        """The committed cache and the lane's rows at positions after it."""
+        prefix = self.view(include_staged=False)
+        rows = window.view()
+        offset = prefix.lengths[:, None]
+        return BranchKVView(
+            prefix=prefix,
+            window=KVView(
+                k=rows.k,
+                v=rows.v,
+                lengths=prefix.lengths + rows.lengths,
+                positions=jnp.where(rows.positions >= 0, rows.positions + offset, -1),
+                window=self.window,
+                sink=self.sink,
+            ),
+        )
+
+    def commit_window(self, window: KVCache) -> KVCache:
+        """Appends the lane's rows (in pieces of ``max_chunk`` for a ring)."""
+        counts = window.lengths + window.staged
+        k, v = (x.transpose(0, 2, 1, 3) for x in (window.k, window.v))  # token-major, window-sized
+        piece = window.capacity if self.window is None else self.max_chunk
+        cache = self
+        for start in range(0, window.capacity, piece):
+            taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)
+            cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
+        return cache
