@@ -28,6 +28,7 @@ from jax_session_state.objects import (
     Retrieved,
 )
 from jax_session_state.session import Session
+from jax_session_state.summary import Summary, summary
 
 __version__ = "0.1.0"
 
@@ -56,10 +57,12 @@ __all__ = [
     "SessionStateError",
     "SessionStateLostError",
     "StateObject",
+    "Summary",
     "accounting",
     "check",
     "device_bytes",
     "device_key",
     "errors",
     "is_state_object",
+    "summary",
 ]

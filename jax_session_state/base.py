@@ -172,6 +172,13 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     def holds_staged(self) -> Any:
         """Whether anything is staged: a bool array (False when not resident)."""
 
+    @abc.abstractmethod
+    def fill(self) -> dict[str, Any]:
+        """How full it is, for reports: ``committed``, ``staged`` and ``capacity`` (host values).
+
+        Per-row figures are lists; a non-resident object reports None.
+        """
+
     # ------------------------------------------------------------- branches
     def branch_window(self, size: int | None) -> StateObject | None:
         """An empty window for one speculative lane's writes, or None if shared.

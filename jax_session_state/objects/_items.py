@@ -143,6 +143,12 @@ class ItemBuffer(StateObject, kw_only=True):
     def holds_staged(self) -> Array:
         return self.staged > 0 if self.resident else jnp.zeros((), bool)
 
+    def fill(self) -> dict[str, Any]:
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": self.maxlen}
+        capacity = f"last {self.maxlen}" if self.ring else self.maxlen
+        return {"committed": int(self.count), "staged": int(self.staged), "capacity": capacity}
+
     def _visible_range(self, include_staged: bool) -> tuple[Array, Array]:
         """``(start, end)``: positions of the items a reader sees."""
         end = self.count + self.staged if include_staged else self.count

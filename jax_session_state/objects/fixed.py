@@ -132,6 +132,10 @@ class FixedState(StateObject, kw_only=True):
     def holds_staged(self) -> jax.Array:
         return self.has_staged if self.resident else jnp.zeros((), bool)
 
+    def fill(self) -> dict[str, Any]:
+        staged = bool(self.has_staged) if self.resident else None
+        return {"committed": "value" if self.resident else None, "staged": "value" if staged else 0, "capacity": "-"}
+
     def view(self, *, include_staged: bool = True) -> Any:
         """The value: the staged one when included and present, else committed."""
         self._require_resident("view")

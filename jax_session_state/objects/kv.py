@@ -331,6 +331,12 @@ class KVCache(StateObject, kw_only=True):
     def holds_staged(self) -> Array:
         return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
 
+    def fill(self) -> dict[str, Any]:
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": self.capacity}
+        capacity = self.capacity if self.window is None else f"sink {self.sink} + window {self.window} + chunk {self.max_chunk}"
+        return {"committed": self.lengths.tolist(), "staged": self.staged.tolist(), "capacity": capacity}
+
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> KVView:
         """The cache as attention reads it; see :class:`KVView`.
