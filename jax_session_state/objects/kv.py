@@ -34,6 +34,50 @@ class KVChunk(NamedTuple):
     counts: Array | None = None
 
 
+def read_chunk(
+    obj: StateObject, payload: Any, operation: str, *, rows: int
+) -> tuple[KVChunk, Array, Array]:
+    """Checks a K/V payload written by ``obj.operation``.
+
+    Args:
+      obj: the object written; its ``kv_heads``, ``head_dim`` and ``dtype``
+        fix the payload's trailing shape and dtype.
+      payload: a :class:`KVChunk` or ``(k, v[, counts])`` tuple.
+      operation: the public method, for messages.
+      rows: the payload's leading size (batch rows, sequence slots).
+
+    Returns:
+      The chunk, its counts ``Int[Array, "rows"]`` (all ``T`` when None) and
+      whether a count lies outside ``[0, T]``: eagerly that raises
+      ``ValueError`` at once; under jit the caller refuses the write.
+
+    Raises:
+      TypeError, ValueError: the wrong structure, shape or dtype, naming ``obj``.
+    """
+    owner = f"{obj.describe()}.{operation}"
+    if not isinstance(payload, tuple) or len(payload) not in (2, 3):
+        raise TypeError(
+            f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
+            f"tuple; got {type(payload).__name__}."
+        )
+    chunk = KVChunk(*payload)
+    sizes: dict[str, int] = {}
+    pattern = (rows, "T", obj.kv_heads, obj.head_dim)
+    v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=obj.dtype, sizes=sizes)
+    v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=obj.dtype, sizes=sizes)
+    T = sizes["T"]
+    if chunk.counts is None:
+        counts = jnp.full((rows,), T, jnp.int32)
+    else:
+        v.check_array(chunk.counts, owner=owner, what="counts", shape=(rows,), dtype=jnp.int32)
+        counts = chunk.counts
+    bad_counts = jnp.any((counts < 0) | (counts > T))
+    obj._refuse_now_if(
+        bad_counts, lambda: ValueError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}.")
+    )
+    return chunk, counts, bad_counts
+
+
 class KVView(struct.PyTreeNode):
     """What attention reads from a K/V cache.
 
@@ -248,22 +292,6 @@ class KVCache(StateObject, kw_only=True):
         return None if self.window is None else self.capacity - self.sink
 
     # ------------------------------------------------------------- writes
-    def _chunk(self, payload: Any, operation: str) -> KVChunk:
-        owner = f"{self.describe()}.{operation}"
-        if not isinstance(payload, tuple) or len(payload) not in (2, 3):
-            raise TypeError(
-                f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
-                f"tuple; got {type(payload).__name__}."
-            )
-        chunk = KVChunk(*payload)
-        sizes: dict[str, int] = {}
-        pattern = (self.batch, "T", self.kv_heads, self.head_dim)
-        v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=self.dtype, sizes=sizes)
-        v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=self.dtype, sizes=sizes)
-        if chunk.counts is not None:
-            v.check_array(chunk.counts, owner=owner, what="counts", shape=(self.batch,), dtype=jnp.int32)
-        return chunk
-
     def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[KVCache, Array]:
         """Writes rows after the committed (and already staged) ones.
 
@@ -280,14 +308,8 @@ class KVCache(StateObject, kw_only=True):
           is written: eagerly a :class:`CapacityError` / :class:`ValueError`
           is raised, under jit ``overflowed`` is set.
         """
-        chunk = self._chunk(payload, operation)
+        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
         T = chunk.k.shape[1]
-        counts = jnp.full((self.batch,), T, jnp.int32) if chunk.counts is None else chunk.counts
-        bad_counts = jnp.any((counts < 0) | (counts > T))
-        self._refuse_now_if(
-            bad_counts,
-            lambda: ValueError(f"{self.describe()}.{operation}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
-        )
         start = self.lengths + self.staged
         if self.window is None:
             room = self.capacity - start
