@@ -320,8 +320,9 @@ def check(tree: Any) -> None:
             flagged.append(f"{jax.tree_util.keystr(path) or '<root>'}: {obj.describe()}")
     if flagged:
         raise CapacityError(
-            "a write inside jit was refused and wrote nothing (it did not fit, or its "
-            "per-row counts were out of range), in: " + "; ".join(flagged) + ". Allocate more "
-            "capacity (or max_staged / max_chunk for rings), commit or discard staged data "
-            "sooner, or pass counts in [0, T]."
+            "a write inside jit was refused and wrote nothing (it did not fit, its per-row "
+            "counts were out of range, or it named a slot it may not use), in: " + "; ".join(flagged)
+            + ". Allocate more capacity (or max_staged / max_chunk for rings, pages for paged "
+            "caches), commit or discard staged data sooner, pass counts in [0, T], or fork and "
+            "free only the slots their rules allow."
         )
