@@ -34,9 +34,7 @@ class KVChunk(NamedTuple):
     counts: Array | None = None
 
 
-def read_chunk(
-    obj: StateObject, payload: Any, operation: str, *, rows: int
-) -> tuple[KVChunk, Array, Array]:
+def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> tuple[KVChunk, Array, Array]:
     """Checks a K/V payload written by ``obj.operation``.
 
     Args:
@@ -73,7 +71,8 @@ def read_chunk(
         counts = chunk.counts
     bad_counts = jnp.any((counts < 0) | (counts > T))
     obj._refuse_now_if(
-        bad_counts, lambda: ValueError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}.")
+        bad_counts,
+        lambda: ValueError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
     )
     return chunk, counts, bad_counts
 

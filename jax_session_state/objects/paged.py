@@ -58,7 +58,11 @@ class PagedView(struct.PyTreeNode):
     page_size: int = struct.field(pytree_node=False)
 
     def positions(self) -> Array:
-        """``Int[Array, "max_slots max_pages_per_slot*page_size"]``: position of each dense row, -1 past the length."""
+        """Position of each row of :meth:`to_dense`, -1 past a slot's length.
+
+        Returns:
+          ``Int[Array, "max_slots max_pages_per_slot*page_size"]``.
+        """
         rows = jnp.arange(self.page_table.shape[1] * self.page_size, dtype=jnp.int32)
         return jnp.where(rows < self.lengths[:, None], rows, -1)
 
@@ -327,6 +331,13 @@ class PagedKVCache(StateObject, kw_only=True):
     def holds_staged(self) -> Array:
         return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
 
+    def fill(self) -> dict[str, Any]:
+        pages = f"{self.num_pages} pages x {self.page_size} rows"
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": pages}
+        capacity = f"{pages}, {int(self.free_count)} free"
+        return {"committed": self.lengths.tolist(), "staged": self.staged.tolist(), "capacity": capacity}
+
     # -------------------------------------------------------------- slots
     def fork(self, src: int | Array, dst: int | Array) -> PagedKVCache:
         """Slot ``dst`` becomes a copy-on-write copy of slot ``src``'s committed rows.
@@ -440,7 +451,8 @@ class PagedKVCache(StateObject, kw_only=True):
         self._refuse_now_if(
             bad,
             lambda: IndexError(
-                f"{self.describe()}.{operation}: {name} must be a slot in [0, {self.max_slots}); got {int(index)}."
+                f"{self.describe()}.{operation}: {name} must be a slot in [0, {self.max_slots}); "
+                f"got {int(index)}."
             ),
         )
         return jnp.clip(index, 0, self.max_slots - 1).astype(jnp.int32), bad

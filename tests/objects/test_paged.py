@@ -49,7 +49,7 @@ class PagedModel:
         ends = [len(rows) + c for rows, c in zip(self.rows, counts)]
         if any(end > self.max_pages * self.page_size for end in ends):
             return jss.CapacityError
-        new_pages = [max(0, math.ceil(end / self.page_size) - len(pages)) for end, pages in zip(ends, self.pages)]
+        new_pages = [max(0, math.ceil(end / self.page_size) - len(held)) for end, held in zip(ends, self.pages)]
         if sum(new_pages) > self.free_count():
             return jss.CapacityError
         for s, c in enumerate(counts):
@@ -113,7 +113,7 @@ def assert_pages_consistent(cache: jss.PagedKVCache, model: PagedModel | None = 
         assert free_count == model.free_count()
         real_of: dict[int, int] = {}
         for s, pages in enumerate(model.pages):
-            assert held[s].sum() == len(pages), f"slot {s} holds {held[s].sum()} pages, the model {len(pages)}"
+            assert held[s].sum() == len(pages), f"slot {s} holds {held[s].sum()} pages, the model's {len(pages)}"
             for entry, page in enumerate(pages):  # the same sharing: a bijection of page ids
                 assert real_of.setdefault(page, table[s, entry]) == table[s, entry]
         assert len(set(real_of.values())) == len(real_of)
@@ -162,7 +162,8 @@ class PagedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache = jss.PagedKVCache.allocate(
-            max_slots=SLOTS, kv_heads=H, head_dim=D, page_size=PAGE, num_pages=PAGES, max_pages_per_slot=PER_SLOT
+            max_slots=SLOTS, kv_heads=H, head_dim=D, page_size=PAGE, num_pages=PAGES,
+            max_pages_per_slot=PER_SLOT,
         )
         self.model = PagedModel(SLOTS, page_size=PAGE, num_pages=PAGES, max_pages_per_slot=PER_SLOT)
 
@@ -180,7 +181,7 @@ class PagedMachine(RuleBasedStateMachine):
         self.cache = self.cache.replace(overflowed=jnp.zeros((), bool))  # check each operation's flag alone
 
     def write(self, name: str, T: int, data: st.DataObject) -> None:
-        counts = data.draw(st.lists(st.sampled_from(range(T + 1)), min_size=SLOTS, max_size=SLOTS), label="counts")
+        counts = data.draw(st.lists(st.sampled_from(range(T + 1)), min_size=SLOTS, max_size=SLOTS), label="n")
         rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
         k, v = (jnp.asarray(rng.normal(size=(SLOTS, T, H, D)), jnp.float32) for _ in range(2))
         chunk = jss.KVChunk(k, v, jnp.asarray(counts, jnp.int32))
@@ -261,14 +262,14 @@ def _assert_unchanged_but_flagged(before: dict[str, np.ndarray], after: jss.Page
     assert bool(after.overflowed), "a refused operation under jit did not set overflowed"
     for name, value in before.items():
         if name != "overflowed":
-            np.testing.assert_array_equal(getattr(after, name), value, err_msg=f"a refused operation changed {name}")
+            np.testing.assert_array_equal(getattr(after, name), value, err_msg=f"a refusal changed {name}")
     with pytest.raises(jss.CapacityError, match=r"\['paged'\]: PagedKVCache"):
         jss.check({"paged": after})
 
 
 def test_fork_shares_full_pages_and_copies_only_the_partial_one():
     rng = np.random.default_rng(0)
-    cache = _cache(num_pages=16).append(_chunk(rng, [10, 8, 0]))  # slot 0: 2 full pages + 2 rows; slot 1: 2 full
+    cache = _cache(num_pages=16).append(_chunk(rng, [10, 8, 0]))  # 2 full pages + 2 rows; 2 full pages
     free, nbytes = int(cache.free_count), cache.nbytes
     forked = cache.fork(0, 2)
     table, before = np.asarray(forked.page_table), np.asarray(cache.page_table)
@@ -325,14 +326,17 @@ def test_discarded_rows_keep_their_pages_for_the_next_write():
     cache = _cache().append(_chunk(rng, [6, 0, 0])).stage(_chunk(rng, [0, 3, 0])).discard()
     assert int(cache.free_count) == 5
     forked = cache.fork(0, 1)  # releases slot 1's page, shares one page, copies the partial one
-    assert int(forked.free_count) == 5 and np.asarray(forked.page_table)[1, 0] == np.asarray(cache.page_table)[0, 0]
+    assert int(forked.free_count) == 5
+    assert np.asarray(forked.page_table)[1, 0] == np.asarray(cache.page_table)[0, 0]
     np.testing.assert_array_equal(logical(forked.view())[1]["k"], logical(cache.view())[0]["k"])
     assert_pages_consistent(forked)
 
 
 # Each bad call: (method, args, eager error, what the message says).
 BAD_CALLS = {
-    "fork into an occupied slot": ("fork", (0, 1), ValueError, r"dst slot 1 is occupied \(3 rows\); fork needs a slot without rows"),
+    "fork into an occupied slot": (
+        "fork", (0, 1), ValueError, r"dst slot 1 is occupied \(3 rows\); fork needs a slot without rows"
+    ),
     "fork into itself": ("fork", (0, 0), ValueError, r"dst slot 0 is occupied"),
     "fork from an empty slot": ("fork", (2, 1), ValueError, r"src slot 2 holds no committed rows"),
     "fork from staged-only rows": ("fork", (1, 2), ValueError, r"src slot 1 holds no committed rows"),
@@ -388,7 +392,7 @@ def test_overflow_writes_nothing_eagerly_or_under_jit(counts, match):
 def test_fork_out_of_pages_copies_nothing():
     rng = np.random.default_rng(6)
     cache = _cache(num_pages=4).append(_chunk(rng, [6, 8, 0]))  # every page in use; slot 0 ends mid-page
-    with pytest.raises(jss.CapacityError, match="partial last page of slot 0 needs a copy but no page of 4 is free"):
+    with pytest.raises(jss.CapacityError, match="last page of slot 0 needs a copy but no page of 4 is free"):
         cache.fork(0, 2)
     before = _host(cache)
     _assert_unchanged_but_flagged(before, JITTED["fork"](jax.tree_util.tree_map(jnp.copy, cache), 0, 2))
@@ -473,6 +477,15 @@ def test_allocate_rejects_bad_arguments(kwargs, error, match):
     args = {"max_slots": 2, "kv_heads": H, "head_dim": D, "page_size": 4, "num_pages": 8, **kwargs}
     with pytest.raises(error, match=match):
         jss.PagedKVCache.allocate(**args)
+
+
+def test_summary_reports_slots_and_free_pages():
+    rng = np.random.default_rng(12)
+    cache = _cache().append(_chunk(rng, [5, 0, 0])).stage(_chunk(rng, [0, 2, 0]))
+    (row,) = jss.summary(cache).rows
+    assert row["committed"] == [5, 0, 0] and row["staged"] == [0, 2, 0]
+    assert row["capacity"] == "8 pages x 4 rows, 5 free" and row["cpu:0"] == cache.nbytes
+    assert jss.summary(cache.reset()).rows[0]["capacity"] == "8 pages x 4 rows"
 
 
 def test_in_a_session_lanes_share_it_read_only():
