@@ -95,10 +95,11 @@ def _shapes(obj: StateObject) -> str:
     """The shapes of the object's main storage, compactly."""
     if hasattr(obj, "k") and hasattr(obj, "v") and obj.resident:
         return f"k, v: {list(obj.k.shape)}"
-    leaves = jax.tree_util.tree_leaves(getattr(obj, obj.storage_fields()[0]))
-    if not leaves:
-        return "-"
-    return ", ".join(str(list(leaf.shape)) for leaf in leaves)
+    for field in obj.storage_fields():  # the first that holds data, not a count or a flag
+        leaves = jax.tree_util.tree_leaves(getattr(obj, field))
+        if any(leaf.ndim for leaf in leaves):
+            return ", ".join(str(list(leaf.shape)) for leaf in leaves)
+    return "-"
 
 
 def _dtype(obj: StateObject) -> str:

@@ -40,6 +40,7 @@ def test_rows_describe_every_object():
     for name in session.objects:
         assert name in text
     assert "k, v: [2, 2, 14, 4]" in text and "cpu:0" in text.splitlines()[0]
+    assert by_name["frames"]["shapes"] == "[4, 5]" and by_name["bank"]["shapes"].startswith("[6, 4]")
 
 
 def test_non_resident_objects_are_shown():
