@@ -1,0 +1,100 @@
+"""Every example runs end to end at a tiny size, in its own process, and produces what it promises."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SESSION_OBJECTS = ["kv_0", "kv_1", "kv_2", "kv_3", "cond", "prompt", "carry", "frames"]
+
+
+def run_example(script: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=EXAMPLES, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def assert_png(path: Path, min_height: int) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] >= min_height and np.ptp(image) > 0, "an empty image"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The training example at a tiny size: its output folder and stdout."""
+    out = tmp_path_factory.mktemp("train")
+    done = run_example(
+        "train_world_model.py", "--episodes", "8", "--windows", "2", "--window-frames", "4", "--batch", "4",
+        "--out", str(out),
+    )
+    return out, done.stdout
+
+
+def test_training_lowers_the_loss(trained):
+    out, stdout = trained
+    metrics = json.loads((out / "metrics.json").read_text())
+    losses = np.asarray(metrics["losses"])
+    assert len(losses) == 8 * 2 and np.all(np.isfinite(losses))
+    assert losses[-4:].mean() < 0.5 * losses[:4].mean(), losses  # the last episodes against the first
+    assert "lower" in stdout
+    assert_png(out / "loss.png", 200)
+    assert (out / "world_model.msgpack").stat().st_size > 10_000
+
+
+def test_rollout_demo_with_trained_weights(trained, tmp_path):
+    params = trained[0] / "world_model.msgpack"
+    done = run_example("world_model_rollout.py", "--steps", "40", "--window", "64", "--params", str(params),
+                       "--out", str(tmp_path))
+    summary = done.stdout[done.stdout.index("name "):]
+    rows = {line.split()[0]: line for line in summary.splitlines()[2:] if line.strip()}
+    for name in SESSION_OBJECTS:
+        assert name in rows, f"the summary misses {name}:\n{summary}"
+    assert "KVCache" in rows["kv_0"] and "sink 16 + window 64" in rows["kv_0"] and "[640]" in rows["kv_0"]
+    assert "EncodeOnceKV" in rows["cond"] and "prompt" in rows["cond"].split("EncodeOnceKV")[1]
+    assert "LatentBuffer" in rows["frames"] and "FixedState" in rows["carry"]
+    assert "40 frames (640 tokens)" in done.stdout
+    assert_png(tmp_path / "rollout.png", 400)
+
+
+def test_rollout_refuses_more_steps_than_capacity(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "world_model_rollout.py"), "--steps", "20", "--capacity", "256",
+         "--out", str(tmp_path)], cwd=EXAMPLES, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2 and "more than --capacity 256" in done.stderr
+
+
+def test_rollout_in_append_mode(tmp_path):
+    done = run_example("world_model_rollout.py", "--steps", "12", "--capacity", "256", "--out", str(tmp_path))
+    kv = next(line for line in done.stdout.splitlines() if line.startswith("kv_3"))
+    assert "[192]" in kv and " 256 " in kv  # 12 frames of 16 tokens, capacity 256
+    assert_png(tmp_path / "rollout.png", 400)
+
+
+def test_speculative_planning(tmp_path):
+    done = run_example(
+        "speculative_planning.py", "--candidates", "8", "--elites", "2", "--iterations", "3", "--horizon", "2",
+        "--history", "4", "--out", str(tmp_path),
+    )
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    best = [it["best"] for it in plan["iterations"]]
+    assert len(best) == 3 and np.all(np.isfinite(best))
+    assert all(b >= a for a, b in zip(best, best[1:])), best  # the best plan competes again: never worse
+    assert plan["best_score"] == best[-1] >= max(it["iteration_best"] for it in plan["iterations"])
+    assert np.asarray(plan["best_plan"]).shape == (2, 1, 2)
+    assert plan["tokens_committed"] == (4 + 2) * 16  # the history, then the adopted lane's two frames
+    assert "session before branching: cpu:0:" in done.stdout and "during branching (8 lanes x 2 frames)" in done.stdout
+    assert f"best score {plan['best_score']:.4f}" in done.stdout
+
+
+def test_quickstart():
+    done = run_example("quickstart.py")
+    assert "cond written once: True" in done.stdout and "bytes per device:" in done.stdout
