@@ -1,0 +1,91 @@
+"""The examples' world model: its session-backed rollout against flax's own decode cache and raw arrays."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_session_state as jss
+from benchmarks import _rollout_baselines as baselines
+from examples.world_model import WorldModel, WorldModelConfig, kv_names, moving_patterns, rollout, start_session
+
+CONFIG = WorldModelConfig(layers=2, capacity=256)
+
+
+def started(config, watched, seed=0):
+    """A model, a session after ``watched`` teacher-forced frames, and 4 more actions."""
+    model = WorldModel(config, rngs=nnx.Rngs(seed))
+    key = jax.random.key(seed)
+    frames, actions = moving_patterns(key, config, watched + 4, config.batch)
+    prompt = jax.random.normal(key, (config.batch, config.prompt_tokens, config.d_model))
+    session = start_session(model, prompt, frames[: config.context_frames])
+    seen = frames[config.context_frames: config.context_frames + watched]
+    session = jax.jit(functools.partial(rollout, model))(session, actions[:watched], seen)[0]
+    return model, session, actions[watched:]
+
+
+def test_rollout_matches_flax_decode_cache_and_raw_arrays():
+    model, session, actions = started(CONFIG, watched=3)
+    snapshot = baselines.Snapshot.of(session, kv_names(CONFIG))
+    cond = baselines.cond_view(snapshot)
+    ours = np.asarray(jax.jit(functools.partial(rollout, model))(session, actions)[1])
+
+    raw = jax.jit(functools.partial(baselines.raw_rollout, model, cond))(baselines.raw_state(snapshot, 256), actions)[1]
+    np.testing.assert_allclose(np.asarray(raw), ours, rtol=1e-5, atol=1e-5)
+
+    # flax's MultiHeadAttention on its own cache, one token per call: an independent attention.
+    decoder = baselines.nnx_decode_model(model, snapshot, 256)
+    graphdef, params, cache = nnx.split(decoder, nnx.Param, nnx.Cache)
+    h, frames = jnp.asarray(snapshot.h), jnp.asarray(snapshot.frames)
+    decoded = baselines.nnx_decode_rollout(graphdef, params, cache, cond, h, frames, actions)[1]
+    np.testing.assert_allclose(np.asarray(decoded), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_donated_rollout_compiles_once_and_writes_in_place():
+    model, session, actions = started(CONFIG, watched=1)
+    graphdef, params = nnx.split(model)
+    traces = []
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def run(params, session, actions):
+        traces.append(1)
+        return rollout(nnx.merge(graphdef, params), session, actions)
+
+    before = session["kv_0"].k.unsafe_buffer_pointer()
+    session, _ = run(params, session, actions)
+    session, frames = run(params, session, actions)
+    assert len(traces) == 1
+    assert session["kv_0"].k.unsafe_buffer_pointer() == before  # the donated buffer was reused
+    assert session["kv_0"].lengths.tolist() == [(1 + 8) * CONFIG.tokens] and frames.shape == (4, 1, 8, 8, 4)
+    jss.check(session)
+
+
+@pytest.mark.parametrize("capacity", [None, 256], ids=["ring", "append"])
+def test_a_lane_imagines_what_the_session_would_roll(capacity):
+    config = dataclasses.replace(CONFIG, capacity=capacity, window=32, lane_frames=4)
+    model, session, actions = started(config, watched=3)
+    plans = jnp.stack([actions, -actions, 0 * actions])  # three candidate action sequences
+
+    def imagine(lane, plan):
+        frames = []
+        for action in plan:
+            lane, frame = model.step(lane, action)
+            frames.append(frame)
+        return lane, jnp.stack(frames)
+
+    window = {**{name: 4 * config.tokens for name in kv_names(config)}, "frames": 4}
+    branches, imagined = jax.jit(lambda s, p: s.branch(3, window=window).map(imagine, p))(session, plans)
+    roll = jax.jit(functools.partial(rollout, model))
+    for lane in range(3):
+        rolled, frames = roll(session, plans[lane])
+        # Cascade attention (prefix and lane merged by log-sum-exp) against one pass: float32 rounding.
+        np.testing.assert_allclose(np.asarray(imagined[lane]), np.asarray(frames), rtol=1e-4, atol=1e-4)
+        adopted = branches.adopt(lane)
+        for name in kv_names(config):
+            assert adopted[name].lengths.tolist() == rolled[name].lengths.tolist()
+        np.testing.assert_allclose(adopted.view()["carry"]["h"], rolled.view()["carry"]["h"], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(adopted.view()["frames"].items, rolled.view()["frames"].items, rtol=1e-4, atol=1e-4)
