@@ -8,7 +8,9 @@ medians.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import time
@@ -43,21 +45,69 @@ def interleaved(
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def median_seconds(
+    candidates: Mapping[str, tuple[Callable[[], Any], Callable[[Any], Any]]], *, rounds: int
+) -> dict[str, float]:
+    """Median seconds per run of each candidate, round-robin, each run on a fresh input.
+
+    Args:
+      candidates: name -> ``(setup, run)``: ``setup()`` makes the input (not
+        timed), ``run(input)`` runs once and blocks until done (timed).
+      rounds: rounds of the round-robin; the median is over rounds.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, (setup, run) in candidates.items():
+            given = setup()
+            start = time.perf_counter()
+            run(given)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def environment() -> dict[str, str]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: the machine and the versions."""
+    versions = {}
+    for package in ("jaxlib", "flax", "numpy", "torch"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "not installed"
     return {
         "jax": jax.__version__,
+        **versions,
         "backend": jax.default_backend(),
         "devices": str(jax.devices()),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or "unknown",
+        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU",
+        "cores": str(os.cpu_count()),
+        "memory": _memory(),
+        "system": platform.system(),
     }
+
+
+def _proc_field(path: str, field: str) -> str | None:
+    """The first ``field: value`` of a /proc file, or None where there is none."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _memory() -> str:
+    total = _proc_field("/proc/meminfo", "MemTotal")  # "24576000 kB"
+    return f"{int(total.split()[0]) / 2**20:.0f} GiB RAM" if total else "unknown RAM"
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A plain-text table of ``rows``."""
-    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
+    cells = [[cell(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     rule = "  ".join("-" * w for w in widths)
@@ -65,7 +115,8 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join([line, rule, *body])
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
+    """One table cell: floats to 4 significant digits, booleans as yes / NO."""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, bool):
@@ -79,6 +130,21 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="the large sizes (slower)")
     p.add_argument("--out", type=Path, default=None, help="where to write the JSON results")
     return p
+
+
+def cli(name: str, run: Callable[..., list[dict[str, Any]]], doc: str) -> None:
+    """The command line of benchmark ``name``: ``python -m benchmarks.NAME [--full] [--out PATH]``.
+
+    Args:
+      name: the module's name under ``benchmarks``.
+      run: ``run(full=...)`` measures and returns the rows (dicts with at
+        least ``measure`` and ``value``; ratios also ``bar`` and ``holds``).
+      doc: the module's docstring; its first line describes the command.
+    """
+    args = parser(doc.splitlines()[0]).parse_args()
+    rows = run(full=args.full)
+    columns = [c for c in ("measure", "value", "bar", "holds") if any(c in row for row in rows)]
+    report(name, rows, columns, args.out)
 
 
 def report(name: str, rows: list[dict[str, Any]], columns: list[str], out: Path | None, **extra: Any) -> dict:

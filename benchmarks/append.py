@@ -3,8 +3,8 @@
 Measures, in one run:
 
 - a jitted ``KVCache.append`` of a 16-token chunk (8 kv-heads x 64, float32)
-  at capacity 1k and 32k tokens, donated and not (bars: donated 32k / 1k
-  <= 1.3; not donated / donated at 32k >= 100);
+  at capacities from 1k to 32k tokens (128k with ``--full``), donated and
+  not (bars: donated 32k / 1k <= 1.3; not donated / donated at 32k >= 100);
 - a 256-step ``lax.scan`` rollout (append 16 tokens + attention over the
   valid prefix) written with the library against the same rollout written
   by hand on raw arrays with ``lax.dynamic_update_slice`` (bar <= 1.10).
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
-from benchmarks._common import interleaved, parser, report
+from benchmarks._common import cli, interleaved
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "library_over_raw_rollout": 1.10}
@@ -36,15 +36,19 @@ def _chunk(seed: int) -> jss.KVChunk:
 PREFIX = 512  # tokens already in the cache when an append is timed, at every capacity
 
 
-def append_timings(*, rounds: int) -> dict[str, float]:
-    """Seconds per append at 1k and 32k capacity, donated, and at 32k not donated.
+def append_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[str, int], float]:
+    """Seconds per append at each capacity, donated and not, and donated at 32k beside the copies.
 
     Every timed call appends 16 rows after the same 512-token prefix and then
     rewinds the length (a one-int update), so thousands of calls never fill
-    the cache and both capacities write the same, warm rows: what differs is
+    the cache and every capacity writes the same, warm rows: what differs is
     only the capacity around them.  Donated calls are compared with each
     other, interleaved, and separately with the copying calls, whose whole-cache
     copies would otherwise evict the donated calls' rows from the CPU caches.
+
+    Returns:
+      ``{(mode, capacity): seconds}`` for mode ``"donated"`` and ``"copied"``
+      at every capacity, and ``("donated beside copies", 32768)``.
     """
     chunk = _chunk(0)
 
@@ -55,7 +59,7 @@ def append_timings(*, rounds: int) -> dict[str, float]:
     steps = {"donated": jax.jit(append_then_forget, donate_argnums=0), "copied": jax.jit(append_then_forget)}
     prefix = jnp.zeros((1, PREFIX, HEADS, HEAD_DIM), jnp.float32)
     state = {}
-    for capacity in (1024, 32768):
+    for capacity in capacities:
         empty = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=capacity)
         for mode in steps:
             state[mode, capacity] = empty.empty().append((prefix, prefix))
@@ -68,23 +72,23 @@ def append_timings(*, rounds: int) -> dict[str, float]:
         state[mode, capacity].lengths.block_until_ready()
 
     donated = interleaved(
-        {"1k": functools.partial(call, "donated", 1024), "32k": functools.partial(call, "donated", 32768)},
-        rounds=rounds,
-        repeat=200,
+        {capacity: functools.partial(call, "donated", capacity) for capacity in capacities}, rounds=rounds, repeat=200
     )
     copies = interleaved(
         {"copied": functools.partial(call, "copied", 32768), "donated": functools.partial(call, "donated", 32768)},
         rounds=rounds,
         repeat={"copied": 3, "donated": 200},
     )
-    copied_1k = interleaved({"copied": functools.partial(call, "copied", 1024)}, rounds=rounds, repeat=20)
-    return {
-        "donated_1k": donated["1k"],
-        "donated_32k": donated["32k"],
-        "copied_1k": copied_1k["copied"],
-        "copied_32k": copies["copied"],
-        "donated_32k_beside_copies": copies["donated"],
-    }
+    copied = interleaved(
+        {capacity: functools.partial(call, "copied", capacity) for capacity in capacities},
+        rounds=rounds,
+        repeat={capacity: max(3, 65536 // capacity) for capacity in capacities},
+    )
+    times = {("donated", capacity): t for capacity, t in donated.items()}
+    times.update({("copied", capacity): t for capacity, t in copied.items()})
+    times["copied", 32768] = copies["copied"]
+    times["donated beside copies", 32768] = copies["donated"]
+    return times
 
 
 def _prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, block: int) -> jax.Array:
@@ -155,30 +159,32 @@ def rollout_timings(steps: int, *, rounds: int) -> dict[str, float]:
     return interleaved({"library": run_library, "raw": run_raw}, rounds=rounds, repeat=1)
 
 
-def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    rounds = 15 if args.full else 7
-    appends = append_timings(rounds=rounds)
-    rollout = rollout_timings(256, rounds=5 if args.full else 3)
+def run(*, full: bool) -> list[dict]:
+    """Append cost at each capacity (donated or not), the rollout against raw arrays, and the bars."""
+    capacities = (1024, 4096, 16384, 32768, 131072) if full else (1024, 4096, 16384, 32768)
+    appends = append_timings(capacities, rounds=15 if full else 7)
+    rollout = rollout_timings(256, rounds=5 if full else 3)
     rows = [
-        {"measure": "append 16 tokens, cap 1k, donated (us)", "value": appends["donated_1k"] * 1e6},
-        {"measure": "append 16 tokens, cap 32k, donated (us)", "value": appends["donated_32k"] * 1e6},
-        {"measure": "append 16 tokens, cap 1k, not donated (us)", "value": appends["copied_1k"] * 1e6},
-        {"measure": "append 16 tokens, cap 32k, not donated (us)", "value": appends["copied_32k"] * 1e6},
+        {"measure": f"append 16 tokens, cap {capacity // 1024}k, {mode} (us)", "value": appends[mode, capacity] * 1e6,
+         "figure": "append", "capacity": capacity, "donated": mode == "donated"}
+        for mode in ("donated", "copied")
+        for capacity in capacities
+    ]
+    rows += [
         {"measure": "256-step rollout, library (ms)", "value": rollout["library"] * 1e3},
         {"measure": "256-step rollout, raw arrays (ms)", "value": rollout["raw"] * 1e3},
     ]
     ratios = {
-        "donated_32k_over_1k": appends["donated_32k"] / appends["donated_1k"],
-        "copy_over_donated_32k": appends["copied_32k"] / appends["donated_32k_beside_copies"],
+        "donated_32k_over_1k": appends["donated", 32768] / appends["donated", 1024],
+        "copy_over_donated_32k": appends["copied", 32768] / appends["donated beside copies", 32768],
         "library_over_raw_rollout": rollout["library"] / rollout["raw"],
     }
     for name, value in ratios.items():
         bar = BARS[name]
         holds = value >= bar if name == "copy_over_donated_32k" else value <= bar
         rows.append({"measure": f"ratio {name}", "value": value, "bar": ("≥ " if name.startswith("copy") else "≤ ") + str(bar), "holds": holds})
-    report("append", rows, ["measure", "value", "bar", "holds"], args.out, ratios=ratios)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    cli("append", run, __doc__)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
-from benchmarks._common import interleaved, parser, report
+from benchmarks._common import cli, interleaved
 
 HEADS, HEAD_DIM, PAGE = 8, 64, 16
 LONG, SHORT = 32 * 1024 - 5, 1024 - 5  # tokens; both end mid-page
@@ -85,13 +85,13 @@ def dense_fork_timing(*, rounds: int) -> float:
     return interleaved(copy, rounds=rounds, repeat=3)["dense"]
 
 
-def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    rounds = 31 if args.full else 11
+def run(*, full: bool) -> list[dict]:
+    """Paged fork at 32k and 1k tokens, a dense deep copy for scale, and the bar."""
+    rounds = 31 if full else 11
     forks = fork_timings(rounds=rounds)
-    dense = dense_fork_timing(rounds=5 if args.full else 3)
+    dense = dense_fork_timing(rounds=5 if full else 3)
     ratio = forks["long"] / forks["short"]
-    rows = [
+    return [
         {"measure": f"paged fork, {SHORT + 5} tokens (us)", "value": forks["short"] * 1e6},
         {"measure": f"paged fork, {LONG + 5} tokens (us)", "value": forks["long"] * 1e6},
         {"measure": f"dense deep copy, {LONG + 5} tokens (us)", "value": dense * 1e6},
@@ -99,9 +99,7 @@ def main() -> None:
          "holds": ratio <= BARS["fork_32k_over_1k"]},
         {"measure": "ratio dense_copy_over_paged_fork_32k", "value": dense / forks["long"]},
     ]
-    report("paged", rows, ["measure", "value", "bar", "holds"], args.out,
-           ratios={"fork_32k_over_1k": ratio, "dense_copy_over_paged_fork_32k": dense / forks["long"]})
 
 
 if __name__ == "__main__":
-    main()
+    cli("paged", run, __doc__)
