@@ -1,0 +1,196 @@
+"""The world model's rollout: the library against PyTorch eager, flax nnx's decode cache and raw JAX.
+
+The model is ``examples/world_model.py`` (4 blocks, d_model 64, 4 query and
+2 K/V heads of 16, one 16-token frame per step, float32, batch 1) with K/V
+caches of capacity 32k tokens (append mode).  From the same state -- a
+prefix of P tokens written by a teacher-forced rollout -- each side rolls
+the same frames with the same weights (checked: the frames agree), and the
+step time is the median over interleaved rounds:
+
+- library: the whole rollout of 16 frames is one jitted ``lax.scan`` over
+  ``WorldModel.step`` with the ``jss.Session`` donated; attention reads the
+  valid prefix only (``jss.attend``);
+- raw JAX: the same scan hand-written on raw arrays (K/V written with
+  ``lax.dynamic_update_slice``, the same projections and ``jss.attend``);
+  bar: library <= 1.05 x raw (the abstraction costs nothing);
+- PyTorch eager: a preallocated head-major cache per block written in place
+  with ``copy_``, ``scaled_dot_product_attention`` over the valid prefix
+  (grouped-query heads, a causal mask for the chunk), under
+  ``inference_mode``; timed with 1 and with 2 threads, its faster figure
+  counts; bar: library <= 1.0 x PyTorch at capacity 32k;
+- flax nnx: the blocks' ``nnx.MultiHeadAttention`` on its own decode cache,
+  one token per call (its only mode), the frames scanned in one jitted
+  call; flax attends over the whole capacity with a mask; bar: library per
+  token <= 0.1 x nnx per token;
+- peak resident memory of a donated rollout with a 1 GiB session, in a
+  fresh process launched through ``sh -c``: peak <= 1.25 x (session bytes +
+  the process's resident memory before allocating it, after compiling).
+
+Run:  python -m benchmarks.rollout [--full] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jax_session_state as jss
+from benchmarks import _rollout_baselines as baselines
+from benchmarks._common import cli, median_seconds
+from examples.world_model import WorldModel, WorldModelConfig, kv_names, moving_patterns, rollout, start_session
+
+CAPACITY = 32 * 1024
+FRAMES = 16  # frames per timed rollout
+NNX_FRAMES = 2  # frames per timed flax decode rollout (32 tokens, one call each)
+MEMORY_CAPACITY = 1024 * 1024  # tokens: 4 blocks x 1 KiB per token = a 1 GiB session
+BARS = {"library_over_torch": 1.0, "library_over_nnx_per_token": 0.1, "library_over_raw": 1.05,
+        "peak_over_session_plus_baseline": 1.25}
+
+
+class Setup:
+    """The model, a session holding ``prefix`` tokens, its snapshot and the actions to time."""
+
+    def __init__(self, prefix: int):
+        self.config = config = WorldModelConfig(capacity=CAPACITY)
+        self.model = WorldModel(config, rngs=nnx.Rngs(0))
+        self.graphdef, self.params = nnx.split(self.model)
+        watched = prefix // config.tokens
+        key = jax.random.key(1)
+        frames, actions = moving_patterns(key, config, watched + FRAMES, config.batch)
+        prompt = jax.random.normal(key, (config.batch, config.prompt_tokens, config.d_model))
+        session = start_session(self.model, prompt, frames[: config.context_frames])
+        seen = frames[config.context_frames: config.context_frames + watched]
+        self.rollout = jax.jit(self._rollout, donate_argnums=1)
+        self.session = self.rollout(self.params, session, actions[:watched], seen)[0]
+        self.actions = actions[watched:]
+        self.snapshot = baselines.Snapshot.of(self.session, kv_names(config))
+
+    def _rollout(self, params: nnx.State, session: jss.Session, actions: jax.Array, observed: Any = None):
+        return rollout(nnx.merge(self.graphdef, params), session, actions, observed)
+
+
+def _blocking(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda *args: jax.block_until_ready(fn(*args))
+
+
+def step_times(prefix: int, *, rounds: int) -> dict[str, float]:
+    """Seconds per frame of the library, raw JAX and PyTorch, from a ``prefix``-token state."""
+    s = Setup(prefix)
+    cond = baselines.cond_view(s.snapshot)
+    raw = jax.jit(functools.partial(baselines.raw_rollout, s.model, cond), donate_argnums=0)
+    library = _blocking(lambda session: s.rollout(s.params, session, s.actions))
+    raw_run = _blocking(lambda state: raw(state, s.actions))
+    frames = {"library": library(s.session.fork())[1], "raw JAX": raw_run(baselines.raw_state(s.snapshot, CAPACITY))[1]}
+    candidates = {
+        "library": (s.session.fork, library),
+        "raw JAX": (lambda: baselines.raw_state(s.snapshot, CAPACITY), raw_run),
+    }
+    try:
+        import torch
+    except ImportError:
+        print("torch is not installed: the PyTorch rows are skipped (pip install torch).")
+    else:
+        model = baselines.TorchWorldModel(s.model, s.snapshot, CAPACITY)
+        actions = np.asarray(s.actions)
+        frames["PyTorch eager"] = model.rollout(actions)
+
+        def torch_setup(threads: int) -> Callable[[], None]:
+            def setup() -> None:
+                torch.set_num_threads(threads)
+                model.restore(s.snapshot)
+            return setup
+
+        for threads in (1, 2):
+            candidates[f"PyTorch eager, {threads} thread(s)"] = (torch_setup(threads), lambda _: model.rollout(actions))
+    for name, got in frames.items():  # every side computes the same frames
+        np.testing.assert_allclose(np.asarray(got), np.asarray(frames["library"]), rtol=2e-3, atol=2e-3, err_msg=name)
+    for setup, run in candidates.values():  # warm up
+        run(setup())
+    times = {name: t / FRAMES for name, t in median_seconds(candidates, rounds=rounds).items()}
+    torch_rows = [t for name, t in times.items() if name.startswith("PyTorch")]
+    if torch_rows:
+        times["PyTorch eager"] = min(torch_rows)
+    return times
+
+
+def nnx_token_time(*, rounds: int) -> tuple[float, float]:
+    """Seconds per token of flax's decode cache, and of the library over the same frames."""
+    s = Setup(1024)
+    decoder = baselines.nnx_decode_model(s.model, s.snapshot, CAPACITY)
+    graphdef, params, cache = nnx.split(decoder, nnx.Param, nnx.Cache)
+    cond = baselines.cond_view(s.snapshot)
+    h, context, actions = jnp.asarray(s.snapshot.h), jnp.asarray(s.snapshot.frames), s.actions[:NNX_FRAMES]
+    decode = jax.jit(functools.partial(baselines.nnx_decode_rollout, graphdef, params), donate_argnums=0)
+    decode_run = _blocking(lambda cache: decode(cache, cond, h, context, actions))
+    library = _blocking(lambda session: s.rollout(s.params, session, actions))
+    copy_cache = lambda: jax.tree.map(jnp.copy, cache)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(decode_run(copy_cache())[1]), np.asarray(library(s.session.fork())[1]),
+                               rtol=2e-3, atol=2e-3, err_msg="flax nnx decode")
+    times = median_seconds({"nnx": (copy_cache, decode_run), "library": (s.session.fork, library)}, rounds=rounds)
+    tokens = NNX_FRAMES * s.config.tokens
+    return times["nnx"] / tokens, times["library"] / tokens
+
+
+def peak_memory(capacity: int, steps: int) -> dict[str, int]:
+    """Baseline, session and peak resident bytes of a donated rollout in a fresh process."""
+    command = f"exec {shlex.quote(sys.executable)} -m benchmarks._rollout_memory {capacity} {steps}"
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(*, full: bool) -> list[dict[str, Any]]:
+    """Rows of step times, ratios against the bars, and the memory figures."""
+    print(__doc__.split("\n\n", 1)[1].split("Run:")[0])
+    rounds = 15 if full else 7
+    rows: list[dict[str, Any]] = []
+    prefixes = (1024, 4096, 16384) if full else (1024, 4096)
+    for prefix in prefixes:
+        times = step_times(prefix, rounds=rounds)
+        for name, seconds in times.items():
+            rows.append({"measure": f"step, {prefix}-token prefix: {name} (ms/frame)", "value": seconds * 1e3,
+                         "figure": "rollout_step", "implementation": name, "prefix": prefix})
+        rows.append(_ratio(f"library / raw JAX, {prefix}-token prefix", times["library"] / times["raw JAX"],
+                           "library_over_raw"))
+        if "PyTorch eager" in times:
+            rows.append(_ratio(f"library / PyTorch eager, {prefix}-token prefix",
+                               times["library"] / times["PyTorch eager"], "library_over_torch"))
+    nnx_token, library_token = nnx_token_time(rounds=max(3, rounds // 2))
+    tokens = WorldModelConfig().tokens
+    rows += [
+        {"measure": "flax nnx decode cache, one token per call (ms/token)", "value": nnx_token * 1e3},
+        {"measure": f"step, 1024-token prefix: flax nnx decode, {tokens} calls (ms/frame)", "value": nnx_token * tokens * 1e3,
+         "figure": "rollout_step", "implementation": "flax nnx decode", "prefix": 1024},
+        {"measure": f"library, same frames, {tokens} tokens per step (ms/token)", "value": library_token * 1e3},
+        _ratio("library / flax nnx decode, per token", library_token / nnx_token, "library_over_nnx_per_token"),
+    ]
+    memory = peak_memory(MEMORY_CAPACITY, 64)
+    bound = memory["session"] + memory["baseline"]
+    rows += [
+        {"measure": "memory: baseline resident before allocating (MiB)", "value": memory["baseline"] / 2**20,
+         "figure": "rollout_memory", "part": "baseline"},
+        {"measure": "memory: session, logical bytes (MiB)", "value": memory["session"] / 2**20,
+         "figure": "rollout_memory", "part": "session"},
+        {"measure": "memory: peak resident of the donated rollout (MiB)", "value": memory["peak"] / 2**20,
+         "figure": "rollout_memory", "part": "peak"},
+        _ratio("peak / (session + baseline)", memory["peak"] / bound, "peak_over_session_plus_baseline"),
+    ]
+    return rows
+
+
+def _ratio(measure: str, value: float, bar: str) -> dict[str, Any]:
+    return {"measure": f"ratio {measure}", "value": value, "bar": f"≤ {BARS[bar]}", "holds": value <= BARS[bar]}
+
+
+if __name__ == "__main__":
+    cli("rollout", run, __doc__)
