@@ -347,6 +347,7 @@ def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
             taken.append((preempt, current))
     if ledger.over:
         return
+    needless = set()
     for preempt, current in taken[:-1]:
         for key, count in current.items():
             ledger.shift(key, count)
@@ -354,7 +355,9 @@ def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
             for key, count in current.items():
                 ledger.shift(key, -count)
         else:
-            ledger.actions.remove(preempt)
+            needless.add(id(preempt))
+    if needless:
+        ledger.actions = [a for a in ledger.actions if id(a) not in needless]
 
 
 def _searched_plan(
