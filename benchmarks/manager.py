@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 
 import jax_session_state as jss
@@ -55,7 +54,9 @@ def template(extra: int = 0) -> jss.Session:
     """A small session: a prompt, conditioning rebuilt from it, a carry (and ``extra`` floats)."""
     objects = {
         "prompt": jss.FixedState.allocate(shapes=(1, 4, 8)),
-        "cond": jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=4, length=4, recompute_source="prompt"),
+        "cond": jss.EncodeOnceKV.allocate(
+            batch=1, kv_heads=2, head_dim=4, length=4, recompute_source="prompt"
+        ),
         "carry": jss.FixedState.allocate(shapes=(1, 16)),
     }
     if extra:
@@ -172,21 +173,38 @@ def _full_sessions(count: int) -> list[SessionUsage]:
         device = f"cuda:{i % 2}"
         objects = (
             ObjectUsage("prompt", {device: 64 * KIB}, rebuildable=True, recompute_cost=50.0),
-            ObjectUsage("cond_kv", {device: 8 * KIB}, sources=("prompt",), rebuildable=True, recompute_cost=1.0),
+            ObjectUsage(
+                "cond_kv", {device: 8 * KIB}, sources=("prompt",), rebuildable=True, recompute_cost=1.0
+            ),
             ObjectUsage("kv_cache", {device: (200 + i % 7 * 16) * KIB}),
-            ObjectUsage("frames", {device: 32 * KIB}, sources=("kv_cache",), rebuildable=True, recompute_cost=2.0),
+            ObjectUsage(
+                "frames", {device: 32 * KIB}, sources=("kv_cache",), rebuildable=True, recompute_cost=2.0
+            ),
         )
-        sessions.append(SessionUsage(f"s{i}", objects, last_used=(i * 7919) % count, pinned=i % 50 == 0,
-                                     attrs_bytes_by_device={device: KIB}))
+        sessions.append(
+            SessionUsage(
+                f"s{i}",
+                objects,
+                last_used=(i * 7919) % count,
+                pinned=i % 50 == 0,
+                attrs_bytes_by_device={device: KIB},
+            )
+        )
     return sessions
 
 
 def _pair_sessions(count: int) -> list[SessionUsage]:
     return [
-        SessionUsage(i, (
-            ObjectUsage("prompt", {"cuda:0": 100 * KIB}, rebuildable=True, recompute_cost=400.0),
-            ObjectUsage("cond_kv", {"cuda:0": 10 * KIB}, sources=("prompt",), rebuildable=True, recompute_cost=1.0),
-        ), last_used=i)
+        SessionUsage(
+            i,
+            (
+                ObjectUsage("prompt", {"cuda:0": 100 * KIB}, rebuildable=True, recompute_cost=400.0),
+                ObjectUsage(
+                    "cond_kv", {"cuda:0": 10 * KIB}, sources=("prompt",), rebuildable=True, recompute_cost=1.0
+                ),
+            ),
+            last_used=i,
+        )
         for i in range(count)
     ]
 
@@ -209,8 +227,12 @@ def planner_scenario(name: str, count: int) -> tuple[list[SessionUsage], dict]:
     usage = _usage(sessions)
     if name == "drops_only":
         return sessions, {"budgets": {k: int(v * 0.9) for k, v in usage.items()}}
-    return sessions, {"budgets": {k: int(v * 0.55) for k, v in usage.items()}, "park": True,
-                      "host_room": sum(usage.values()) // 10, "allow_preempt": True}
+    return sessions, {
+        "budgets": {k: int(v * 0.55) for k, v in usage.items()},
+        "park": True,
+        "host_room": sum(usage.values()) // 10,
+        "allow_preempt": True,
+    }
 
 
 def _linear_scan(sessions: list[SessionUsage], **_: object) -> int:
@@ -243,10 +265,21 @@ def planner_timings(*, rounds: int, samples: int = 3) -> dict[tuple[str, int], d
     for _ in range(rounds):
         for name in (*PLANNER_SCENARIOS, "linear_scan"):
             for count in SIZES:
-                command = [sys.executable, "-m", "benchmarks.manager", "--measure-plan", name, str(count), str(samples)]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.manager",
+                    "--measure-plan",
+                    name,
+                    str(count),
+                    str(samples),
+                ]
                 row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
                 old = best.setdefault((name, count), row)
-                old["cpu_s"], old["wall_s"] = min(old["cpu_s"], row["cpu_s"]), min(old["wall_s"], row["wall_s"])
+                old["cpu_s"], old["wall_s"] = (
+                    min(old["cpu_s"], row["cpu_s"]),
+                    min(old["wall_s"], row["wall_s"]),
+                )
     return best
 
 
@@ -264,35 +297,62 @@ def main() -> None:
     for name in ("all", "hot"):
         for count in SIZES:
             for who, label in (("get", "get hit"), ("bare", "bare OrderedDict+RLock lookup")):
-                rows.append({"measure": f"{label}, {name} ids, {count} sessions (us)",
-                             "value": lookups[f"{who}_{name}_{count}"] * 1e6})
+                rows.append(
+                    {
+                        "measure": f"{label}, {name} ids, {count} sessions (us)",
+                        "value": lookups[f"{who}_{name}_{count}"] * 1e6,
+                    }
+                )
     for name, rate in rates.items():
         rows.append({"measure": f"{name} throughput, 10000 sessions (ops/s)", "value": rate})
     for count in SIZES:
-        rows.append({"measure": f"put planning 4 drops, {count} sessions (ms)", "value": pressure[count]["seconds"] * 1e3})
+        rows.append(
+            {
+                "measure": f"put planning 4 drops, {count} sessions (ms)",
+                "value": pressure[count]["seconds"] * 1e3,
+            }
+        )
     for name in (*PLANNER_SCENARIOS, "linear_scan"):
         for count in SIZES:
             row = planner[name, count]
             actions = ", ".join(f"{k} {v}" for k, v in sorted(row["actions"].items()))
             label = "linear scan of the figures" if name == "linear_scan" else f"planner {name}"
-            rows.append({"measure": f"{label}, {count} sessions (ms cpu)", "value": row["cpu_s"] * 1e3, "note": actions})
+            rows.append(
+                {
+                    "measure": f"{label}, {count} sessions (ms cpu)",
+                    "value": row["cpu_s"] * 1e3,
+                    "note": actions,
+                }
+            )
     ratios = {
-        **{f"get_over_bare_{name}_{count // 1000}k": lookups[f"get_{name}_{count}"] / lookups[f"bare_{name}_{count}"]
-           for name in ("all", "hot") for count in SIZES},
+        **{
+            f"get_over_bare_{name}_{count // 1000}k": lookups[f"get_{name}_{count}"]
+            / lookups[f"bare_{name}_{count}"]
+            for name in ("all", "hot")
+            for count in SIZES
+        },
         "get_hot_10k_over_1k": lookups["get_hot_10000"] / lookups["get_hot_1000"],
         "bare_hot_10k_over_1k": lookups["bare_hot_10000"] / lookups["bare_hot_1000"],
         "get_all_10k_over_1k": lookups["get_all_10000"] / lookups["get_all_1000"],
         "bare_all_10k_over_1k": lookups["bare_all_10000"] / lookups["bare_all_1000"],
         "plan_10k_over_1k_manager_put": pressure[10_000]["seconds"] / pressure[1_000]["seconds"],
-        **{f"plan_10k_over_1k_{name}": planner[name, 10_000]["cpu_s"] / planner[name, 1_000]["cpu_s"]
-           for name in (*PLANNER_SCENARIOS, "linear_scan")},
+        **{
+            f"plan_10k_over_1k_{name}": planner[name, 10_000]["cpu_s"] / planner[name, 1_000]["cpu_s"]
+            for name in (*PLANNER_SCENARIOS, "linear_scan")
+        },
     }
     for name, value in ratios.items():
         bar = next((b for prefix, b in BARS.items() if name.startswith(prefix)), None)
         if name.endswith("linear_scan") or name.startswith("bare") or name == "get_all_10k_over_1k":
             bar = None  # the floors the others are read against; all ids at 10k: cache effects, see above
-        rows.append({"measure": f"ratio {name}", "value": value, "bar": f"≤ {bar}" if bar else "",
-                     "holds": value <= bar if bar else ""})
+        rows.append(
+            {
+                "measure": f"ratio {name}",
+                "value": value,
+                "bar": f"≤ {bar}" if bar else "",
+                "holds": value <= bar if bar else "",
+            }
+        )
     report("manager", rows, ["measure", "value", "bar", "holds", "note"], args.out, ratios=ratios)
 
 

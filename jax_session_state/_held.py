@@ -72,7 +72,9 @@ class ObjectRecord:
         """The record once parked as ``parked``."""
         return ObjectRecord("parked", tuple(tree_storages(parked.obj)), self.home_bytes, parked=parked)
 
-    def usage(self, name: str, obj: StateObject, rebuild: Rebuild | None, *, as_resident: bool = False) -> ObjectUsage:
+    def usage(
+        self, name: str, obj: StateObject, rebuild: Rebuild | None, *, as_resident: bool = False
+    ) -> ObjectUsage:
         """The planner's figures of this object (``as_resident``: as if restored)."""
         rebuildable = rebuild is not None and bool(obj.recompute_source) and obj.evictable
         cost = rebuild.cost if rebuild is not None and rebuild.cost is not None else obj.recompute_cost
@@ -83,14 +85,30 @@ class ObjectRecord:
         else:
             state = self.state
             nbytes = distinct_bytes(self.storages) if self.state == "parked" else self.home_bytes
-        return ObjectUsage(name, nbytes, state=state, sources=obj.recompute_source, recompute_cost=cost,
-                           rebuildable=rebuildable)
+        return ObjectUsage(
+            name,
+            nbytes,
+            state=state,
+            sources=obj.recompute_source,
+            recompute_cost=cost,
+            rebuildable=rebuildable,
+        )
 
 
 class Entry:
     """One held session: its objects (parked and dropped ones non-resident), records, pins and use."""
 
-    __slots__ = ("session", "records", "attrs_storages", "attrs_bytes", "whole", "pins", "busy", "origin", "_usage")
+    __slots__ = (
+        "session",
+        "records",
+        "attrs_storages",
+        "attrs_bytes",
+        "whole",
+        "pins",
+        "busy",
+        "origin",
+        "_usage",
+    )
 
     def __init__(self, session: Session, records: dict[str, ObjectRecord]):
         self.session = session
@@ -107,13 +125,13 @@ class Entry:
     def of(cls, session: Session) -> Entry:
         return cls(session, {name: ObjectRecord.of(obj) for name, obj in session.objects.items()})
 
-    def with_objects(self, objects: Mapping[str, tuple[StateObject, ObjectRecord]]) -> Entry:
-        """A new entry with these objects and records replaced; pins and use carried over."""
-        session = self.session.replace(objects={**self.session.objects, **{n: o for n, (o, _) in objects.items()}})
-        return Entry(session, {**self.records, **{n: r for n, (_, r) in objects.items()}}).carrying(self)
+    def with_object(self, name: str, obj: StateObject, record: ObjectRecord) -> Entry:
+        """A new entry with object ``name`` and its record replaced; pins and update hold carried over."""
+        session = self.session.with_objects(**{name: obj})
+        return Entry(session, {**self.records, name: record}).carrying(self)
 
     def carrying(self, old: Entry) -> Entry:
-        """This entry, taking over ``old``'s pins, use and origin (it replaces ``old``)."""
+        """This entry, taking over ``old``'s pins, update hold and origin (it replaces ``old``)."""
         self.pins, self.busy, self.origin = old.pins, old.busy, old.origin
         return self
 
@@ -132,14 +150,21 @@ class Entry:
         return [name for name, record in self.records.items() if record.state == state]
 
     def usage(
-        self, session_id: Hashable, last_used: int, pinned: bool, rebuilds: Mapping[str, Rebuild], version: int
+        self,
+        session_id: Hashable,
+        last_used: int,
+        pinned: bool,
+        rebuilds: Mapping[str, Rebuild],
+        version: int,
     ) -> SessionUsage:
         """The planner's figures of this session; object figures cached per rebuild registry ``version``."""
         if self._usage is None or self._usage[0] != version:
             self._usage = (version, self._object_usage(rebuilds, as_resident=False))
         return SessionUsage(session_id, self._usage[1], last_used, pinned, self.attrs_bytes)
 
-    def restored_usage(self, session_id: Hashable, last_used: int, rebuilds: Mapping[str, Rebuild]) -> SessionUsage:
+    def restored_usage(
+        self, session_id: Hashable, last_used: int, rebuilds: Mapping[str, Rebuild]
+    ) -> SessionUsage:
         """The planner's figures of this session once its parked and dropped objects are back."""
         objects = self._object_usage(rebuilds, as_resident=True)
         return SessionUsage(session_id, objects, last_used, True, self.attrs_bytes)

@@ -10,7 +10,7 @@ one option per session.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 
@@ -100,20 +100,27 @@ def _session_menu(
         menu = grown
     front: list[Option] = []
     for option in sorted(menu, key=lambda o: (sum(o.delta), o.room)):
-        if not any(f.room <= option.room and all(a <= b for a, b in zip(f.delta, option.delta)) for f in front):
+        if not any(
+            f.room <= option.room and all(a <= b for a, b in zip(f.delta, option.delta)) for f in front
+        ):
             front.append(option)
     return front
 
 
 def search(
-    start: Any, candidates: Sequence[Candidates], destination: Callable[[str], str | None], limit: int
+    start: Any,
+    candidates: Callable[[], Iterable[Candidates]],
+    destination: Callable[[str], str | None],
+    limit: int,
 ) -> tuple[dict[int, Option] | None, bool]:
     """Exact search for drops and parks (no preemption) that fit every budget.
 
     Args:
       start: the planner's ledger before any action (``usage``, ``budgets``,
         ``over``, ``room_left``).
-      candidates: each actor's candidates; parks only where parking is on.
+      candidates: yields each actor's candidates (parks only where parking is
+        on); called twice, so that the cheap bound is streamed and only a
+        search that may succeed keeps them all.
       destination: where parked bytes of a device key go.
       limit: options per session and backtracking steps before giving up.
 
@@ -121,15 +128,15 @@ def search(
       ``(option by actor index, exhaustive)``; the selection is None when
       nothing fits, or when ``limit`` was exceeded (then exhaustive is False).
     """
-    if not _may_fit(start, candidates):
+    if not _may_fit(start, candidates()):
         return None, True
-    candidates = [c for c in candidates if c.drops or c.parks]
-    destinations = {destination(k) for c in candidates for _, moved in c.parks for k in moved}
+    kept = [c for c in candidates() if c.drops or c.parks]
+    destinations = {destination(k) for c in kept for _, moved in c.parks for k in moved}
     keys = sorted(start.over | (destinations & start.budgets.keys()))
     column = {key: j for j, key in enumerate(keys)}
     slack = [start.budgets[k] - start.usage.get(k, 0) for k in keys]
     indices, menus = [], []
-    for session_candidates in candidates:
+    for session_candidates in kept:
         menu = _session_menu(session_candidates, column, start.room_left, destination, limit)
         if menu is None:
             return None, False
@@ -152,7 +159,9 @@ def search(
         if room <= start.room_left:
             if all(c <= s for c, s in zip(usage_change, slack)):
                 return {indices[d]: menus[d][i] for d, i in enumerate(chosen)}, True
-            if depth < len(menus) and all(c + r <= s for c, r, s in zip(usage_change, best_rest[depth], slack)):
+            if depth < len(menus) and all(
+                c + r <= s for c, r, s in zip(usage_change, best_rest[depth], slack)
+            ):
                 chosen.append(0)
                 take(menus[depth][0], 1)
                 continue

@@ -83,7 +83,7 @@ def _platform_name(device: jax.Device) -> str:
     return device.platform
 
 
-@functools.lru_cache(maxsize=None)  # devices live as long as the process: a few keys, asked per buffer
+@functools.cache  # devices live as long as the process: a few keys, asked per buffer
 def device_key(device: jax.Device, memory_kind: str | None = None) -> str:
     """The device key of ``device``'s ``memory_kind`` memory.
 

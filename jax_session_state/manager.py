@@ -23,11 +23,11 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from jax_session_state import offload
+from jax_session_state._held import Entry, Ledger, ObjectRecord, Rebuild, distinct_bytes
 from jax_session_state.accounting import Storage
-from jax_session_state._held import Entry, Ledger, Rebuild, distinct_bytes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import BudgetExceededError, SessionAdmissionError, SessionStateLostError
-from jax_session_state.planner import DropObject, ParkObject, Plan, PreemptSession, SessionUsage, plan
+from jax_session_state.planner import Action, DropObject, Plan, PreemptSession, SessionUsage, plan
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerEvent", "SessionStateManager"]
@@ -160,9 +160,13 @@ class SessionStateManager:
                     f"'cuda:0/pinned_host') to bytes >= 0; got {key!r}: {nbytes!r}."
                 )
         if park_memory_kind not in ("pinned_host", None):
-            raise ValueError(f"SessionStateManager: park_memory_kind is 'pinned_host' or None; got {park_memory_kind!r}.")
+            raise ValueError(
+                f"SessionStateManager: park_memory_kind is 'pinned_host' or None; got {park_memory_kind!r}."
+            )
         if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
-            raise ValueError(f"SessionStateManager: host_budget must be bytes >= 0 or None; got {host_budget!r}.")
+            raise ValueError(
+                f"SessionStateManager: host_budget must be bytes >= 0 or None; got {host_budget!r}."
+            )
         self.max_sessions = max_sessions
         self.byte_budget = budgets
         self.evict_when_full = evict_when_full
@@ -228,6 +232,9 @@ class SessionStateManager:
           BudgetExceededError: the result does not fit; it is attached to the
             error as ``session`` and the stored session is the one ``fn`` got
             (dead if ``fn`` donated it: ``put`` the result once there is room).
+
+        If ``fn`` raises, the stored session is the one ``fn`` got (dead if
+        ``fn`` donated it before raising: ``put`` a state back).
         """
         me = threading.get_ident()
         with self._lock:
@@ -266,7 +273,9 @@ class SessionStateManager:
                 if current is not None and current.origin is entry.origin:  # not dropped and created again
                     current.pins -= 1
 
-    def _checkout(self, session_id: Hashable, *, hold: bool = False, pin: bool = False) -> tuple[Session, Entry]:
+    def _checkout(
+        self, session_id: Hashable, *, hold: bool = False, pin: bool = False
+    ) -> tuple[Session, Entry]:
         """The slow lookup: waits for an update in progress, restores what is missing, counts."""
         events: list[ManagerEvent] = []
         try:
@@ -345,7 +354,15 @@ class SessionStateManager:
                         self._refuse_admission(session_id, events)
                 removed = list(self._entries[victim].storages()) if victim is not None else []
                 action = f"creating session {session_id!r}"
-                self._make_room(session_id, action, removed, list(new.storages()), {}, new, exclude=victim, events=events)
+                self._make_room(
+                    session_id,
+                    action,
+                    new,
+                    removed=removed,
+                    added=list(new.storages()),
+                    exclude=victim,
+                    events=events,
+                )
                 if victim is not None:
                     reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
                     self._preempt(victim, reason, events)
@@ -369,9 +386,14 @@ class SessionStateManager:
         try:
             with self._lock:
                 old = self._wait_idle(session_id)
+                removed, added = list(old.storages()), list(new.storages())
                 self._make_room(
-                    session_id, f"putting session {session_id!r}", list(old.storages()), list(new.storages()), {},
-                    new, exclude=None, events=events,
+                    session_id,
+                    f"putting session {session_id!r}",
+                    new,
+                    removed=removed,
+                    added=added,
+                    events=events,
                 )
                 self._ledger.apply(old.storages(), new.storages())
                 self._store(session_id, new.carrying(old))
@@ -381,7 +403,10 @@ class SessionStateManager:
             self._emit(events)
 
     def drop(self, session_id: Hashable) -> bool:
-        """Releases the session; True if it was held (dropping twice is fine: False)."""
+        """Releases the session, pinned or not; True if it was held (dropping twice is fine: False).
+
+        Later lookups raise SessionStateLostError saying it was dropped.
+        """
         with self._lock:
             try:
                 entry = self._wait_idle(session_id)
@@ -493,7 +518,11 @@ class SessionStateManager:
         return None
 
     def _refuse_admission(self, session_id: Hashable, events: list[ManagerEvent]) -> None:
-        why = "every held session is pinned or in use" if self.evict_when_full else "it may not evict (evict_when_full=False)"
+        why = (
+            "every held session is pinned or in use"
+            if self.evict_when_full
+            else "it may not evict (evict_when_full=False)"
+        )
         message = (
             f"cannot create session {session_id!r}: the manager holds max_sessions={self.max_sessions} "
             f"sessions and {why}. Nothing changed; drop() a session, raise max_sessions, or allow eviction."
@@ -506,22 +535,23 @@ class SessionStateManager:
         self,
         session_id: Hashable,
         action: str,
-        removed: Iterable[Storage],
-        added: Iterable[Storage],
-        restored: Mapping[str, int],
         proposal: Entry,
         *,
-        exclude: Hashable | None,
+        removed: Iterable[Storage] = (),
+        added: Iterable[Storage] = (),
+        restored: Mapping[str, int] | None = None,
+        exclude: Hashable | None = None,
         events: list[ManagerEvent],
-        as_restored: bool = False,
     ) -> None:
         """Frees bytes, if need be, so that ``action`` fits every budget; else refuses, changing nothing.
 
-        The action releases storages ``removed``, takes ``added`` and brings
-        back ``restored`` bytes; ``proposal`` is the session as it will be.
+        The action releases storages ``removed``, takes ``added`` and, for a
+        restore, brings back ``restored`` bytes (``proposal`` is then the
+        entry restored, else the entry as it will be); ``exclude`` is a
+        session leaving at the same time.
         """
         change = self._ledger.delta(removed, added)
-        for key, nbytes in restored.items():
+        for key, nbytes in (restored or {}).items():
             change[key] = change.get(key, 0) + nbytes
         over = {
             key: self._ledger.totals.get(key, 0) + change.get(key, 0) - budget
@@ -530,12 +560,14 @@ class SessionStateManager:
         }
         if not over:
             return
-        reason = ", ".join(f"{key} over its budget of {self.byte_budget[key]} bytes by {n}" for key, n in over.items())
+        reason = ", ".join(
+            f"{key} over its budget of {self.byte_budget[key]} bytes by {n}" for key, n in over.items()
+        )
         reason = f"{reason} while {action}"
         untouchable: set[Hashable] = set()
         while True:
             result = plan(
-                self._usages(session_id, proposal, exclude, untouchable, as_restored),
+                self._usages(session_id, proposal, exclude, untouchable, restoring=restored is not None),
                 budgets=self.byte_budget,
                 protect=session_id,
                 park=self.park_memory_kind is not None,
@@ -549,7 +581,9 @@ class SessionStateManager:
                     f"free it is still {result.message}. Nothing changed. Raise byte_budget, drop() or unpin "
                     "sessions, register rebuild functions, or allow parking and eviction."
                 )
-                events.append(ManagerEvent("refusal", session_id, None, dict(result.shortfall_by_device), message))
+                events.append(
+                    ManagerEvent("refusal", session_id, None, dict(result.shortfall_by_device), message)
+                )
                 raise BudgetExceededError(message)
             try:
                 prepared = self._prepare(result)
@@ -572,7 +606,8 @@ class SessionStateManager:
         proposal: Entry,
         exclude: Hashable | None,
         untouchable: set[Hashable],
-        as_restored: bool,
+        *,
+        restoring: bool,
     ) -> list[SessionUsage]:
         """The planner's view: every session, least recently used first, the proposal last."""
         usages = []
@@ -581,13 +616,13 @@ class SessionStateManager:
                 pinned = bool(entry.pins) or entry.busy is not None or other_id in untouchable
                 usages.append(entry.usage(other_id, tick, pinned, self._rebuilds, self._rebuilds_version))
         last = len(self._entries)
-        if as_restored:
+        if restoring:
             usages.append(proposal.restored_usage(session_id, last, self._rebuilds))
         else:
             usages.append(proposal.usage(session_id, last, True, self._rebuilds, self._rebuilds_version))
         return usages
 
-    def _prepare(self, result: Plan) -> list[tuple[Any, Any]]:
+    def _prepare(self, result: Plan) -> list[tuple[Action, tuple[StateObject, ObjectRecord] | None]]:
         """Each action's new object (evicted or parked), computed before anything changes.
 
         Raises:
@@ -613,7 +648,12 @@ class SessionStateManager:
             raise _Donated(donated)
         return prepared
 
-    def _apply(self, prepared: list[tuple[Any, Any]], reason: str, events: list[ManagerEvent]) -> None:
+    def _apply(
+        self,
+        prepared: list[tuple[Action, tuple[StateObject, ObjectRecord] | None]],
+        reason: str,
+        events: list[ManagerEvent],
+    ) -> None:
         for action, change in prepared:
             session_id = action.session_id
             if isinstance(action, PreemptSession):
@@ -621,7 +661,7 @@ class SessionStateManager:
                 continue
             entry = self._entries[session_id]
             obj, record = change
-            new = entry.with_objects({action.name: change})
+            new = entry.with_object(action.name, obj, record)
             self._ledger.apply(entry.records[action.name].storages, record.storages)
             self._store(session_id, new)
             if isinstance(action, DropObject):
@@ -648,8 +688,12 @@ class SessionStateManager:
             for key, nbytes in entry.records[name].home_bytes.items():
                 restored[key] = restored.get(key, 0) + nbytes
         self._make_room(
-            session_id, f"restoring session {session_id!r}", released, (), restored, entry,
-            exclude=None, events=events, as_restored=True,
+            session_id,
+            f"restoring session {session_id!r}",
+            entry,
+            removed=released,
+            restored=restored,
+            events=events,
         )
         objects = dict(entry.session.objects)
         for name in parked:
@@ -669,28 +713,44 @@ class SessionStateManager:
             events.append(ManagerEvent("rebuild", session_id, name, new.records[name].home_bytes, reason))
         return new
 
-    def _rebuild(self, session_id: Hashable, name: str, session: Session, placement: offload.Placement) -> StateObject:
+    def _rebuild(
+        self, session_id: Hashable, name: str, session: Session, placement: offload.Placement
+    ) -> StateObject:
         original = session[name]
         where = f"rebuilding {name!r} of session {session_id!r}"
         try:
             rebuilt = self._rebuilds[name].fn(session)
         except Exception as error:
             raise RuntimeError(
-                f"{where}: the registered rebuild function raised {type(error).__name__}: {error}. The session "
-                f"is unchanged ({name!r} is still dropped); fix the function given to register_rebuild({name!r})."
+                f"{where}: the registered rebuild function raised {type(error).__name__}: {error}. The "
+                f"session is unchanged ({name!r} is still dropped); fix the function given to "
+                f"register_rebuild({name!r})."
             ) from error
-        if not isinstance(rebuilt, StateObject) or not rebuilt.resident or rebuilt.describe() != original.describe():
-            got = rebuilt.describe() if isinstance(rebuilt, StateObject) else type(rebuilt).__name__
+        if not isinstance(rebuilt, StateObject):
+            got = type(rebuilt).__name__
+        elif not rebuilt.resident:
+            got = f"{rebuilt.describe()} (not resident)"
+        else:
+            got = rebuilt.describe()
+        if got != original.describe():
             raise ValueError(
                 f"{where}: the rebuild function must return a resident {original.describe()}; it returned "
-                f"{got}{'' if not isinstance(rebuilt, StateObject) or rebuilt.resident else ' (not resident)'}. "
-                f"The session is unchanged; fix the function given to register_rebuild({name!r})."
+                f"{got}. The session is unchanged; fix the function given to register_rebuild({name!r})."
             )
-        rebuilt = rebuilt.replace(recompute_source=original.recompute_source, recompute_cost=original.recompute_cost)
+        rebuilt = rebuilt.replace(
+            recompute_source=original.recompute_source, recompute_cost=original.recompute_cost
+        )
         return placement.apply(rebuilt)
 
 
 def _checked_session(session: Any, operation: str, session_id: Hashable) -> Session:
     if not isinstance(session, Session):
-        raise TypeError(f"{operation}({session_id!r}, session): expected a jss.Session; got {type(session).__name__}.")
+        raise TypeError(
+            f"{operation}({session_id!r}, session): expected a jss.Session; got {type(session).__name__}."
+        )
+    if offload.is_donated(session):
+        raise ValueError(
+            f"{operation}({session_id!r}, session): some of its arrays were deleted (donated to a jitted "
+            "step). Pass the step's output instead. Nothing changed."
+        )
     return session

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Literal
 
 from jax_session_state import _plan_search
@@ -91,7 +91,9 @@ class ObjectUsage:
         if self.state not in ("resident", "dropped", "parked"):
             raise ValueError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
         if not self.recompute_cost >= 0:
-            raise ValueError(f"ObjectUsage {self.name!r}: recompute_cost must be >= 0, got {self.recompute_cost}")
+            raise ValueError(
+                f"ObjectUsage {self.name!r}: recompute_cost must be >= 0, got {self.recompute_cost}"
+            )
         object.__setattr__(self, "bytes_by_device", _frozen_bytes(self.bytes_by_device))
         object.__setattr__(self, "sources", tuple(self.sources))
 
@@ -199,7 +201,9 @@ class _Ledger:
     def to_plan(self) -> Plan:
         """The plan so far, less drops and parks superseded by a preemption."""
         preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
-        actions = tuple(a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted)
+        actions = tuple(
+            a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted
+        )
         return Plan(actions, types.MappingProxyType({k: b for k, b in sorted(self.usage.items()) if b}))
 
 
@@ -214,13 +218,19 @@ def _add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, in
     return total
 
 
-def _actors(sessions: Sequence[SessionUsage], protect: Hashable | None, over: Collection[str]) -> list[SessionUsage]:
+def _actors(
+    sessions: Sequence[SessionUsage], protect: Hashable | None, over: Collection[str]
+) -> list[SessionUsage]:
     """Unpinned, unprotected sessions holding bytes on an over-budget key, LRU first."""
     actors = [
-        s for s in sessions
-        if not s.pinned and (protect is None or s.session_id != protect)
-        and (any(k in over for k in s.attrs_bytes_by_device)
-             or any(k in over for o in s.objects if o.state != "dropped" for k in o.bytes_by_device))
+        s
+        for s in sessions
+        if not s.pinned
+        and (protect is None or s.session_id != protect)
+        and (
+            any(k in over for k in s.attrs_bytes_by_device)
+            or any(k in over for o in s.objects if o.state != "dropped" for k in o.bytes_by_device)
+        )
     ]
     actors.sort(key=lambda s: s.last_used)  # stable: input order breaks ties
     return actors
@@ -232,7 +242,8 @@ def _droppable(session: SessionUsage) -> list[ObjectUsage]:
     resident = {o.name for o in session.objects if o.state == "resident"}
     needed = {s for o in session.objects if o.state == "dropped" for s in o.sources}
     return [
-        o for o in session.objects
+        o
+        for o in session.objects
         if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
     ]
 
@@ -271,7 +282,11 @@ def _drop_phase(
         while ledger.over:
             best = None
             for obj in candidates:
-                if obj.name in dropped or obj.name in needed_by_dropped or not dropped.isdisjoint(obj.sources):
+                if (
+                    obj.name in dropped
+                    or obj.name in needed_by_dropped
+                    or not dropped.isdisjoint(obj.sources)
+                ):
                     continue
                 gain = ledger.gain(obj.bytes_by_device)
                 if not gain and not any(k in room_keys for k in obj.bytes_by_device):
@@ -371,14 +386,15 @@ def _searched_plan(
     """The exact search's drops and parks, replayed in rule order; (None, proven) if none fit."""
     start = _Ledger(usage, budgets, host_room)
     over = start.over
-    candidates = [
-        _plan_search.Candidates(
-            index,
-            [o for o in _droppable(session) if any(k in over for k in o.bytes_by_device)],
-            [(o, m) for o, m in _parkable(session) if any(k in over for k in m)] if park else [],
-        )
-        for index, session in enumerate(actors)
-    ]
+
+    def candidates() -> Iterator[_plan_search.Candidates]:
+        for index, session in enumerate(actors):
+            yield _plan_search.Candidates(
+                index,
+                [o for o in _droppable(session) if any(k in over for k in o.bytes_by_device)],
+                [(o, m) for o, m in _parkable(session) if any(k in over for k in m)] if park else [],
+            )
+
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
     if selection is None:
         return None, proven

@@ -138,7 +138,8 @@ def _attrs_rows(session: Session, seen: SeenStorages, extra: Mapping[str, Any]) 
     if not session.attrs:
         return []
     attrs_bytes = tree_bytes_by_device(session.attrs, seen)
-    return [{**extra, "name": "attrs", "kind": "attrs", "shapes": ", ".join(sorted(session.attrs)), **attrs_bytes}]
+    shapes = ", ".join(sorted(session.attrs))
+    return [{**extra, "name": "attrs", "kind": "attrs", "shapes": shapes, **attrs_bytes}]
 
 
 def held_rows(session_id: Any, held: Held, seen: SeenStorages) -> list[dict[str, Any]]:

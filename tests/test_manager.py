@@ -30,7 +30,12 @@ def frozen_state(m):
     stats = m.stats()
     stats.pop("refusals")
     held = {
-        sid: (sorted(h.parked), sorted(h.dropped), contents(h.session), {n: contents(p.obj) for n, p in h.parked.items()})
+        sid: (
+            sorted(h.parked),
+            sorted(h.dropped),
+            contents(h.session),
+            {n: contents(p.obj) for n, p in h.parked.items()},
+        )
         for sid, h in m.held().items()
     }
     return stats, m.nbytes_by_device(), list(m.held()), held
@@ -68,7 +73,9 @@ def test_refusal_when_not_evicting_then_resident_sessions_still_served_then_admi
     for sid in ["s0", "s1", "s2"]:
         m.create(sid, sessions[sid])
     before = frozen_state(m)
-    with pytest.raises(jss.SessionAdmissionError, match=r"cannot create session 's3'.*max_sessions=3.*evict_when_full"):
+    with pytest.raises(
+        jss.SessionAdmissionError, match=r"cannot create session 's3'.*max_sessions=3.*evict_when_full"
+    ):
         m.create("s3", sessions["s3"])
     assert "s3" not in m and kinds(events) == [("refusal", "s3", None)]
     assert_frozen(before, m)
@@ -85,9 +92,15 @@ def test_refusal_when_not_evicting_then_resident_sessions_still_served_then_admi
 def test_continuing_an_unknown_session_fails_and_creates_nothing():
     m, _ = manager()
     m.create("a", make_session(0))
-    for call in (lambda: m.get("ghost"), lambda: m.put("ghost", make_session(1)),
-                 lambda: m.update("ghost", step), lambda: m.pin("ghost").__enter__()):
-        with pytest.raises(jss.SessionStateLostError, match=r"'ghost' is unknown.*Nothing was created.*create\('ghost'"):
+    for call in (
+        lambda: m.get("ghost"),
+        lambda: m.put("ghost", make_session(1)),
+        lambda: m.update("ghost", step),
+        lambda: m.pin("ghost").__enter__(),
+    ):
+        with pytest.raises(
+            jss.SessionStateLostError, match=r"'ghost' is unknown.*Nothing was created.*create\('ghost'"
+        ):
             call()
     assert "ghost" not in m and len(m) == 1 and m.nbytes_by_device() == {"cpu:0": ONE}
     assert m.stats()["misses"] == 3 and m.stats()["lookups"] == 3  # get, update and pin look up
@@ -110,25 +123,36 @@ def test_a_hundred_create_drop_cycles_leak_nothing():
     assert len(jax.live_arrays()) == live
 
 
-def test_create_of_a_held_id_is_refused():
+def test_create_of_a_held_id_and_puts_of_other_things_are_refused():
     m, _ = manager()
     m.create("a", make_session(0))
     with pytest.raises(ValueError, match=r"create\('a'\): that session exists already"):
         m.create("a", make_session(1))
     with pytest.raises(TypeError, match="expected a jss.Session; got dict"):
         m.put("a", {"kv": 1})
+    dead = make_session(2)
+    step(dead)
+    for call in (lambda: m.put("a", dead), lambda: m.create("b", dead)):
+        with pytest.raises(ValueError, match="arrays were deleted.*Pass the step's output instead"):
+            call()
+    assert "b" not in m and m.nbytes_by_device() == {"cpu:0": ONE}
 
 
 # ------------------------------------------------------------------ budgets, drops and parks
 def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bit():
     m, events = manager(byte_budget={"cpu:0": ONE + 10})
-    TRACES.clear()
-    a = step(make_session(0))  # compiled here, once
+    a = step(make_session(0))  # compiled by now
+    traces = TRACES[16]
     original = contents(a)
     m.create("a", a)
     m.create("b", make_session(1))
     # Only "a" may give way; cond is rebuildable (dropped first), the rest is parked, largest first.
-    assert kinds(events) == [("drop", "a", "cond"), ("park", "a", "kv"), ("park", "a", "prompt"), ("park", "a", "carry")]
+    assert kinds(events) == [
+        ("drop", "a", "cond"),
+        ("park", "a", "kv"),
+        ("park", "a", "prompt"),
+        ("park", "a", "carry"),
+    ]
     assert events[0].bytes_by_device == {"cpu:0": SIZES["cond"]}
     assert "cpu:0 over its budget" in events[0].reason and "creating session 'b'" in events[0].reason
     held = m.held()["a"]
@@ -142,20 +166,32 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
 
     events.clear()
     restored = m.get("a")  # "b" makes room the same way
-    assert kinds(events)[:4] == [("drop", "b", "cond"), ("park", "b", "kv"), ("park", "b", "prompt"), ("park", "b", "carry")]
-    assert sorted(kinds(events)[4:7]) == [("restore", "a", "carry"), ("restore", "a", "kv"), ("restore", "a", "prompt")]
+    assert kinds(events)[:4] == [
+        ("drop", "b", "cond"),
+        ("park", "b", "kv"),
+        ("park", "b", "prompt"),
+        ("park", "b", "carry"),
+    ]
+    assert sorted(kinds(events)[4:7]) == [
+        ("restore", "a", "carry"),
+        ("restore", "a", "kv"),
+        ("restore", "a", "prompt"),
+    ]
     assert kinds(events)[7:] == [("rebuild", "a", "cond")]  # after its source is back
     assert contents(restored).keys() == original.keys()
     for key, value in contents(restored).items():
         assert value.tobytes() == original[key].tobytes(), key
     device = jax.devices()[0]
     for leaf in jax.tree_util.tree_leaves(restored):
-        assert leaf.sharding == jax.sharding.SingleDeviceSharding(device) and leaf.sharding.memory_kind == "device"
+        assert (
+            leaf.sharding == jax.sharding.SingleDeviceSharding(device)
+            and leaf.sharding.memory_kind == "device"
+        )
     stats = m.stats()
     assert (stats["evictions"], stats["parks"], stats["restores"], stats["rebuilds"]) == (2, 6, 3, 1)
     assert stats["bytes"] == {"cpu:0": ONE + 4, "cpu:0/pinned_host": parked_bytes}
     m.put("a", step(restored))
-    assert TRACES == {16: 1}  # the restored session is the same to jit: no retrace
+    assert TRACES[16] == traces == 1  # the restored session is the same to jit: no retrace
 
 
 def test_put_within_budget_plans_nothing_and_over_budget_refusal_changes_nothing():
@@ -181,7 +217,10 @@ def test_preemption_when_parking_is_off_and_lost_reason_names_the_budget():
         m.create(sid, make_session(ord(sid)))
     # Greedy drops (a's cond, then b's) come before preemption; a's drop is superseded by its preemption.
     assert kinds(events) == [("drop", "b", "cond"), ("preempt", "a", None)]
-    with pytest.raises(jss.SessionStateLostError, match=r"preempted \(cpu:0 over its budget of \d+ bytes by \d+ while creating session 'c'\)"):
+    with pytest.raises(
+        jss.SessionStateLostError,
+        match=r"preempted \(cpu:0 over its budget of \d+ bytes by \d+ while creating session 'c'\)",
+    ):
         m.get("a")
 
 
@@ -234,10 +273,15 @@ def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorab
     m.create("b", make_session(1))
     m.drop("b")
     m.register_rebuild("cond", lambda session: session["kv"])
-    with pytest.raises(ValueError, match=r"rebuilding 'cond' of session 'a'.*must return a resident EncodeOnceKV.*returned KVCache"):
+    with pytest.raises(
+        ValueError,
+        match=r"rebuilding 'cond' of session 'a'.*must return a resident EncodeOnceKV.*returned KVCache",
+    ):
         m.get("a")
     m.register_rebuild("cond", lambda session: 1 / 0)
-    with pytest.raises(RuntimeError, match=r"rebuild function raised ZeroDivisionError.*'cond' is still dropped"):
+    with pytest.raises(
+        RuntimeError, match=r"rebuild function raised ZeroDivisionError.*'cond' is still dropped"
+    ):
         m.get("a")
     assert m.held()["a"].dropped == {"cond"}
     m.register_rebuild("cond", rebuild_cond, cost=3.0)
@@ -260,8 +304,12 @@ def test_register_rebuild_checks_its_arguments():
         m.register_rebuild("cond", 3)
     with pytest.raises(ValueError, match="cost must be >= 0"):
         m.register_rebuild("cond", rebuild_cond, cost=-1)
-    for bad in (dict(max_sessions=0), dict(byte_budget={"cpu:0": -1}), dict(park_memory_kind="device"),
-                dict(host_budget=-5)):
+    for bad in (
+        dict(max_sessions=0),
+        dict(byte_budget={"cpu:0": -1}),
+        dict(park_memory_kind="device"),
+        dict(host_budget=-5),
+    ):
         with pytest.raises(ValueError, match="SessionStateManager"):
             jss.SessionStateManager(**bad)
 
@@ -269,8 +317,19 @@ def test_register_rebuild_checks_its_arguments():
 def test_an_empty_manager_is_truthy_and_contains_nothing():
     m = jss.SessionStateManager()
     assert m and len(m) == 0 and "a" not in m
-    assert m.stats() == {"sessions": 0, "lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "preemptions": 0,
-                         "parks": 0, "restores": 0, "rebuilds": 0, "refusals": 0, "bytes": {}}
+    assert m.stats() == {
+        "sessions": 0,
+        "lookups": 0,
+        "hits": 0,
+        "misses": 0,
+        "evictions": 0,
+        "preemptions": 0,
+        "parks": 0,
+        "restores": 0,
+        "rebuilds": 0,
+        "refusals": 0,
+        "bytes": {},
+    }
 
 
 # -------------------------------------------------------------------------- donation hazard

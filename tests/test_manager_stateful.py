@@ -24,7 +24,10 @@ ONE = session_bytes()["session"]
 
 
 def object_contents(session):
-    return {"attrs": contents(session.attrs), **{name: contents(obj) for name, obj in session.objects.items()}}
+    return {
+        "attrs": contents(session.attrs),
+        **{name: contents(obj) for name, obj in session.objects.items()},
+    }
 
 
 def equal(left, right):
@@ -62,7 +65,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- helpers
     def absorb_events(self):
-        for event in self.events[self.read:]:
+        for event in self.events[self.read :]:
             assert event.kind in ("drop", "park", "restore", "rebuild", "preempt", "refusal")
             sid, name = event.session_id, event.object_name
             if event.kind == "preempt":
@@ -88,7 +91,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def refused(self, before, error):
         """A refusal: one refusal event, nothing else changed."""
-        assert self.events[self.read:] and self.events[-1].kind == "refusal"
+        assert self.events[self.read :] and self.events[-1].kind == "refusal"
         assert self.events[-1].reason == str(error)
         self.absorb_events()
         assert self.frozen() == before

@@ -101,7 +101,8 @@ SHARDED = textwrap.dedent(
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
     events = []
-    manager = jss.SessionStateManager(byte_budget={"cpu:1": per_device["cpu:1"] + 100}, on_event=events.append)
+    budget = {"cpu:1": per_device["cpu:1"] + 100}
+    manager = jss.SessionStateManager(byte_budget=budget, on_event=events.append)
     manager.create("a", a)
     manager.create("b", make(1))
     assert [(e.kind, e.session_id) for e in events] == [("park", "a")], events
@@ -117,5 +118,7 @@ SHARDED = textwrap.dedent(
 
 def test_sharded_state_is_parked_per_device_and_restored_to_its_sharding():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

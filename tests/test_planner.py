@@ -60,13 +60,16 @@ def over_keys(usage, budgets):
 
 
 def initial_state(sessions):
-    return {s.session_id: {"objects": {o.name: [o.state, dict(o.bytes_by_device), o]
-                                       for o in s.objects},
-                           "attrs": dict(s.attrs_bytes_by_device)} for s in sessions}
+    return {
+        s.session_id: {
+            "objects": {o.name: [o.state, dict(o.bytes_by_device), o] for o in s.objects},
+            "attrs": dict(s.attrs_bytes_by_device),
+        }
+        for s in sessions
+    }
 
 
-def simulate(sessions, result, budgets, protect=None, park=False, host_room=None,
-             allow_preempt=False):
+def simulate(sessions, result, budgets, protect=None, park=False, host_room=None, allow_preempt=False):
     """Applies `result` independently of the planner, checking every rule.
 
     Returns the usage after the plan.
@@ -77,8 +80,7 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
     phase_rank = {DropObject: 0, ParkObject: 1, PreemptSession: 2}
     last_rank = 0
     touched = set()
-    dests = {k + "/pinned_host" for a in result.actions if isinstance(a, ParkObject)
-             for k in a.moved}
+    dests = {k + "/pinned_host" for a in result.actions if isinstance(a, ParkObject) for k in a.moved}
     for action in result.actions:
         sid = action.session_id
         usage = usage_of(state)
@@ -95,11 +97,13 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
             assert st_ == "resident", f"drop of {st_} object"
             assert o.rebuildable, "drop of non-rebuildable object"
             for src in o.sources:
-                assert src in objects and objects[src][0] == "resident", \
+                assert src in objects and objects[src][0] == "resident", (
                     f"drop of {action.name} whose source {src} is not resident"
+                )
             for other, (ost, _, oo) in objects.items():
-                assert not (ost == "dropped" and action.name in oo.sources), \
+                assert not (ost == "dropped" and action.name in oo.sources), (
                     f"drop of {action.name} needed by dropped {other}"
+                )
             assert dict(action.freed) == {k: b for k, b in nbytes.items() if b}
             helps = any(b and k in over for k, b in nbytes.items())
             makes_room = any(b and k in dests and k in budgets for k, b in nbytes.items())
@@ -122,8 +126,7 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
             after = usage_of(state)
             for k in moved:
                 d = k + "/pinned_host"
-                assert d not in budgets or after.get(d, 0) <= budgets[d], \
-                    f"park overfills {d}"
+                assert d not in budgets or after.get(d, 0) <= budgets[d], f"park overfills {d}"
             touched.add(sid)
         else:
             assert allow_preempt, "preempt while preemption disallowed"
@@ -143,15 +146,22 @@ def session_options(s, over, park):
     dropped_before = [o for o in s.objects if o.state == "dropped"]
 
     def on_over(nbytes, only_default=False):
-        return any(b and k in over and (is_default_kind(k) or not only_default)
-                   for k, b in nbytes.items())
+        return any(b and k in over and (is_default_kind(k) or not only_default) for k, b in nbytes.items())
 
-    drop_ok = [o.name for o in s.objects
-               if o.state == "resident" and o.rebuildable and on_over(o.bytes_by_device)
-               and all(src in objects and objects[src].state == "resident" for src in o.sources)
-               and not any(o.name in d.sources for d in dropped_before)]
-    park_ok = [o.name for o in s.objects if park and o.state == "resident"
-               and on_over(o.bytes_by_device, only_default=True)]
+    drop_ok = [
+        o.name
+        for o in s.objects
+        if o.state == "resident"
+        and o.rebuildable
+        and on_over(o.bytes_by_device)
+        and all(src in objects and objects[src].state == "resident" for src in o.sources)
+        and not any(o.name in d.sources for d in dropped_before)
+    ]
+    park_ok = [
+        o.name
+        for o in s.objects
+        if park and o.state == "resident" and on_over(o.bytes_by_device, only_default=True)
+    ]
     names = sorted(set(drop_ok) | set(park_ok))
     for choice in itertools.product(("keep", "drop", "park"), repeat=len(names)):
         drops = {n for n, c in zip(names, choice) if c == "drop"}
@@ -163,15 +173,19 @@ def session_options(s, over, park):
         yield drops, parks
 
 
-def brute_force_fits(sessions, budgets, protect=None, park=False, host_room=None,
-                     allow_preempt=False):
+def brute_force_fits(sessions, budgets, protect=None, park=False, host_room=None, allow_preempt=False):
     """Whether any valid action set (drops, parks, preempts) fits every budget."""
     state0 = initial_state(sessions)
     over = over_keys(usage_of(state0), budgets)
     if not over:
         return True
-    actors = [s for s in sessions if not s.pinned and (protect is None or s.session_id != protect)
-              and any(k in over for k in usage_of({s.session_id: state0[s.session_id]}))]
+    actors = [
+        s
+        for s in sessions
+        if not s.pinned
+        and (protect is None or s.session_id != protect)
+        and any(k in over for k in usage_of({s.session_id: state0[s.session_id]}))
+    ]
     menus = []
     for s in actors:
         menu = [("act", d, p) for d, p in session_options(s, over, park)]
@@ -181,11 +195,11 @@ def brute_force_fits(sessions, budgets, protect=None, park=False, host_room=None
     room = float("inf") if host_room is None else host_room
     for combo in itertools.product(*menus):
         state = initial_state(sessions)
-        for s, (kind, drops, _) in zip(actors, combo):
+        for s, (_, drops, _) in zip(actors, combo):
             for n in drops or ():
                 state[s.session_id]["objects"][n][0] = "dropped"
         moved_total, parked_into = 0, set()
-        for s, (kind, _, parks) in zip(actors, combo):
+        for s, (_, _, parks) in zip(actors, combo):
             for n in parks or ():
                 entry = state[s.session_id]["objects"][n]
                 moved = {k: b for k, b in entry[1].items() if b and is_default_kind(k)}
@@ -218,36 +232,38 @@ def test_within_budget_returns_empty_plan():
 
 
 def test_drops_cheapest_recompute_per_byte_first():
-    s = sess("a",
-             obj("expensive", {"cuda:0": 100}, rebuildable=True, recompute_cost=50.0),
-             obj("cheap", {"cuda:0": 100}, rebuildable=True, recompute_cost=1.0),
-             obj("big_cheap_per_byte", {"cuda:0": 1000}, rebuildable=True, recompute_cost=5.0))
+    s = sess(
+        "a",
+        obj("expensive", {"cuda:0": 100}, rebuildable=True, recompute_cost=50.0),
+        obj("cheap", {"cuda:0": 100}, rebuildable=True, recompute_cost=1.0),
+        obj("big_cheap_per_byte", {"cuda:0": 1000}, rebuildable=True, recompute_cost=5.0),
+    )
     # per byte: big 0.005 < cheap 0.01 < expensive 0.5
     assert steps(plan([s], budgets={"cuda:0": 1150})) == [("drop", "a", "big_cheap_per_byte")]
     assert steps(plan([s], budgets={"cuda:0": 100})) == [
-        ("drop", "a", "big_cheap_per_byte"), ("drop", "a", "cheap")]
+        ("drop", "a", "big_cheap_per_byte"),
+        ("drop", "a", "cheap"),
+    ]
 
 
 def test_cost_per_byte_counts_only_over_budget_keys():
-    s = sess("a",
-             obj("mostly_cpu", {"cpu:0": 1000, "cuda:0": 10}, rebuildable=True,
-                 recompute_cost=1.0),
-             obj("gpu", {"cuda:0": 10}, rebuildable=True, recompute_cost=0.5))
+    s = sess(
+        "a",
+        obj("mostly_cpu", {"cpu:0": 1000, "cuda:0": 10}, rebuildable=True, recompute_cost=1.0),
+        obj("gpu", {"cuda:0": 10}, rebuildable=True, recompute_cost=0.5),
+    )
     # Over only on cuda:0: 1/10 vs 0.5/10 -> "gpu" is cheaper per freed byte.
     assert steps(plan([s], budgets={"cuda:0": 15})) == [("drop", "a", "gpu")]
 
 
 def test_drop_ties_broken_by_name():
-    s = sess("a", obj("b", {"cuda:0": 10}, rebuildable=True),
-             obj("a", {"cuda:0": 10}, rebuildable=True))
+    s = sess("a", obj("b", {"cuda:0": 10}, rebuildable=True), obj("a", {"cuda:0": 10}, rebuildable=True))
     assert steps(plan([s], budgets={"cuda:0": 15})) == [("drop", "a", "a")]
 
 
 def test_drops_least_recently_used_session_first():
-    old = sess("old", obj("x", {"cuda:0": 10}, rebuildable=True, recompute_cost=9.0),
-               last_used=1)
-    new = sess("new", obj("x", {"cuda:0": 10}, rebuildable=True, recompute_cost=0.0),
-               last_used=2)
+    old = sess("old", obj("x", {"cuda:0": 10}, rebuildable=True, recompute_cost=9.0), last_used=1)
+    new = sess("new", obj("x", {"cuda:0": 10}, rebuildable=True, recompute_cost=0.0), last_used=2)
     assert steps(plan([new, old], budgets={"cuda:0": 15})) == [("drop", "old", "x")]
     # Equal recency: input order decides.
     tie = sess("tie", obj("x", {"cuda:0": 10}, rebuildable=True), last_used=1)
@@ -261,15 +277,17 @@ def test_non_rebuildable_objects_are_never_dropped():
 
 
 def _prompt_chain(prompt_cost=500.0, state="resident"):
-    return sess("s",
-                obj("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=prompt_cost),
-                obj("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True,
-                    recompute_cost=1.0, state=state))
+    return sess(
+        "s",
+        obj("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=prompt_cost),
+        obj(
+            "cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True, recompute_cost=1.0, state=state
+        ),
+    )
 
 
 def test_chain_small_shortfall_drops_cheap_dependent_only():
-    assert steps(plan([_prompt_chain()], budgets={"cuda:0": 1005})) == [
-        ("drop", "s", "cond_kv")]
+    assert steps(plan([_prompt_chain()], budgets={"cuda:0": 1005})) == [("drop", "s", "cond_kv")]
 
 
 def test_chain_greedy_block_is_repaired_by_dropping_the_source():
@@ -293,8 +311,11 @@ def test_source_of_dropped_dependent_is_never_dropped():
 
 
 def test_object_with_non_resident_source_is_not_dropped():
-    s = sess("s", obj("prompt", {"cpu:0/pinned_host": 1000}, state="parked", rebuildable=True),
-             obj("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True))
+    s = sess(
+        "s",
+        obj("prompt", {"cpu:0/pinned_host": 1000}, state="parked", rebuildable=True),
+        obj("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True),
+    )
     result = plan([s], budgets={"cuda:0": 5})
     assert isinstance(result, Refusal)
 
@@ -308,8 +329,9 @@ def test_parks_move_bytes_to_pinned_host_largest_first():
 
 
 def test_drops_come_before_parks():
-    s = sess("a", obj("kv", {"cuda:0": 50}), obj("frames", {"cuda:0": 20}, rebuildable=True,
-                                                   recompute_cost=100.0))
+    s = sess(
+        "a", obj("kv", {"cuda:0": 50}), obj("frames", {"cuda:0": 20}, rebuildable=True, recompute_cost=100.0)
+    )
     assert steps(plan([s], budgets={"cuda:0": 55}, park=True)) == [("drop", "a", "frames")]
 
 
@@ -320,15 +342,13 @@ def test_parking_disabled_means_no_parks():
 
 def test_parking_respects_host_room():
     s = sess("a", obj("kv", {"cuda:0": 50}), obj("frames", {"cuda:0": 20}))
-    assert steps(plan([s], budgets={"cuda:0": 60}, park=True, host_room=30)) == [
-        ("park", "a", "frames")]
+    assert steps(plan([s], budgets={"cuda:0": 60}, park=True, host_room=30)) == [("park", "a", "frames")]
     assert isinstance(plan([s], budgets={"cuda:0": 60}, park=True, host_room=19), Refusal)
 
 
 def test_parking_host_room_subset_sum_is_found():
     # Largest-first parks 6 and then nothing fits in room 10; 5 + 5 does.
-    s = sess("a", obj("six", {"cuda:0": 6}), obj("five_a", {"cuda:0": 5}),
-             obj("five_b", {"cuda:0": 5}))
+    s = sess("a", obj("six", {"cuda:0": 6}), obj("five_a", {"cuda:0": 5}), obj("five_b", {"cuda:0": 5}))
     result = plan([s], budgets={"cuda:0": 6}, park=True, host_room=10)
     assert steps(result) == [("park", "a", "five_a"), ("park", "a", "five_b")]
 
@@ -344,9 +364,11 @@ def test_parking_respects_pinned_host_budget():
 def test_greedy_park_respects_pinned_host_budget_before_preemption():
     # Parking b.y as well would overfill pinned_host (40 > 25); instead b is
     # preempted (a holds no cuda:0 bytes once parked, so it is not preempted).
-    sessions = [sess("a", obj("x", {"cuda:0": 20}), last_used=0),
-                sess("b", obj("y", {"cuda:0": 20}), last_used=1),
-                sess("c", obj("z", {"cuda:0": 30}), last_used=2)]
+    sessions = [
+        sess("a", obj("x", {"cuda:0": 20}), last_used=0),
+        sess("b", obj("y", {"cuda:0": 20}), last_used=1),
+        sess("c", obj("z", {"cuda:0": 30}), last_used=2),
+    ]
     budgets = {"cuda:0": 45, "cuda:0/pinned_host": 25}
     result = plan(sessions, budgets=budgets, park=True, allow_preempt=True)
     assert steps(result) == [("park", "a", "x"), ("preempt", "b")]
@@ -357,9 +379,12 @@ def test_replayed_drop_makes_room_for_a_park():
     # Greedy drops r1 (fixing pinned_host), skips r2 (no longer helps), then
     # cannot park p (5 + 8 > 8). The search's selection drops both to make
     # room for the park, and the replay keeps r2 for that reason.
-    s = sess("s", obj("r1", {"cuda:0/pinned_host": 5}, rebuildable=True),
-             obj("r2", {"cuda:0/pinned_host": 5}, rebuildable=True),
-             obj("p", {"cuda:0": 8}))
+    s = sess(
+        "s",
+        obj("r1", {"cuda:0/pinned_host": 5}, rebuildable=True),
+        obj("r2", {"cuda:0/pinned_host": 5}, rebuildable=True),
+        obj("p", {"cuda:0": 8}),
+    )
     budgets = {"cuda:0": 3, "cuda:0/pinned_host": 8}
     result = plan([s], budgets=budgets, park=True)
     assert steps(result) == [("drop", "s", "r1"), ("drop", "s", "r2"), ("park", "s", "p")]
@@ -367,8 +392,7 @@ def test_replayed_drop_makes_room_for_a_park():
 
 
 def test_preempts_least_recently_used_sessions_until_within_budget():
-    sessions = [sess(i, obj("kv", {"cuda:0": 10}), last_used=t)
-                for i, t in ((0, 3), (1, 1), (2, 2), (3, 4))]
+    sessions = [sess(i, obj("kv", {"cuda:0": 10}), last_used=t) for i, t in ((0, 3), (1, 1), (2, 2), (3, 4))]
     result = plan(sessions, budgets={"cuda:0": 20}, allow_preempt=True)
     assert steps(result) == [("preempt", 1), ("preempt", 2)]
     assert dict(result.actions[0].freed) == {"cuda:0": 10}
@@ -377,8 +401,12 @@ def test_preempts_least_recently_used_sessions_until_within_budget():
 def test_preemptions_made_needless_by_later_ones_are_left_out():
     # The LRU session holds 1 byte on cuda:0 (the rest is parked); preempting it alone is not
     # enough, and once "big" is preempted it was not needed at all.
-    small = sess("small", obj("kv", {"cuda:0/pinned_host": 50}, state="parked"), last_used=0,
-                 attrs_bytes_by_device={"cuda:0": 1})
+    small = sess(
+        "small",
+        obj("kv", {"cuda:0/pinned_host": 50}, state="parked"),
+        last_used=0,
+        attrs_bytes_by_device={"cuda:0": 1},
+    )
     big = sess("big", obj("kv", {"cuda:0": 40}), last_used=1)
     keep = sess("keep", obj("kv", {"cuda:0": 40}), last_used=2)
     sessions = [small, big, keep]
@@ -389,10 +417,14 @@ def test_preemptions_made_needless_by_later_ones_are_left_out():
 
 
 def test_preemption_frees_parked_bytes_and_supersedes_earlier_actions():
-    a = sess("a", obj("kv", {"cuda:0": 10}), obj("old", {"cuda:0/pinned_host": 4},
-                                                  state="parked"),
-             obj("frames", {"cuda:0": 5}, rebuildable=True), last_used=1,
-             attrs_bytes_by_device={"cuda:0": 1})
+    a = sess(
+        "a",
+        obj("kv", {"cuda:0": 10}),
+        obj("old", {"cuda:0/pinned_host": 4}, state="parked"),
+        obj("frames", {"cuda:0": 5}, rebuildable=True),
+        last_used=1,
+        attrs_bytes_by_device={"cuda:0": 1},
+    )
     b = sess("b", obj("kv", {"cuda:0": 10}), last_used=2)
     result = plan([a, b], budgets={"cuda:0": 10}, allow_preempt=True)
     # frames is dropped first, then a is preempted anyway: only the preemption remains.
@@ -404,8 +436,7 @@ def test_preemption_frees_parked_bytes_and_supersedes_earlier_actions():
 def test_refusal_names_keys_and_shortfalls():
     pinned = sess("p", obj("kv", {"cuda:0": 100, "cuda:1": 40}), pinned=True)
     other = sess("o", obj("kv", {"cuda:1": 30}))
-    result = plan([pinned, other], budgets={"cuda:0": 70, "cuda:1": 50, "cpu:0": 0},
-                  allow_preempt=True)
+    result = plan([pinned, other], budgets={"cuda:0": 70, "cuda:1": 50, "cpu:0": 0}, allow_preempt=True)
     assert isinstance(result, Refusal) and result.proven
     assert dict(result.shortfall_by_device) == {"cuda:0": 30}
     assert "cuda:0 by 30 bytes" in result.message
@@ -415,21 +446,26 @@ def test_pinned_and_protected_sessions_are_untouched():
     pinned = sess("p", obj("x", {"cuda:0": 50}, rebuildable=True), pinned=True, last_used=0)
     protected = sess("q", obj("x", {"cuda:0": 50}, rebuildable=True), last_used=1)
     free = sess("f", obj("x", {"cuda:0": 5}, rebuildable=True), last_used=9)
-    result = plan([pinned, protected, free], budgets={"cuda:0": 100}, protect="q",
-                  park=True, allow_preempt=True)
+    result = plan(
+        [pinned, protected, free], budgets={"cuda:0": 100}, protect="q", park=True, allow_preempt=True
+    )
     assert steps(result) == [("drop", "f", "x")]
-    result = plan([pinned, protected, free], budgets={"cuda:0": 90}, protect="q",
-                  park=True, allow_preempt=True)
+    result = plan(
+        [pinned, protected, free], budgets={"cuda:0": 90}, protect="q", park=True, allow_preempt=True
+    )
     assert isinstance(result, Refusal) and dict(result.shortfall_by_device) == {"cuda:0": 10}
 
 
 def test_no_needless_actions():
-    a = sess("a", obj("cpu_only", {"cpu:0": 100}, rebuildable=True),
-             obj("gpu", {"cuda:0": 10}, rebuildable=True),
-             obj("gpu2", {"cuda:0": 10}, rebuildable=True), last_used=0)
+    a = sess(
+        "a",
+        obj("cpu_only", {"cpu:0": 100}, rebuildable=True),
+        obj("gpu", {"cuda:0": 10}, rebuildable=True),
+        obj("gpu2", {"cuda:0": 10}, rebuildable=True),
+        last_used=0,
+    )
     b = sess("b", obj("gpu", {"cuda:0": 10}, rebuildable=True), last_used=1)
-    result = plan([a, b], budgets={"cuda:0": 25, "cpu:0": 1000}, park=True,
-                  allow_preempt=True)
+    result = plan([a, b], budgets={"cuda:0": 25, "cpu:0": 1000}, park=True, allow_preempt=True)
     assert steps(result) == [("drop", "a", "gpu")]
 
 
@@ -443,14 +479,15 @@ def test_search_limit_exhaustion_is_reported_as_unproven():
     full = plan(sessions, budgets=budgets, park=True, host_room=7)
     assert isinstance(full, Refusal) and full.proven
     assert steps(plan(sessions, budgets=budgets, park=True, host_room=8)) == [
-        ("park", 0, "x"), ("park", 1, "x")]
+        ("park", 0, "x"),
+        ("park", 1, "x"),
+    ]
 
 
 def test_search_giving_up_still_plans_by_preemption():
     sessions = [sess(i, obj("x", {"cuda:0": 4})) for i in range(12)]
     budgets = {"cuda:0": 48 - 5}
-    result = plan(sessions, budgets=budgets, park=True, host_room=7, allow_preempt=True,
-                  search_limit=3)
+    result = plan(sessions, budgets=budgets, park=True, host_room=7, allow_preempt=True, search_limit=3)
     # s0 is parked (room 7 fits one), so it holds no cuda:0 bytes; s1 is preempted.
     assert steps(result) == [("park", 0, "x"), ("preempt", 1)]
     simulate(sessions, result, budgets, park=True, host_room=7, allow_preempt=True)
@@ -476,28 +513,44 @@ def scenarios(draw, max_sessions=3, max_objects=3):
     sessions = []
     for sid in range(draw(st.integers(1, max_sessions))):
         objects = []
-        names = ["a", "b", "c"][:draw(st.integers(1, max_objects))]
+        names = ["a", "b", "c"][: draw(st.integers(1, max_objects))]
         for i, name in enumerate(names):
             state = draw(st.sampled_from(["resident"] * 6 + ["dropped", "parked"]))
-            keys = draw(st.lists(st.sampled_from(KEYS[:2] * 3 + KEYS[2:]), min_size=1,
-                                 max_size=2, unique=True))
+            keys = draw(
+                st.lists(st.sampled_from(KEYS[:2] * 3 + KEYS[2:]), min_size=1, max_size=2, unique=True)
+            )
             if state == "parked":
                 keys = [k + "/pinned_host" if "/" not in k and k != "host" else k for k in keys]
             nbytes = {k: draw(st.integers(0, 12)) for k in keys}
             sources = draw(st.lists(st.sampled_from(names[:i]), unique=True)) if i else []
-            objects.append(obj(name, nbytes, state=state, sources=tuple(sources),
-                               recompute_cost=draw(st.sampled_from([0.0, 1.0, 3.0, 20.0])),
-                               rebuildable=draw(st.sampled_from([True, True, False]))))
-        sessions.append(sess(sid, *objects, last_used=draw(st.integers(0, 3)),
-                             pinned=draw(st.integers(0, 5)) == 0,
-                             attrs_bytes_by_device={"cuda:0": draw(st.integers(0, 2))}))
+            objects.append(
+                obj(
+                    name,
+                    nbytes,
+                    state=state,
+                    sources=tuple(sources),
+                    recompute_cost=draw(st.sampled_from([0.0, 1.0, 3.0, 20.0])),
+                    rebuildable=draw(st.sampled_from([True, True, False])),
+                )
+            )
+        sessions.append(
+            sess(
+                sid,
+                *objects,
+                last_used=draw(st.integers(0, 3)),
+                pinned=draw(st.integers(0, 5)) == 0,
+                attrs_bytes_by_device={"cuda:0": draw(st.integers(0, 2))},
+            )
+        )
     usage = usage_of(initial_state(sessions))
-    budget_keys = draw(st.lists(st.sampled_from(KEYS + ("cpu:0/pinned_host",)),
-                                min_size=1, max_size=3, unique=True))
+    budget_keys = draw(
+        st.lists(st.sampled_from(KEYS + ("cpu:0/pinned_host",)), min_size=1, max_size=3, unique=True)
+    )
     # Mostly a little under the usage, so that small plans are the common case.
-    budgets = {k: max(0, usage.get(k, 0) - draw(st.one_of(st.integers(-2, 8),
-                                                          st.integers(0, 40))))
-               for k in budget_keys}
+    budgets = {
+        k: max(0, usage.get(k, 0) - draw(st.one_of(st.integers(-2, 8), st.integers(0, 40))))
+        for k in budget_keys
+    }
     hypothesis.assume(over_keys(usage, budgets))
     options = dict(
         protect=draw(st.sampled_from([None, None, None, 0, 1])),
@@ -514,21 +567,42 @@ def conflict_scenarios(draw):
     where the greedy pass most often blocks itself."""
     sessions = []
     for sid in range(draw(st.integers(1, 3))):
-        names = ["a", "b", "c", "d"][:draw(st.integers(2, 4))]
-        objects = [obj(name, {k: draw(st.integers(1, 12)) for k in
-                              draw(st.lists(st.sampled_from(["cuda:0", "cuda:0", "cpu:0"]),
-                                            min_size=1, max_size=2, unique=True))},
-                       sources=tuple(draw(st.lists(st.sampled_from(names[:i]), min_size=1,
-                                                   max_size=2, unique=True))) if i else (),
-                       recompute_cost=draw(st.sampled_from([0.5, 1.0, 4.0, 30.0])),
-                       rebuildable=draw(st.sampled_from([True, True, True, False])))
-                   for i, name in enumerate(names)]
+        names = ["a", "b", "c", "d"][: draw(st.integers(2, 4))]
+        objects = [
+            obj(
+                name,
+                {
+                    k: draw(st.integers(1, 12))
+                    for k in draw(
+                        st.lists(
+                            st.sampled_from(["cuda:0", "cuda:0", "cpu:0"]),
+                            min_size=1,
+                            max_size=2,
+                            unique=True,
+                        )
+                    )
+                },
+                sources=tuple(draw(st.lists(st.sampled_from(names[:i]), min_size=1, max_size=2, unique=True)))
+                if i
+                else (),
+                recompute_cost=draw(st.sampled_from([0.5, 1.0, 4.0, 30.0])),
+                rebuildable=draw(st.sampled_from([True, True, True, False])),
+            )
+            for i, name in enumerate(names)
+        ]
         sessions.append(sess(sid, *objects, last_used=draw(st.integers(0, 2))))
     usage = usage_of(initial_state(sessions))
-    budgets = {k: max(0, usage.get(k, 0) - draw(st.integers(-3, 25)))
-               for k in draw(st.lists(st.sampled_from(["cuda:0", "cpu:0",
-                                                       "cuda:0/pinned_host"]),
-                                      min_size=1, max_size=3, unique=True))}
+    budgets = {
+        k: max(0, usage.get(k, 0) - draw(st.integers(-3, 25)))
+        for k in draw(
+            st.lists(
+                st.sampled_from(["cuda:0", "cpu:0", "cuda:0/pinned_host"]),
+                min_size=1,
+                max_size=3,
+                unique=True,
+            )
+        )
+    }
     hypothesis.assume(over_keys(usage, budgets))
     options = dict(park=draw(st.booleans()), host_room=draw(st.sampled_from([None, 5, 9, 14])))
     return sessions, budgets, options
@@ -547,8 +621,7 @@ def test_property_plans_are_valid_fit_and_refusals_are_genuine(scenario):
     else:
         hypothesis.event("refusal")
         assert result.proven
-        assert result.shortfall_by_device and all(v > 0 for v in
-                                                  result.shortfall_by_device.values())
+        assert result.shortfall_by_device and all(v > 0 for v in result.shortfall_by_device.values())
         assert not brute_force_fits(sessions, budgets, **options)
 
 
@@ -557,15 +630,13 @@ def test_property_plans_are_valid_fit_and_refusals_are_genuine(scenario):
 def test_property_object_order_does_not_change_the_plan(scenario, rnd):
     sessions, budgets, options = scenario
     shuffled = [with_shuffled_objects(s, rnd) for s in sessions]
-    assert plan(sessions, budgets=budgets, **options) == plan(shuffled, budgets=budgets,
-                                                              **options)
+    assert plan(sessions, budgets=budgets, **options) == plan(shuffled, budgets=budgets, **options)
 
 
 def with_shuffled_objects(s, rnd):
     objects = list(s.objects)
     rnd.shuffle(objects)
-    return SessionUsage(s.session_id, tuple(objects), s.last_used, s.pinned,
-                        s.attrs_bytes_by_device)
+    return SessionUsage(s.session_id, tuple(objects), s.last_used, s.pinned, s.attrs_bytes_by_device)
 
 
 @hypothesis.settings(max_examples=150, deadline=None)

@@ -51,7 +51,9 @@ def make_session(seed: int, *, capacity: int = 16, tokens: int = 3) -> jss.Sessi
             "carry": jss.FixedState.allocate(shapes={"h": (B, 8)}).commit(
                 {"h": jnp.asarray(rng.normal(size=(B, 8)), jnp.float32)}
             ),
-            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=capacity).append((rows, rows * 2)),
+            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=capacity).append(
+                (rows, rows * 2)
+            ),
         },
         attrs={"step": jnp.asarray(seed, jnp.int32)},
     )
