@@ -113,11 +113,14 @@ class SessionStateManager:
         (``"pinned_host"``), or None to never park.
       host_budget: the most bytes held in ``park_memory_kind`` memory, all
         devices together: parks stop there; None: unlimited.
-      lock_factory: makes the manager's lock (reentrant, so that an
-        ``on_event`` callback or rebuild function may call the manager).
+      lock_factory: makes the manager's lock, anything
+        :class:`threading.Condition` accepts: ``threading.RLock`` (a rebuild
+        function, which runs under the lock, may then call the manager) or
+        ``threading.Lock``.
       on_event: called with a :class:`ManagerEvent` for every drop, park,
         restore, rebuild, preemption and refusal, after the manager's lock is
-        released and the operation is done.
+        released and the operation is done (an exception it raises reaches
+        the caller of that completed operation).
 
     A manager is always truthy (so ``manager or default`` never replaces an
     empty one); ``len(manager)`` is the number of sessions held.

@@ -418,3 +418,45 @@ def test_summary_of_a_manager_shows_every_session_and_how_it_is_held():
             totals[key] = totals.get(key, 0) + row.get(key, 0)
     assert totals == m.nbytes_by_device()
     assert "parked" in str(table) and "dropped" in str(table)
+    new = step(m.get("b"))  # b's stored copy dies until it is put back: shown, not read
+    rows = [row for row in jss.summary(m).rows if row["session"] == "b"]
+    assert {row["held"] for row in rows} == {"in use (donated)"} and len(rows) == 4
+    m.put("b", new)
+    rows = [row for row in jss.summary(m).rows if row["session"] == "b" and row["name"] != "attrs"]
+    assert {row["held"] for row in rows} == {"resident"} and len(rows) == 4
+
+
+def test_the_lock_comes_from_lock_factory():
+    made = []
+
+    def factory(kind=threading.RLock):
+        made.append(kind())
+        return made[-1]
+
+    m = jss.SessionStateManager(lock_factory=factory, byte_budget={"cpu:0": ONE + 10})
+    held_while_rebuilding = []
+
+    def rebuild(session):
+        held_while_rebuilding.append(made[0]._is_owned())
+        return rebuild_cond(session)
+
+    m.register_rebuild("cond", rebuild)
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    assert_same(m.get("a"), make_session(0))
+    assert len(made) == 1 and held_while_rebuilding == [True] and not made[0]._is_owned()
+    plain = jss.SessionStateManager(lock_factory=lambda: factory(threading.Lock))  # not reentrant: works too
+    plain.create("a", make_session(0))
+    plain.update("a", step)
+    assert made[1].locked() is False and int(plain.get("a").attrs["step"]) == 1
+
+
+def test_an_event_callback_that_raises_reaches_the_caller_after_the_operation():
+    def fail(event):
+        raise RuntimeError(f"callback saw {event.kind}")
+
+    m = jss.SessionStateManager(byte_budget={"cpu:0": ONE + 10}, on_event=fail)
+    m.create("a", make_session(0))
+    with pytest.raises(RuntimeError, match="callback saw park"):
+        m.create("b", make_session(1))
+    assert "b" in m and sorted(m.held()["a"].parked) == ["carry", "cond", "kv", "prompt"]
