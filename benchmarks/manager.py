@@ -93,15 +93,16 @@ def lookup_timings(managers: dict, *, rounds: int) -> dict[str, float]:
     for count, (manager, _) in managers.items():
         rng = random.Random(count)
         lock = threading.RLock()
-        table = collections.OrderedDict((sid, manager.get(sid)) for sid in range(count))
+        keys = list(manager.held())  # the id objects the manager holds: both tables key by the same objects
+        table = collections.OrderedDict((sid, manager.get(sid)) for sid in keys)
 
         def bare(sid, table=table, lock=lock):
             with lock:
                 table.move_to_end(sid)
                 return table[sid]
 
-        hot = rng.sample(range(count), 1_000)
-        for name, pool in (("all", range(count)), ("hot", hot)):
+        hot = rng.sample(keys, 1_000)
+        for name, pool in (("all", keys), ("hot", hot)):
             ids = [rng.choice(pool) for _ in range(LOOKUPS)]
 
             def run(get, ids=ids):
@@ -287,10 +288,10 @@ def planner_timings(*, rounds: int, samples: int = 3) -> dict[tuple[str, int], d
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     rounds = 15 if args.full else 7
-    planner = planner_timings(rounds=4 if args.full else 2)
+    planner = planner_timings(rounds=4 if args.full else 3)
     managers = {count: filled_manager(count) for count in SIZES}
     pressure = pressure_timings(managers, rounds=rounds)
-    lookups = lookup_timings(managers, rounds=rounds)
+    lookups = lookup_timings(managers, rounds=3 * rounds)
     rates = throughput(managers[10_000][0], 10_000, rounds=rounds)
 
     rows = []

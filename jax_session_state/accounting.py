@@ -133,7 +133,7 @@ def storages(x: Any) -> list[Storage]:
     """
     if isinstance(x, jax.core.Tracer):
         raise TypeError(
-            "device_bytes() counts storage of concrete arrays; it got a traced "
+            "byte accounting counts the storage of concrete arrays; it got a traced "
             "value. Count bytes outside jit, on the step's inputs or outputs."
         )
     if isinstance(x, jax.Array):
