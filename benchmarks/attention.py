@@ -41,7 +41,6 @@ import argparse
 import functools
 import gzip
 import json
-import math
 import re
 import subprocess
 import sys
@@ -227,7 +226,8 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
             continue
         reference, note = _torch_reference(t)
         rows.append(_row("b", case, t["jax"] * 1e6, reference * 1e6, "us", bar=BARS["step"], T=T, valid=length + T,
-                         note=note, torch_default_us=t["torch"] * 1e6, torch_one_thread_us=t["torch 1 thread"] * 1e6))
+                         note=note, torch_default_us=t["torch"] * 1e6,
+                         torch_one_thread_us=t["torch 1 thread"] * 1e6))
     return rows
 
 
@@ -259,7 +259,8 @@ def rollout_rows(T: int, tokens: int, rounds: int) -> list[dict]:
 
         def torch_rollout():
             with torch.inference_mode():
-                return [torch_step(state.torch_k, state.torch_v, i * T, qst[i], kst[i], vst[i]) for i in range(steps)]
+                return [torch_step(state.torch_k, state.torch_v, i * T, qst[i], kst[i], vst[i])
+                        for i in range(steps)]
 
         candidates |= _torch_candidates(torch_rollout)
         assert _relative_error(scan(), np.stack([o.numpy() for o in torch_rollout()])) < 1e-4
@@ -387,7 +388,7 @@ def _hlo_categories(hlo: str) -> dict[str, str]:
                     categories[op_name] = "softmax and state update"
             elif op == "while":
                 categories[op_name] = "while"
-            elif "dynamic-update-slice" in inner or "scatter" in inner or op in ("scatter", "dynamic-update-slice"):
+            elif any(write in inner or op == write for write in ("dynamic-update-slice", "scatter")):
                 categories[op_name] = "write (append)"
             else:
                 categories[op_name] = "outside the loop (q layout, normalise)"
@@ -410,7 +411,8 @@ def _profile(run, calls: int = 20) -> dict[str, float]:
     return times
 
 
-def _best_matmul_gflops(equation: str, a: jax.Array, b: jax.Array, flops: int, rounds: int, reps: int = 64) -> float:
+def _best_matmul_gflops(equation: str, a: jax.Array, b: jax.Array, flops: int, rounds: int,
+                        reps: int = 64) -> float:
     """XLA's rate for one batched matmul shape (``flops`` per product), operands in cache, no dispatch."""
 
     def loop(a, b):
@@ -582,9 +584,12 @@ def memory_rows(cases: list[tuple[str, int]]) -> list[dict]:
         mb = 2**20
         note = (f"baseline {r['baseline'] / mb:.0f} MB + cache {r['cache'] / mb:.0f} MB + inputs "
                 f"{r['inputs'] / mb:.0f} MB")
-        extra = {"bar": BARS["memory"]} if mode != "copied" else {"note": note + " (not donated: contrast, no bar)"}
+        if mode == "copied":
+            extra = {"note": note + " (not donated: contrast, no bar)"}
+        else:
+            extra = {"bar": BARS["memory"], "note": note}
         rows.append(_row("f", f"peak RSS, 32k rollout, {mode}, batch {batch}", r["peak"] / mb, logical / mb, "MB",
-                         **({"note": note} | extra)))
+                         **extra))
     return rows
 
 

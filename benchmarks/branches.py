@@ -11,7 +11,9 @@ Measures, in one run (one K/V cache, 8 kv-heads x 64, float32):
   rows + ``jss.attend``), each the mean over a rollout filling the 256-row
   windows (target ratio <= 0.5).  The forks are real deep copies, but only
   a few are held at once (each is 128 MiB): a fork's step reads only its
-  own cache, so 64 forks cost 64 x the mean step of the forks held;
+  own cache, so 64 forks cost 64 x the mean step of the forks held.  Both
+  sides do the same arithmetic (64 x 16 queries over 32k keys, about 69
+  GFLOP a step): the lanes read the prefix once instead of 64 times;
 - whether, under ``vmap`` over lanes, the prefix is read once for all lanes:
   every dynamic slice of the prefix cache in the compiled lane step must
   have the unbatched block shape (no per-lane gather);
@@ -126,11 +128,12 @@ def step_rows(session: jss.Session, steps: int, forks_held: int, rounds: int) ->
             samples[name].append(run() / steps)
     t = {name: float(np.median(s[1:])) for name, s in samples.items()}
     ratio = t["lanes"] / t["forks"]
+    flops = 4 * LANES * CHUNK * HEADS * (PREFIX + WINDOW // 2) * HEAD_DIM  # Q@K^T and P@V, mid-window
     rows = [
         {"measure": f"step of {LANES} lanes, cascade attention (ms; mean of steps 1-{steps})",
-         "value": t["lanes"] * 1e3},
+         "value": t["lanes"] * 1e3, "note": f"{flops / t['lanes'] / 1e9:.0f} GFLOP/s"},
         {"measure": f"step of {LANES} deep forks (ms; {forks_held} held, x {LANES // forks_held})",
-         "value": t["forks"] * 1e3},
+         "value": t["forks"] * 1e3, "note": f"{flops / t['forks'] / 1e9:.0f} GFLOP/s"},
         {"measure": "ratio branch step / fork step", "value": ratio, "bar": "≤ 0.5",
          "holds": ratio <= BARS["branch_step_over_forks"]},
     ]
@@ -156,7 +159,7 @@ def prefix_read_once(session: jss.Session) -> dict:
     reads = re.findall(r"= (\S+?)\{\S* (dynamic-slice|gather)\((%[\w.-]+)", hlo)
     prefix_reads = sorted({(op, shape) for shape, op, operand in reads if shapes.get(operand) == cache_shape})
     block = re.compile(rf"f32\[1,{HEADS},\d+,{HEAD_DIM}\]")
-    once = bool(prefix_reads) and all(op == "dynamic-slice" and block.fullmatch(shape) for op, shape in prefix_reads)
+    once = bool(prefix_reads) and all(op == "dynamic-slice" and block.fullmatch(s) for op, s in prefix_reads)
     return {"measure": "prefix read once for all lanes under vmap (compiled HLO)", "value": once, "holds": once,
             "bar": "unbatched", "note": f"reads of the {cache_shape} prefix: {prefix_reads}"}
 

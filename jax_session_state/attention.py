@@ -33,11 +33,11 @@ prints where a step's time goes): XLA copies every K/V block out of the cache
 before a dot, and a bare slice copy compiles to scalar code; fusing a multiply
 into the copy vectorises it, so the softmax scale is applied to the K block and
 V is multiplied by a run-time 1.0 hidden behind ``optimization_barrier``.
-XLA runs the loop on one core (process CPU time = wall time), so the copies
-(half of a T=1 step), about a dozen small fusions per block (mask, max, exp,
-sums, rescale: ~5 us per 64-key block) and the loop's own cost are what keep
-it above PyTorch on two threads; at T=1 and 4k tokens it reads about as fast
-as PyTorch on one thread does twice over.  Tried and not kept (A/B in one
+XLA runs the loop on one core (process CPU time = wall time) while PyTorch
+uses two threads; per 64-key block the K/V copies (half of a T=1 step), about
+a dozen small fusions (mask, max, exp, sums, rescale) and the loop itself cost
+more than the two dots.  At T=1 and 4k tokens a step takes about 1.7x
+PyTorch's one-thread time and 2.5x its two-thread time.  Tried and not kept (A/B in one
 run, jax 0.10, 4k tokens, T=1 and 16): 32/128/256/512-key blocks (128+ are
 slower at T=1; no block size wins at both T), ``K @ q`` for T=1, the softmax
 sum taken by the P@V dot through a column of ones, K and V read in one slice
@@ -65,7 +65,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
