@@ -1,6 +1,6 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, errors
+from jax_session_state import accounting, errors, offload, planner
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
@@ -15,6 +15,7 @@ from jax_session_state.errors import (
     SessionStateError,
     SessionStateLostError,
 )
+from jax_session_state.manager import Held, ManagerEvent, SessionStateManager
 from jax_session_state.objects import (
     BranchKVView,
     EncodeOnceKV,
@@ -30,6 +31,7 @@ from jax_session_state.objects import (
     RetrievalView,
     Retrieved,
 )
+from jax_session_state.offload import Parked
 from jax_session_state.session import Session
 from jax_session_state.summary import Summary, summary
 
@@ -42,16 +44,19 @@ __all__ = [
     "CapacityError",
     "EncodeOnceKV",
     "FixedState",
+    "Held",
     "KVCache",
     "KVChunk",
     "KVView",
     "Lane",
     "LatentBuffer",
     "LatentView",
+    "ManagerEvent",
     "NotEvictableError",
     "NotResidentError",
     "PagedKVCache",
     "PagedView",
+    "Parked",
     "RecomputeGraphError",
     "RetrievalStore",
     "RetrievalView",
@@ -61,6 +66,7 @@ __all__ = [
     "SessionAdmissionError",
     "SessionStateError",
     "SessionStateLostError",
+    "SessionStateManager",
     "StateObject",
     "Summary",
     "accounting",
@@ -72,5 +78,7 @@ __all__ = [
     "errors",
     "is_state_object",
     "merge_attention",
+    "offload",
+    "planner",
     "summary",
 ]
