@@ -65,24 +65,35 @@ def interleaved(
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def median_seconds(
+def timed_rounds(
     candidates: Mapping[str, tuple[Callable[[], Any], Callable[[Any], Any]]], *, rounds: int
-) -> dict[str, float]:
-    """Median seconds per run of each candidate, round-robin, each run on a fresh input.
+) -> dict[str, list[float]]:
+    """Seconds of every run of each candidate, round-robin, each run on a fresh input.
+
+    Every other round runs the candidates in reverse order.  Compare
+    candidates by the median over rounds of their per-round ratio
+    (:func:`paired_ratio`): both runs of a round share the machine's load.
 
     Args:
       candidates: name -> ``(setup, run)``: ``setup()`` makes the input (not
         timed), ``run(input)`` runs once and blocks until done (timed).
-      rounds: rounds of the round-robin; the median is over rounds.
+      rounds: rounds of the round-robin.
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, (setup, run) in candidates.items():
+    names = list(candidates)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:  # no candidate always runs after another
+            setup, run = candidates[name]
             given = setup()
             start = time.perf_counter()
             run(given)
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of ``numerator[i] / denominator[i]``."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 def environment() -> dict[str, str]:
@@ -152,19 +163,22 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def cli(name: str, run: Callable[..., list[dict[str, Any]]], doc: str) -> None:
+def cli(name: str, run: Callable[..., list[dict[str, Any]]], doc: str, columns: list[str] | None = None) -> None:
     """The command line of benchmark ``name``: ``python -m benchmarks.NAME [--full] [--out PATH]``.
 
     Args:
       name: the module's name under ``benchmarks``.
-      run: ``run(full=...)`` measures and returns the rows (dicts with at
-        least ``measure`` and ``value``; ratios also ``bar`` and ``holds``).
+      run: ``run(full=...)`` measures and returns the rows: dicts with
+        ``measure`` and ``value``, and ``bar`` and ``holds`` where a bar applies.
       doc: the module's docstring; its first line describes the command.
+      columns: the columns of the printed table (default: those four).
     """
     args = parser(doc.splitlines()[0]).parse_args()
     rows = run(full=args.full)
-    columns = [c for c in ("measure", "value", "bar", "holds") if any(c in row for row in rows)]
-    report(name, rows, columns, args.out)
+    report(name, rows, columns or ["measure", "value", "bar", "holds"], args.out)
+    bars = [row for row in rows if isinstance(row.get("holds"), bool)]
+    failed = [row["measure"] for row in bars if not row["holds"]]
+    print(f"bars: {len(bars) - len(failed)} of {len(bars)} hold" + "".join(f"\n  NOT HELD: {m}" for m in failed))
 
 
 def report(name: str, rows: list[dict[str, Any]], columns: list[str], out: Path | None, **extra: Any) -> dict:

@@ -154,7 +154,8 @@ class TorchWorldModel:
     K/V live in a preallocated head-major cache per block, ``[batch,
     kv_heads, capacity, head_dim]``; each step writes its rows in place with
     ``copy_`` and attends with ``scaled_dot_product_attention`` over the valid
-    prefix only (``enable_gqa``; a boolean mask makes the chunk causal).
+    prefix only (``enable_gqa``; a boolean mask makes the chunk causal).  The
+    q, k and v projections are one matmul (fewer dispatches, the same math).
     """
 
     def __init__(self, model: WorldModel, snapshot: Snapshot, capacity: int):
@@ -173,8 +174,9 @@ class TorchWorldModel:
         self.norm_out = t(model.norm_out.scale[...])
         self.blocks = [
             {
-                "norm_attn": t(b.norm_attn.scale[...]), "q": general_in(b.attn.query), "k": general_in(b.attn.key),
-                "v": general_in(b.attn.value), "out": general_out(b.attn.out), "norm_cross": t(b.norm_cross.scale[...]),
+                "norm_attn": t(b.norm_attn.scale[...]),
+                "qkv": torch.cat([general_in(b.attn.query), general_in(b.attn.key), general_in(b.attn.value)]),
+                "out": general_out(b.attn.out), "norm_cross": t(b.norm_cross.scale[...]),
                 "cross_q": general_in(b.cross_q), "cross_out": general_out(b.cross_out),
                 "norm_mlp": t(b.norm_mlp.scale[...]), "mlp_in": linear(b.mlp_in), "mlp_out": linear(b.mlp_out),
             }
@@ -189,11 +191,12 @@ class TorchWorldModel:
     def restore(self, snapshot: Snapshot) -> None:
         """Back to ``snapshot``: its rows, carry and frames (rows past it are never read)."""
         torch = self.torch
+        tensor = lambda x: torch.from_numpy(np.array(x))  # noqa: E731  (a writable copy)
         for cache, rows in zip(self.k + self.v, snapshot.k + snapshot.v):
-            cache[:, :, : rows.shape[2]].copy_(torch.from_numpy(rows))
+            cache[:, :, : rows.shape[2]].copy_(tensor(rows))
         self.length = snapshot.length
-        self.cond_k, self.cond_v = torch.from_numpy(snapshot.cond_k), torch.from_numpy(snapshot.cond_v)
-        self.h, self.frames = torch.from_numpy(snapshot.h.copy()), torch.from_numpy(snapshot.frames.copy())
+        self.cond_k, self.cond_v = tensor(snapshot.cond_k), tensor(snapshot.cond_v)
+        self.h, self.frames = tensor(snapshot.h), tensor(snapshot.frames)
 
     def _patchify(self, frames: Any) -> Any:
         K, B, H, W, C = frames.shape
@@ -218,10 +221,10 @@ class TorchWorldModel:
         start, end = self.length, self.length + T
         causal = torch.arange(end) <= (start + torch.arange(T))[:, None]
         for block, k_cache, v_cache in zip(self.blocks, self.k, self.v):
-            hidden = norm(x, block["norm_attn"])
-            q = F.linear(hidden, block["q"]).view(B, T, H, D).transpose(1, 2)
-            k_cache[:, :, start:end].copy_(F.linear(hidden, block["k"]).view(B, T, Hk, D).transpose(1, 2))
-            v_cache[:, :, start:end].copy_(F.linear(hidden, block["v"]).view(B, T, Hk, D).transpose(1, 2))
+            q, k, v = F.linear(norm(x, block["norm_attn"]), block["qkv"]).split([H * D, Hk * D, Hk * D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            k_cache[:, :, start:end].copy_(k.view(B, T, Hk, D).transpose(1, 2))
+            v_cache[:, :, start:end].copy_(v.view(B, T, Hk, D).transpose(1, 2))
             attended = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=causal, enable_gqa=True
             )
