@@ -27,6 +27,9 @@ from benchmarks._common import RESULTS, environment, table
 
 MODULES = [
     "append",
+    "attention",
+    "branches",
+    "manager",
     "paged",
     "rollout",
 ]

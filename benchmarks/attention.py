@@ -37,7 +37,6 @@ Run:  python -m benchmarks.attention [--full] [--out PATH]
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gzip
 import json
@@ -56,7 +55,7 @@ import numpy as np
 from jax import lax
 
 import jax_session_state as jss
-from benchmarks._common import interleaved, parser, report
+from benchmarks._common import cli, interleaved
 
 torch: Any = None  # PyTorch, an optional benchmark dependency: imported by main(), not by the memory child
 
@@ -79,6 +78,9 @@ def _timed(candidates: dict[str, Any], rounds: int, calls: int = 5) -> dict[str,
 def _row(part: str, case: str, measured: float, reference: float | None, unit: str, **extra: Any) -> dict:
     ratio = None if reference in (None, 0) else measured / reference
     row = {"part": part, "case": case, "measured": measured, "reference": reference, "unit": unit, "ratio": ratio}
+    # For the runner's table: a row with a bar shows its ratio, any other its measurement.
+    row.update({"measure": f"{part}: {case}", "value": ratio} if "bar" in extra else
+               {"measure": f"{part}: {case} ({unit})", "value": measured})
     if "bar" in extra:
         row["holds"] = ratio is not None and ratio <= extra["bar"]
         extra["bar"] = f"≤ {extra['bar']}"
@@ -603,40 +605,30 @@ def _load_torch() -> None:
     torch = torch_module
 
 
-def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--memory-child", nargs=2, metavar=("MODE", "BATCH"), help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.memory_child:
-        mode, batch = args.memory_child
-        memory_child(mode, int(batch))
-        return
+def run(*, full: bool) -> list[dict]:
+    """Every part at the quick sizes, or the large ones."""
     _load_torch()
-    rounds = 15 if args.full else 7
-    lengths = [0, 256, 1024, 2048, 4080] if args.full else [0, 1024, 4080]
+    rounds = 15 if full else 7
+    lengths = [0, 256, 1024, 2048, 4080] if full else [0, 1024, 4080]
     if torch is None:
         print(NO_TORCH)
-    start = time.perf_counter()
     rows = capacity_rows(rounds)
     steps = step_rows(16, lengths, rounds) + step_rows(1, [n if n < 4000 else 4095 for n in lengths], rounds)
     rows += steps
-    rows += rollout_rows(16, 4096, 5 if args.full else 3) + rollout_rows(1, 4096 if args.full else 1024, 3)
+    rows += rollout_rows(16, 4096, 5 if full else 3) + rollout_rows(1, 4096 if full else 1024, 3)
     rows += nnx_rows([256, 1024, 4096], rounds)
-    dram = copy_bandwidth(1 << 30 if args.full else 256 << 20)
+    dram = copy_bandwidth(1 << 30 if full else 256 << 20)
     cached = copy_bandwidth(16 << 20)
     for T in (16, 1):
         rows += breakdown_rows(T, 4096 - T, rounds, cached)
     rows += limit_rows(steps, dram)
-    cases = [("donated", 1), ("scan", 1), ("copied", 1)] + ([("donated", 4)] if args.full else [])
-    rows += memory_rows(cases)
-    bars = {f"{r['part']}: {r['case']}": r["holds"] for r in rows if "holds" in r}
-    report("attention", rows, ["part", "case", "measured", "reference", "unit", "ratio", "bar", "holds", "note"],
-           args.out, bars=bars, copy_bandwidth={"large_GBps": dram / 1e9, "16MiB_GBps": cached / 1e9},
-           torch=None if torch is None else {"version": torch.__version__, "threads": torch.get_num_threads()},
-           seconds=time.perf_counter() - start)
-    failed = [name for name, holds in bars.items() if not holds]
-    print(f"\nbars: {len(bars) - len(failed)} of {len(bars)} hold" + "".join(f"\n  NOT HELD: {n}" for n in failed))
+    cases = [("donated", 1), ("scan", 1), ("copied", 1)] + ([("donated", 4)] if full else [])
+    return rows + memory_rows(cases)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--memory-child"]:
+        memory_child(sys.argv[2], int(sys.argv[3]))
+    else:
+        cli("attention", run, __doc__,
+            columns=["part", "case", "measured", "reference", "unit", "ratio", "bar", "holds", "note"])

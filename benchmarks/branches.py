@@ -36,7 +36,7 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks import paged
-from benchmarks._common import interleaved, parser, report
+from benchmarks._common import cli, interleaved
 
 HEADS, HEAD_DIM = 8, 64
 PREFIX, LANES, WINDOW, CHUNK = 32768, 64, 256, 16
@@ -195,19 +195,16 @@ def paged_rows(session: jss.Session, rounds: int) -> list[dict]:
     ]
 
 
-def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    rounds = 7 if args.full else 3
+def run(*, full: bool) -> list[dict]:
+    """Memory, the step against deep forks, the prefix read once, and paged forks."""
+    rounds = 7 if full else 3
     session = prefix_session(extra=WINDOW)
     rows = memory_rows(session)
-    steps, session = step_rows(session, WINDOW // CHUNK if args.full else 4, forks_held=16 if args.full else 8,
-                               rounds=rounds)
+    steps, session = step_rows(session, WINDOW // CHUNK if full else 4, forks_held=16 if full else 8, rounds=rounds)
     rows += steps
     rows.append(prefix_read_once(session))
-    rows += paged_rows(session, rounds)
-    report("branches", rows, ["measure", "value", "bar", "holds", "note"], args.out,
-           ratios={r["measure"]: r["value"] for r in rows if r["measure"].startswith("ratio")})
+    return rows + paged_rows(session, rounds)
 
 
 if __name__ == "__main__":
-    main()
+    cli("branches", run, __doc__)

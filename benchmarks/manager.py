@@ -40,7 +40,7 @@ import time
 import jax.numpy as jnp
 
 import jax_session_state as jss
-from benchmarks._common import interleaved, parser, report
+from benchmarks._common import cli, interleaved
 from jax_session_state.planner import ObjectUsage, Plan, SessionUsage, plan
 
 SIZES = (1_000, 10_000)
@@ -285,10 +285,10 @@ def planner_timings(*, rounds: int, samples: int = 3) -> dict[tuple[str, int], d
 
 
 # ---------------------------------------------------------------------------- main
-def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    rounds = 15 if args.full else 7
-    planner = planner_timings(rounds=4 if args.full else 3)
+def run(*, full: bool) -> list[dict]:
+    """Lookups, throughput, planning under pressure and the planner alone, at 1k and 10k sessions."""
+    rounds = 15 if full else 7
+    planner = planner_timings(rounds=4 if full else 3)
     managers = {count: filled_manager(count) for count in SIZES}
     pressure = pressure_timings(managers, rounds=rounds)
     lookups = lookup_timings(managers, rounds=3 * rounds)
@@ -354,11 +354,11 @@ def main() -> None:
                 "holds": value <= bar if bar else "",
             }
         )
-    report("manager", rows, ["measure", "value", "bar", "holds", "note"], args.out, ratios=ratios)
+    return rows
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--measure-plan"]:
         print(json.dumps(measure_planner(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
     else:
-        main()
+        cli("manager", run, __doc__)
