@@ -70,9 +70,8 @@ def timed_rounds(
 ) -> dict[str, list[float]]:
     """Seconds of every run of each candidate, round-robin, each run on a fresh input.
 
-    Every other round runs the candidates in reverse order.  Compare
-    candidates by the median over rounds of their per-round ratio
-    (:func:`paired_ratio`): both runs of a round share the machine's load.
+    Every other round runs the candidates in reverse order, so that no
+    candidate always runs right after another.
 
     Args:
       candidates: name -> ``(setup, run)``: ``setup()`` makes the input (not
@@ -89,11 +88,6 @@ def timed_rounds(
             run(given)
             samples[name].append(time.perf_counter() - start)
     return samples
-
-
-def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-    """The median over rounds of ``numerator[i] / denominator[i]``."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 def environment() -> dict[str, str]:

@@ -46,7 +46,7 @@ def test_rollout_matches_flax_decode_cache_and_raw_arrays():
 
 
 def test_donated_rollout_compiles_once_and_writes_in_place():
-    model, session, actions = started(CONFIG, watched=1)
+    model, session, actions = started(dataclasses.replace(CONFIG, layers=1), watched=1)
     graphdef, params = nnx.split(model)
     traces = []
 
@@ -66,7 +66,7 @@ def test_donated_rollout_compiles_once_and_writes_in_place():
 
 @pytest.mark.parametrize("capacity", [None, 256], ids=["ring", "append"])
 def test_a_lane_imagines_what_the_session_would_roll(capacity):
-    config = dataclasses.replace(CONFIG, capacity=capacity, window=32, lane_frames=4)
+    config = dataclasses.replace(CONFIG, layers=1, capacity=capacity, window=32, lane_frames=4)
     model, session, actions = started(config, watched=3)
     plans = jnp.stack([actions, -actions, 0 * actions])  # three candidate action sequences
 
