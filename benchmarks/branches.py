@@ -207,4 +207,4 @@ def run(*, full: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
-    cli("branches", run, __doc__)
+    cli("branches", run, __doc__, columns=["measure", "value", "bar", "holds", "note"])

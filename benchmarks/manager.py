@@ -361,4 +361,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--measure-plan"]:
         print(json.dumps(measure_planner(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
     else:
-        cli("manager", run, __doc__)
+        cli("manager", run, __doc__, columns=["measure", "value", "bar", "holds", "note"])

@@ -101,6 +101,7 @@ class WorldModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Size of one attention head."""
         return self.d_model // self.heads
 
 
