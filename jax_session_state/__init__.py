@@ -1,6 +1,6 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, errors
+from jax_session_state import accounting, errors, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.base import StateObject, check, is_state_object
 from jax_session_state.errors import (
@@ -26,6 +26,7 @@ from jax_session_state.objects import (
     Retrieved,
 )
 from jax_session_state.session import Session
+from jax_session_state.sharding import ShardingRules, shard
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "SessionAdmissionError",
     "SessionStateError",
     "SessionStateLostError",
+    "ShardingRules",
     "StateObject",
     "accounting",
     "check",
@@ -57,4 +59,6 @@ __all__ = [
     "device_key",
     "errors",
     "is_state_object",
+    "shard",
+    "sharding",
 ]

@@ -14,6 +14,7 @@ from jax_session_state import _validation as v
 from jax_session_state.base import StateObject, overwrite
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
+from jax_session_state.sharding import ShardingRules
 
 __all__ = ["KVCache", "KVChunk", "KVView"]
 
@@ -153,6 +154,7 @@ class KVCache(StateObject, kw_only=True):
         max_chunk: int | None = None,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> KVCache:
         """An empty cache.
 
@@ -168,6 +170,10 @@ class KVCache(StateObject, kw_only=True):
             commits; the ring keeps this many slots beyond the window.
           recompute_source: sibling object(s) this cache can be rebuilt from.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the cache lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
+            Its storage axes are ``("batch", "kv_heads", "capacity",
+            "head_dim")`` for k and v and ``("batch",)`` for the lengths.
 
         Returns:
           An empty, resident cache.
@@ -205,8 +211,13 @@ class KVCache(StateObject, kw_only=True):
             max_chunk=max_chunk,
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        kv = ("batch", "kv_heads", "capacity", "head_dim")
+        return {"k": kv, "v": kv, "lengths": ("batch",), "staged": ("batch",), "overflowed": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
@@ -286,11 +297,10 @@ class KVCache(StateObject, kw_only=True):
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
         keep = (jnp.arange(T) < counts[:, None]) & ~refused
         slots = jnp.where(keep, slots, self.capacity)  # out of range: dropped
-        rows = jnp.arange(self.batch)[:, None]
         written = jnp.where(refused, 0, counts)
-        new = self.replace(
-            k=self.k.at[rows, :, slots].set(chunk.k, mode="drop"),
-            v=self.v.at[rows, :, slots].set(chunk.v, mode="drop"),
+        new = self.with_storage(
+            k=_write_rows(self.k, slots, chunk.k),
+            v=_write_rows(self.v, slots, chunk.v),
             staged=self.staged + written,
             overflowed=self.overflowed | refused,
         )
@@ -298,12 +308,12 @@ class KVCache(StateObject, kw_only=True):
 
     def _commit_staged(self, when: Array | bool = True) -> KVCache:
         promoted = jnp.where(when, self.staged, 0)
-        return self.replace(lengths=self.lengths + promoted, staged=self.staged - promoted)
+        return self.with_storage(lengths=self.lengths + promoted, staged=self.staged - promoted)
 
     def discard(self) -> KVCache:
         """Forgets staged rows (O(1)); committed rows are untouched."""
         self._require_resident("discard")
-        return self.replace(staged=overwrite(self.staged, 0))
+        return self.with_storage(staged=overwrite(self.staged, 0))
 
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> KVView:
@@ -326,3 +336,16 @@ class KVCache(StateObject, kw_only=True):
             window=self.window,
             sink=self.sink,
         )
+
+
+def _write_rows(cache: Array, slots: Array, rows: Array) -> Array:
+    """``cache`` with ``rows[b, t]`` written into slot ``slots[b, t]`` of batch row ``b``.
+
+    ``cache: [batch, kv_heads, capacity, head_dim]``, ``slots: [batch, T]``
+    (out of range: dropped), ``rows: [batch, T, kv_heads, head_dim]``.  The
+    batch row is a vmapped (batching) dimension of the scatter rather than an
+    index, so on a mesh each device writes its own batch rows and heads with
+    no communication (an index would make XLA gather the rows across the
+    batch's devices first).
+    """
+    return jax.vmap(lambda c, s, r: c.at[:, s].set(r.swapaxes(0, 1), mode="drop"))(cache, slots, rows)
