@@ -1,11 +1,12 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, errors, sharding
+from jax_session_state import accounting, checkpoint, errors, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.base import StateObject, check, is_state_object
 from jax_session_state.errors import (
     BudgetExceededError,
     CapacityError,
+    CheckpointError,
     NotEvictableError,
     NotResidentError,
     RecomputeGraphError,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BudgetExceededError",
     "CapacityError",
+    "CheckpointError",
     "EncodeOnceKV",
     "FixedState",
     "KVCache",
@@ -55,6 +57,7 @@ __all__ = [
     "StateObject",
     "accounting",
     "check",
+    "checkpoint",
     "device_bytes",
     "device_key",
     "errors",
