@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -58,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jax_session_state import _codec
+from jax_session_state import _codec, _fingerprint
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CheckpointError
 from jax_session_state.session import Session
@@ -120,7 +121,9 @@ def save(path: str | os.PathLike, state: Session) -> Path:
     manifest["arrays"] = table.entries
     partial.mkdir()
     if table.values:
-        _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values))
+        save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in table.values}
+        _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values, save_args=save_args))
+    table.finish_fingerprints()
     _write_durably(partial / _MANIFEST, json.dumps(manifest, indent=1))
     _fsync_directory(partial)
     os.rename(partial, final)
@@ -330,6 +333,7 @@ class _ArrayTable:
         self.keep_values = keep_values
         self.values: dict[str, Any] = {}
         self.entries: dict[str, dict[str, Any]] = {}
+        self._fingerprints: dict[str, Any] = {}
 
     def add(self, x: Any, where: str) -> str:
         key = str(len(self.entries))
@@ -344,10 +348,15 @@ class _ArrayTable:
             x = np.asarray(x)
         entry.update(shape=list(x.shape), dtype=np.dtype(x.dtype).name)
         if self.keep_values:
-            entry["fingerprint"] = _fingerprint(x)
+            self._fingerprints[key] = _fingerprint.start(x)  # computed while Orbax writes
             self.values[key] = x
         self.entries[key] = entry
         return key
+
+    def finish_fingerprints(self) -> None:
+        """Waits for the fingerprints and records them in the entries."""
+        for key, started in self._fingerprints.items():
+            self.entries[key]["fingerprint"] = _fingerprint.value(started)
 
 
 def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str, Placement]) -> dict[str, Any]:
@@ -370,10 +379,22 @@ def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str,
         )
     except Exception as error:  # Orbax and TensorStore raise many types for damaged files
         raise CheckpointError(f"{directory}: the arrays cannot be read (damaged or truncated files?): {error}") from error
+    fingerprints = {}
+    for key in entries:
+        x = arrays[key]
+        if isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
+            # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
+            # buffers and a donated step cannot reuse them (the first step would copy the whole
+            # state). Copied into runtime-owned buffers one array at a time, so the peak stays the
+            # state plus its largest array.
+            arrays[key], fingerprints[key] = _fingerprint.start_on_owned_copy(x)
+            x.delete()
+        else:
+            fingerprints[key] = _fingerprint.start(x)
     out = {}
     for key, entry in entries.items():
-        x = _runtime_owned(arrays.pop(key))
-        if _fingerprint(x) != entry["fingerprint"]:
+        x = arrays[key]
+        if _fingerprint.value(fingerprints[key]) != entry["fingerprint"]:
             raise CheckpointError(
                 f"{directory}: array {entry['where']} does not match its fingerprint: its files are damaged."
             )
@@ -385,55 +406,25 @@ def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str,
     return out
 
 
-def _runtime_owned(x: Any) -> Any:
-    """``x`` in buffers the runtime owns, so that the first donated step writes in place.
-
-    On CPU, JAX wraps suitably aligned host buffers without copying; Orbax
-    reads into such buffers, and a donated step cannot reuse them (it would
-    copy the whole state at the first step instead).  Copied one array at a
-    time, so the peak is the state plus its largest array.
-    """
-    if not isinstance(x, jax.Array) or any(d.platform != "cpu" for d in x.sharding.device_set):
-        return x
-    owned = jnp.copy(x)
-    x.delete()
-    return owned
-
-
-def _fingerprint(x: Any) -> list[int]:
-    """Two 32-bit sums of an array's bits, the second position-weighted: any changed word changes it.
-
-    Large device arrays are summed on their devices by 32-bit word (one
-    compile per shape, worth it); the rest on the host by byte.  Which one
-    depends only on the size, so a save and its restore agree.
-    """
-    if isinstance(x, jax.Array) and x.nbytes >= _DEVICE_FINGERPRINT_BYTES:
-        return [int(v) for v in _fingerprint_words(x)]
-    words = np.ascontiguousarray(x).reshape(-1).view(np.uint8).astype(np.uint32)
-    return [int(v) for v in _weighted_sums(np, words)]
-
-
-_DEVICE_FINGERPRINT_BYTES = 1 << 22
-
-
-def _weighted_sums(xnp: Any, words: Any) -> list[Any]:
-    odd = xnp.arange(words.size, dtype=xnp.uint32) * 2 + 1  # odd weights: invertible modulo 2**32
-    return [xnp.sum(words, dtype=xnp.uint32), xnp.sum(words * odd, dtype=xnp.uint32)]
-
-
-@jax.jit
-def _fingerprint_words(x: jax.Array) -> jax.Array:
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag])
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    words = jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32).ravel()
-    return jnp.stack(_weighted_sums(jnp, words))
+_ORBAX_OPTIONS = {"use_ocdbt": False, "use_compression": False}
+"""How arrays are written, chosen by measurement (``benchmarks/sharded.py``): session
+state is a few large arrays of incompressible floats, so compression only costs
+time, and plain zarr files saved faster than OCDBT's single data file."""
+_CHUNK_BYTES = 16 << 20  # smaller chunks than whole shards: more writes in flight, faster saves
 
 
 def _checkpointer() -> ocp.Checkpointer:
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_ORBAX_OPTIONS))
+
+
+class _WithoutOcdbtMergeWarning(logging.Filter):
+    """Drops the warning Orbax logs on every save without OCDBT (there is nothing to merge)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_WithoutOcdbtMergeWarning())
 
 
 # ---------------------------------------------------------------- files

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jax_session_state as jss
-from jax_session_state import checkpoint
+from jax_session_state import _fingerprint, checkpoint
 
 B, H, D = 2, 2, 4
 
@@ -240,6 +240,18 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_clearly(tmp_path, damage, ma
     checkpoint.save(tmp_path, random_session(seed=6).with_objects(big=big.append((rows[0], rows[1]))))
     damage(tmp_path)
     with pytest.raises(jss.CheckpointError, match=match):
+        checkpoint.restore(tmp_path)
+
+
+def test_damage_in_arrays_fingerprinted_on_their_devices_is_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(_fingerprint, "_DEVICE_BYTES", 0)  # every array takes the path of large ones
+    big = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=4096)
+    rows = jax.random.normal(jax.random.key(1), (2, B, 4096, H, D))
+    session = random_session(seed=6).with_objects(big=big.append((rows[0], rows[1])))
+    checkpoint.save(tmp_path, session)
+    assert_same(checkpoint.restore(tmp_path), session)
+    flip_bytes(largest_data_file(tmp_path))
+    with pytest.raises(jss.CheckpointError, match=r"array big\.\['[kv]'\] does not match its fingerprint"):
         checkpoint.restore(tmp_path)
 
 

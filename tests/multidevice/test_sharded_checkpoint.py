@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 from meshes import auto_mesh, shard_pointers, shardings
 
 import jax_session_state as jss
-from jax_session_state import checkpoint
+from jax_session_state import _fingerprint, checkpoint
 
-B, H, D = 2, 8, 4
+B, H, D, CAPACITY = 2, 8, 4, 32768
 AXES = {"batch": "data", "kv_heads": "model", "hidden": "model"}
 RULES = jss.ShardingRules(auto_mesh((2, 4), ("data", "model")), AXES)
 
@@ -23,7 +23,8 @@ RULES = jss.ShardingRules(auto_mesh((2, 4), ("data", "model")), AXES)
 def sharded_session(rules=RULES):
     return jss.Session(
         objects={
-            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=32, sharding=rules),
+            # 8 MiB of K and of V: fingerprinted on their devices, by shard
+            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=CAPACITY, sharding=rules),
             "carry": jss.FixedState.allocate(shapes={"h": (B, 8)}, axes={"h": ("batch", "hidden")}, sharding=rules),
             "bank": jss.RetrievalStore.allocate(capacity=4, key_dim=8, value_shapes=(8,), sharding=rules),
         },
@@ -79,7 +80,7 @@ def test_restore_onto_a_smaller_mesh_reshards(tmp_path, devices):
     for x in shardings(restored):
         assert x.mesh == mesh
     assert restored["kv"].k.sharding.spec == P("data", "model")
-    assert {s.data.shape for s in restored["kv"].k.addressable_shards} == {(B, H // devices, 32, D)}
+    assert {s.data.shape for s in restored["kv"].k.addressable_shards} == {(B, H // devices, CAPACITY, D)}
 
 
 def test_restore_without_placement_lands_on_the_default_device(tmp_path):
@@ -138,3 +139,13 @@ def test_restore_in_a_process_with_fewer_devices(tmp_path, devices):
     )
     assert result.returncode == 0, result.stderr[-5000:]
     assert f"restored on {devices} devices" in result.stdout
+
+
+def test_fingerprints_do_not_depend_on_sharding():
+    x = jax.random.normal(jax.random.key(3), (B, H, CAPACITY, D))  # 8 MiB: summed on its devices
+    assert x.nbytes >= _fingerprint._DEVICE_BYTES
+    whole = _fingerprint.value(_fingerprint.start(x))
+    for spec in (P("data", "model"), P(None, ("data", "model")), P(None, None, "model")):
+        sharded = jax.device_put(x, jax.sharding.NamedSharding(RULES.mesh, spec))
+        assert _fingerprint.value(_fingerprint.start(sharded)) == whole
+    assert _fingerprint.value(_fingerprint.start(x.at[1, 7, 9, 3].add(1.0))) != whole
