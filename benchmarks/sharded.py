@@ -7,9 +7,11 @@ Measures, in one run:
   compiled step must move no data between devices and write in place;
 - bytes per device of that session: each must be total / 8 (bar: within 1%);
 - checkpoint save and restore of a 1 GiB head-sharded session with
-  ``jax_session_state.checkpoint`` against ``numpy.save`` / ``numpy.load`` of
-  the same arrays in the same directory (bar: throughput ratio >= 0.5), and
-  raw Orbax with other options, to show what mattered.
+  ``jax_session_state.checkpoint`` against numpy on the same arrays in the
+  same directory: ``numpy.save`` of the jax arrays (which gathers them to the
+  host) and ``numpy.load`` + ``device_put`` back onto the same sharding (bar:
+  throughput ratio >= 0.5); also against numpy on host copies alone, and raw
+  Orbax with other options, to show what mattered.
 
 Run:  python -m benchmarks.sharded [--full] [--out PATH] [--dir DIR]
 """
@@ -137,10 +139,16 @@ def gib_session() -> tuple[jss.Session, jss.ShardingRules]:
 
 
 def measured(candidates: dict[str, tuple[Callable[[], object], Callable[[], None]]], rounds: int) -> dict[str, float]:
-    """Median seconds of each ``run`` over interleaved rounds; each ``cleanup`` runs untimed after."""
+    """Median seconds of each ``run`` over rounds; each ``cleanup`` runs untimed after.
+
+    The order rotates each round, so no candidate always follows the same one
+    (whose freed memory the next one pays to fault back in).
+    """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, (run, cleanup) in candidates.items():
+    names = list(candidates)
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            run, cleanup = candidates[name]
             start = time.perf_counter()
             jax.block_until_ready(run())
             samples[name].append(time.perf_counter() - start)
@@ -151,9 +159,13 @@ def measured(candidates: dict[str, tuple[Callable[[], object], Callable[[], None
 ORBAX_VARIANTS = {
     "Orbax defaults (OCDBT, compressed)": ({}, None),
     "Orbax OCDBT, uncompressed": ({"use_compression": False}, None),
-    "Orbax plain zarr, uncompressed": ({"use_ocdbt": False, "use_compression": False}, None),
+    "Orbax plain zarr, uncompressed (the library's)": ({"use_ocdbt": False, "use_compression": False}, None),
     "Orbax plain zarr, uncompressed, 16 MiB chunks": ({"use_ocdbt": False, "use_compression": False}, 16 * MIB),
+    "Orbax plain zarr, uncompressed, no pinned-host copy": (
+        {"use_ocdbt": False, "use_compression": False, "enable_pinned_host_transfer": False}, None),
 }
+SAME_ARRAYS = {"save": "numpy.save of the jax arrays", "restore": "numpy.load + device_put"}
+HOST_ONLY = {"save": "numpy.save of host copies", "restore": "numpy.load"}
 
 
 def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
@@ -163,9 +175,12 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
     host = {name: np.asarray(x) for name, x in arrays.items()}  # numpy saves what is already on the host
     sharding = arrays["k"].sharding
 
-    def np_save() -> None:
-        for name, x in host.items():
-            np.save(directory / f"{name}.npy", x)
+    def np_save(source: dict) -> Callable[[], None]:
+        def save() -> None:
+            for name, x in source.items():
+                np.save(directory / f"{name}.npy", x)
+
+        return save
 
     def np_load() -> list[np.ndarray]:
         return [np.load(directory / f"{name}.npy") for name in host]
@@ -187,11 +202,15 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
 
     library = directory / "library"
     jss.checkpoint.save(library, session)
-    np_save()
+    np_save(host)()
     nothing = lambda: None  # noqa: E731
     variants = {name: orbax(i, *spec) for i, (name, spec) in enumerate(ORBAX_VARIANTS.items())}
     saves = measured(
-        {"numpy.save": (np_save, nothing), "jss.checkpoint.save": (lambda: jss.checkpoint.save(library, session), nothing)}
+        {
+            SAME_ARRAYS["save"]: (np_save(arrays), nothing),
+            HOST_ONLY["save"]: (np_save(host), nothing),
+            "jss.checkpoint.save": (lambda: jss.checkpoint.save(library, session), nothing),
+        }
         | {name: (save, cleanup) for name, (save, _, cleanup) in variants.items()},
         rounds,
     )
@@ -199,8 +218,8 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
         save()
     restores = measured(
         {
-            "numpy.load": (np_load, nothing),
-            "numpy.load + device_put": (np_load_placed, nothing),
+            SAME_ARRAYS["restore"]: (np_load_placed, nothing),
+            HOST_ONLY["restore"]: (np_load, nothing),
             "jss.checkpoint.restore": (lambda: jss.checkpoint.restore(library, shardings=rules), nothing),
         }
         | {name: (restore, nothing) for name, (_, restore, _) in variants.items()},
@@ -210,10 +229,14 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
     exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip((restored["kv"].k, restored["kv"].v), arrays.values()))
 
     rows = []
-    for what, times, baseline in (("save", saves, "numpy.save"), ("restore", restores, "numpy.load")):
+    for what, times in (("save", saves), ("restore", restores)):
         for name, seconds in times.items():
-            row = {"measure": f"{what} {total / MIB:.0f} MiB: {name} (MB/s)", "value": total / seconds / 1e6,
-                   "ratio": times[baseline] / seconds}
+            row = {
+                "measure": f"{what} {total / MIB:.0f} MiB: {name} (MB/s)",
+                "value": total / seconds / 1e6,
+                "ratio": times[SAME_ARRAYS[what]] / seconds,
+                "ratio to host-only numpy": times[HOST_ONLY[what]] / seconds,
+            }
             if name.startswith("jss."):
                 row.update(bar="≥ 0.5", holds=row["ratio"] >= 0.5)
             rows.append(row)
@@ -230,11 +253,11 @@ def main() -> None:
     step_rows, session = step_benchmark(32768 if args.full else 4096, rounds=15 if args.full else 7)
     directory = Path(tempfile.mkdtemp(prefix="jss-bench-", dir=args.dir))
     try:
-        checkpoint_rows = checkpoint_benchmark(directory, rounds=5 if args.full else 3)
+        checkpoint_rows = checkpoint_benchmark(directory, rounds=9 if args.full else 5)
     finally:
         shutil.rmtree(directory)
     rows = step_rows + bytes_per_device(session) + checkpoint_rows
-    report("sharded", rows, ["measure", "value", "ratio", "bar", "holds"], args.out)
+    report("sharded", rows, ["measure", "value", "ratio", "ratio to host-only numpy", "bar", "holds"], args.out)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """Fingerprints that let a restore refuse damaged array files instead of returning wrong data.
 
-A fingerprint is two 32-bit sums of an array's bits: a plain sum, which any
-one changed word changes, and a sum weighted by position, which data moved to
-the wrong place changes.  It depends only on the array's contents, not on its
-sharding, so a checkpoint saved on 8 devices checks on 1.
+An array's fingerprint is two sums modulo 2**32 over its *rows* (the last axis;
+a scalar is one row), where a row's value is the sum of the 32-bit words (or
+the 16- or 8-bit values) of its elements: the plain sum of all rows, which any
+one changed word changes, and the sum of the rows weighted by ``2 * i + 1``
+for row ``i`` in row-major order, which rows moved to the wrong place change.
+Both are linear, so they add up over the pieces of a sharded array and do not
+depend on its sharding: a checkpoint saved on 8 devices checks on 1.
 
-Large device arrays are summed on their devices (asynchronously, so a save
-computes them while Orbax writes), a row (the last axis) at a time and then
-weighted by row; small arrays and host arrays on the host, byte by byte.
-Which one depends only on the array's size and type, so a save and its restore agree.
+Arrays on the host or on CPU devices are summed with numpy over each distinct
+shard, in place (a CPU shard's host view costs nothing); arrays on
+accelerators are summed on their devices.  Both give the same numbers.
 """
 
 from __future__ import annotations
@@ -19,52 +21,64 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["start", "start_on_owned_copy", "value"]
-
-_DEVICE_BYTES = 1 << 22  # smaller arrays are summed on the host: no compile per shape
+__all__ = ["fingerprint"]
 
 
-def start(x: Any) -> Any:
-    """Starts fingerprinting ``x``; :func:`value` gives the result."""
-    if isinstance(x, jax.Array) and x.nbytes >= _DEVICE_BYTES:
-        return _on_device(x)
-    words = np.ascontiguousarray(x).reshape(-1).view(np.uint8).astype(np.uint32)
-    return _weighted(np, words, np.arange(words.size, dtype=np.uint32))
+def fingerprint(x: Any) -> list[int]:
+    """The two sums of ``x`` (a jax array, a numpy array or a numpy scalar)."""
+    if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.sharding.device_set):
+        return [int(v) for v in _on_device(x)]
+    if isinstance(x, jax.Array):
+        pieces = {_starts(shard.index, x.ndim): shard.data for shard in x.addressable_shards}  # one per replica set
+    else:
+        x = np.asarray(x)
+        pieces = {(0,) * x.ndim: x}
+    plain = weighted = 0
+    for starts, data in pieces.items():
+        rows = _host_rows(np.asarray(data))
+        index = _row_index(np, rows.shape, x.shape[:-1], starts[:-1])
+        plain += int(np.sum(rows, dtype=np.uint32))
+        weighted += int(np.sum(rows * (index * 2 + 1), dtype=np.uint32))
+    return [plain % 2**32, weighted % 2**32]
 
 
-def start_on_owned_copy(x: jax.Array) -> tuple[jax.Array, Any]:
-    """A copy of ``x`` in new runtime-owned buffers, and the started fingerprint, in one pass."""
-    if x.nbytes >= _DEVICE_BYTES:
-        return _copy_on_device(x)
-    return jnp.copy(x), start(x)
+def _starts(index: tuple[slice, ...], ndim: int) -> tuple[int, ...]:
+    return tuple(s.start or 0 for s in index) if index else (0,) * ndim
 
 
-def value(started: Any) -> list[int]:
-    """The fingerprint, waiting for it if it is still being computed."""
-    return [int(v) for v in started]
+def _words_and_bits(dtype: np.dtype) -> tuple[Any, int]:
+    """The unsigned type each element is read as, and how many of them make an element."""
+    itemsize = np.dtype(dtype).itemsize
+    return {1: (np.uint8, 1), 2: (np.uint16, 1)}.get(itemsize, (np.uint32, itemsize // 4))
 
 
-def _weighted(xnp: Any, words: Any, index: Any) -> list[Any]:
-    odd = index * 2 + 1  # odd weights are invertible modulo 2**32: one changed word changes the sum
-    return [xnp.sum(words, dtype=xnp.uint32), xnp.sum(words * odd, dtype=xnp.uint32)]
+def _host_rows(data: np.ndarray) -> np.ndarray:
+    word, per_element = _words_and_bits(data.dtype)
+    words = np.ascontiguousarray(data).reshape(-1).view(word).reshape(*data.shape, per_element)
+    elements = words[..., 0] if per_element == 1 else np.sum(words, axis=-1, dtype=np.uint32)
+    return np.sum(elements, axis=-1, dtype=np.uint32) if data.ndim else elements.astype(np.uint32)
 
 
-def _device_sums(x: jax.Array) -> jax.Array:
+def _row_index(xnp: Any, shape: tuple[int, ...], global_shape: tuple[int, ...], starts: tuple[int, ...]) -> Any:
+    """Each row's row-major index in the whole array, from the piece's offset (modulo 2**32)."""
+    index, stride = xnp.zeros(shape, xnp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        position = xnp.arange(starts[axis], starts[axis] + shape[axis], dtype=xnp.uint32)
+        index = index + position.reshape((-1,) + (1,) * (len(shape) - axis - 1)) * xnp.uint32(stride % 2**32)
+        stride *= global_shape[axis]
+    return index
+
+
+@jax.jit
+def _on_device(x: jax.Array) -> jax.Array:
+    ndim = x.ndim
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag], axis=-1)
-    if x.dtype == jnp.bool_:
+        x = jnp.stack([x.real, x.imag], axis=-1)  # an element's words: real, then imaginary
+    elif x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
-    bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    words = jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
-    rows = jnp.sum(words.reshape(words.shape or (1,)), axis=-1, dtype=jnp.uint32)
-    # Each row's row-major index, from iotas: flattening a sharded array would make XLA move it
-    # between devices, this way each device sums its own shard.
-    index, stride = jnp.zeros(rows.shape, jnp.uint32), 1
-    for axis in reversed(range(rows.ndim)):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, rows.shape, axis) * jnp.uint32(stride % 2**32)
-        stride *= rows.shape[axis]
-    return jnp.stack(_weighted(jnp, rows, index))
-
-
-_on_device = jax.jit(_device_sums)
-_copy_on_device = jax.jit(lambda x: (jnp.copy(x), _device_sums(x)))
+    words = jax.lax.bitcast_convert_type(x, _words_and_bits(x.dtype)[0]).astype(jnp.uint32)
+    # A row sums its elements' words: the last axis (if any) and the word axis (8-byte elements).
+    rows = jnp.sum(words, axis=tuple(range(max(ndim - 1, 0), words.ndim)), dtype=jnp.uint32)
+    # Row indices from iotas: flattening a sharded array would move it between devices.
+    index = _row_index(jnp, rows.shape, rows.shape, (0,) * rows.ndim)
+    return jnp.stack([jnp.sum(rows, dtype=jnp.uint32), jnp.sum(rows * (index * 2 + 1), dtype=jnp.uint32)])

@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jax_session_state import _codec, _fingerprint
+from jax_session_state import _codec
+from jax_session_state._fingerprint import fingerprint
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CheckpointError
 from jax_session_state.session import Session
@@ -121,9 +122,7 @@ def save(path: str | os.PathLike, state: Session) -> Path:
     manifest["arrays"] = table.entries
     partial.mkdir()
     if table.values:
-        save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in table.values}
-        _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values, save_args=save_args))
-    table.finish_fingerprints()
+        _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values))
     _write_durably(partial / _MANIFEST, json.dumps(manifest, indent=1))
     _fsync_directory(partial)
     os.rename(partial, final)
@@ -333,7 +332,6 @@ class _ArrayTable:
         self.keep_values = keep_values
         self.values: dict[str, Any] = {}
         self.entries: dict[str, dict[str, Any]] = {}
-        self._fingerprints: dict[str, Any] = {}
 
     def add(self, x: Any, where: str) -> str:
         key = str(len(self.entries))
@@ -348,15 +346,10 @@ class _ArrayTable:
             x = np.asarray(x)
         entry.update(shape=list(x.shape), dtype=np.dtype(x.dtype).name)
         if self.keep_values:
-            self._fingerprints[key] = _fingerprint.start(x)  # computed while Orbax writes
+            entry["fingerprint"] = fingerprint(x)
             self.values[key] = x
         self.entries[key] = entry
         return key
-
-    def finish_fingerprints(self) -> None:
-        """Waits for the fingerprints and records them in the entries."""
-        for key, started in self._fingerprints.items():
-            self.entries[key]["fingerprint"] = _fingerprint.value(started)
 
 
 def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str, Placement]) -> dict[str, Any]:
@@ -379,25 +372,20 @@ def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str,
         )
     except Exception as error:  # Orbax and TensorStore raise many types for damaged files
         raise CheckpointError(f"{directory}: the arrays cannot be read (damaged or truncated files?): {error}") from error
-    fingerprints = {}
-    for key in entries:
-        x = arrays[key]
-        if isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
-            # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
-            # buffers and a donated step cannot reuse them (the first step would copy the whole
-            # state). Copied into runtime-owned buffers one array at a time, so the peak stays the
-            # state plus its largest array.
-            arrays[key], fingerprints[key] = _fingerprint.start_on_owned_copy(x)
-            x.delete()
-        else:
-            fingerprints[key] = _fingerprint.start(x)
     out = {}
     for key, entry in entries.items():
-        x = arrays[key]
-        if _fingerprint.value(fingerprints[key]) != entry["fingerprint"]:
+        x = arrays.pop(key)
+        if fingerprint(x) != entry["fingerprint"]:
             raise CheckpointError(
                 f"{directory}: array {entry['where']} does not match its fingerprint: its files are damaged."
             )
+        if isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
+            # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
+            # buffers and a donated step cannot reuse them (the first step would copy the whole
+            # state). Copied into runtime-owned buffers one array at a time: the peak stays the
+            # state plus its largest array.
+            x, wrapped = jnp.copy(x), x
+            wrapped.delete()
         if entry["type"] == "key":
             x = jax.random.wrap_key_data(x, impl=entry["impl"])
         elif entry["type"] == "numpy_scalar":
@@ -410,7 +398,6 @@ _ORBAX_OPTIONS = {"use_ocdbt": False, "use_compression": False}
 """How arrays are written, chosen by measurement (``benchmarks/sharded.py``): session
 state is a few large arrays of incompressible floats, so compression only costs
 time, and plain zarr files saved faster than OCDBT's single data file."""
-_CHUNK_BYTES = 16 << 20  # smaller chunks than whole shards: more writes in flight, faster saves
 
 
 def _checkpointer() -> ocp.Checkpointer:
