@@ -3,6 +3,7 @@
 from jax_session_state import accounting, checkpoint, errors, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.base import StateObject, check, is_state_object
+from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
     BudgetExceededError,
     CapacityError,
@@ -15,6 +16,7 @@ from jax_session_state.errors import (
     SessionStateLostError,
 )
 from jax_session_state.objects import (
+    BranchKVView,
     EncodeOnceKV,
     FixedState,
     KVCache,
@@ -22,16 +24,21 @@ from jax_session_state.objects import (
     KVView,
     LatentBuffer,
     LatentView,
+    PagedKVCache,
+    PagedView,
     RetrievalStore,
     RetrievalView,
     Retrieved,
 )
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard
+from jax_session_state.summary import Summary, summary
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BranchKVView",
+    "Branches",
     "BudgetExceededError",
     "CapacityError",
     "CheckpointError",
@@ -40,10 +47,13 @@ __all__ = [
     "KVCache",
     "KVChunk",
     "KVView",
+    "Lane",
     "LatentBuffer",
     "LatentView",
     "NotEvictableError",
     "NotResidentError",
+    "PagedKVCache",
+    "PagedView",
     "RecomputeGraphError",
     "RetrievalStore",
     "RetrievalView",
@@ -55,6 +65,7 @@ __all__ = [
     "SessionStateLostError",
     "ShardingRules",
     "StateObject",
+    "Summary",
     "accounting",
     "check",
     "checkpoint",
@@ -64,4 +75,5 @@ __all__ = [
     "is_state_object",
     "shard",
     "sharding",
+    "summary",
 ]

@@ -220,6 +220,43 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     def view(self, *, include_staged: bool = True) -> Any:
         """What attention kernels and the pipeline read: a small pytree."""
 
+    @abc.abstractmethod
+    def holds_staged(self) -> Any:
+        """Whether anything is staged: a bool array (False when not resident)."""
+
+    @abc.abstractmethod
+    def fill(self) -> dict[str, Any]:
+        """How full it is, for reports: ``committed``, ``staged`` and ``capacity`` (host values).
+
+        Per-row figures are lists; a non-resident object reports None.
+        """
+
+    # ------------------------------------------------------------- branches
+    def branch_window(self, size: int | None) -> StateObject | None:
+        """An empty window for one speculative lane's writes, or None if shared.
+
+        Lanes made by :meth:`Session.branch` share this object's committed
+        data and write only into their own window (a small object of a kind
+        that stages in place).  None means lanes read this object but cannot
+        write it.
+
+        Args:
+          size: how many entries (rows, items) one lane may write; kinds that
+            replace their value ignore it.
+        """
+        del size
+        return None
+
+    def branch_view(self, window: StateObject | None) -> Any:
+        """What a lane reads: the committed data, then the lane's window."""
+        del window
+        return self.view(include_staged=False)
+
+    def commit_window(self: Self, window: StateObject | None) -> Self:
+        """This object with a lane's window written after its committed data."""
+        del window
+        return self
+
     # ------------------------------------------------------------ residency
     @property
     def resident(self) -> bool:
@@ -331,12 +368,13 @@ def check(tree: Any) -> None:
         flag = obj.overflowed
         if isinstance(flag, jax.core.Tracer):
             raise TypeError("check() reads overflow flags; call it outside jit on the step's output.")
-        if bool(flag):
+        if bool(np.any(flag)):  # lanes of a branch carry one flag each
             flagged.append(f"{jax.tree_util.keystr(path) or '<root>'}: {obj.describe()}")
     if flagged:
         raise CapacityError(
-            "a write inside jit was refused and wrote nothing (it did not fit, or its "
-            "per-row counts were out of range), in: " + "; ".join(flagged) + ". Allocate more "
-            "capacity (or max_staged / max_chunk for rings), commit or discard staged data "
-            "sooner, or pass counts in [0, T]."
+            "a write inside jit was refused and wrote nothing (it did not fit, its per-row "
+            "counts were out of range, or it named a slot it may not use), in: " + "; ".join(flagged)
+            + ". Allocate more capacity (or max_staged / max_chunk for rings, pages for paged "
+            "caches), commit or discard staged data sooner, pass counts in [0, T], or fork and "
+            "free only the slots their rules allow."
         )

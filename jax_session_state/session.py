@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
@@ -12,6 +12,9 @@ from flax import struct
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
 from jax_session_state.errors import RecomputeGraphError
+
+if TYPE_CHECKING:
+    from jax_session_state.branches import Branches
 
 __all__ = ["Session"]
 
@@ -154,6 +157,24 @@ class Session(struct.PyTreeNode):
     def fork(self) -> Session:
         """An independent deep copy (new buffers); safe to donate either side."""
         return jax.tree_util.tree_map(_copy_leaf, self)
+
+    def branch(self, lanes: int, *, window: int | Mapping[str, int] | None = None) -> Branches:
+        """``lanes`` speculative lanes over this session's committed data.
+
+        See :func:`jax_session_state.branches.branch`.
+        """
+        from jax_session_state.branches import branch  # branches builds on sessions
+
+        return branch(self, lanes, window=window)
+
+    def staged_names(self) -> list[str]:
+        """Names of the objects holding staged data (none can be told under jit)."""
+        names = []
+        for name, obj in self.objects.items():
+            held = obj.holds_staged()
+            if not isinstance(held, jax.core.Tracer) and bool(held):
+                names.append(name)
+        return names
 
 
 def _copy_leaf(x: T) -> T:

@@ -151,6 +151,8 @@ class Conformance:
         assert not logically_equal(staged.view(), fresh.view()), (
             f"{fresh.describe()}: view(include_staged=True) does not show staged data"
         )
+        assert bool(staged.holds_staged()) and not bool(fresh.holds_staged()), "holds_staged() is wrong"
+        assert not bool(staged.discard().holds_staged()) and not bool(staged.commit().holds_staged())
         obj = self._committed()
         assert_logically_equal(
             obj.stage(self._payload()).view(include_staged=False),

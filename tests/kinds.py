@@ -53,6 +53,12 @@ KINDS = {
         lambda: jss.LatentBuffer.allocate(maxlen=5, item_shape=(3, 2), ring=True, max_staged=2),
         lambda rng: jnp.asarray(rng.normal(size=(2, 3, 2)), jnp.float32),
     ),
+    "paged": (
+        lambda: jss.PagedKVCache.allocate(
+            max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=24, max_pages_per_slot=16
+        ),
+        ragged_kv_payload,
+    ),
     "retrieval": (
         lambda: jss.RetrievalStore.allocate(
             capacity=6, key_dim=4, value_shapes={"a": (2,), "b": (3,)}, max_staged=3

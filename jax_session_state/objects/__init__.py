@@ -2,11 +2,13 @@
 
 from jax_session_state.objects.encode_once import EncodeOnceKV
 from jax_session_state.objects.fixed import FixedState
-from jax_session_state.objects.kv import KVCache, KVChunk, KVView
+from jax_session_state.objects.kv import BranchKVView, KVCache, KVChunk, KVView
 from jax_session_state.objects.latent import LatentBuffer, LatentView
+from jax_session_state.objects.paged import PagedKVCache, PagedView
 from jax_session_state.objects.retrieval import RetrievalStore, RetrievalView, Retrieved
 
 __all__ = [
+    "BranchKVView",
     "EncodeOnceKV",
     "FixedState",
     "KVCache",
@@ -14,6 +16,8 @@ __all__ = [
     "KVView",
     "LatentBuffer",
     "LatentView",
+    "PagedKVCache",
+    "PagedView",
     "RetrievalStore",
     "RetrievalView",
     "Retrieved",

@@ -90,13 +90,17 @@ class ItemBuffer(StateObject, kw_only=True):
             raise ValueError(f"{owner}: {n} items at once exceed the ring's {self.slots} slots.")
         return leaves, n
 
-    def _write(self, leaves: list[Array], n: int, *, staging: bool, operation: str) -> tuple[ItemBuffer, Array]:
+    def _write(
+        self, leaves: list[Array], n: int, *, staging: bool, operation: str, take: Array | int | None = None
+    ) -> tuple[ItemBuffer, Array]:
+        """Writes the first ``take`` (default: all ``n``) of the items in ``leaves``."""
         start = self.count + self.staged
+        take = n if take is None else take
         if not self.ring:
-            refused = start + n > self.maxlen
+            refused = start + take > self.maxlen
             limit = f"maxlen {self.maxlen}"
         elif staging:
-            refused = self.staged + n > self.max_staged
+            refused = self.staged + take > self.max_staged
             limit = f"max_staged {self.max_staged} items staged between commits"
         else:  # committed ring writes may overwrite the oldest items
             refused = jnp.zeros((), bool)
@@ -104,17 +108,18 @@ class ItemBuffer(StateObject, kw_only=True):
         self._refuse_now_if(
             refused,
             lambda: CapacityError(
-                f"{self.describe()}.{operation}: writing {n} items after {int(start)} exceeds {limit}; "
+                f"{self.describe()}.{operation}: writing {int(take)} items after {int(start)} exceeds {limit}; "
                 "nothing was written. Allocate more, or commit/discard sooner."
             ),
         )
-        slots = _ring.slot_of(start + jnp.arange(n, dtype=jnp.int32), sink=0, ring=self.slots if self.ring else None)
-        slots = jnp.where(refused, self.slots, slots)  # out of range: dropped
+        index = jnp.arange(n, dtype=jnp.int32)
+        slots = _ring.slot_of(start + index, sink=0, ring=self.slots if self.ring else None)
+        slots = jnp.where(refused | (index >= take), self.slots, slots)  # out of range: dropped
         buffers = self.item_treedef.unflatten(
             [b.at[slots].set(x, mode="drop") for b, x in zip(jax.tree_util.tree_leaves(self._buffers()), leaves)]
         )
         new = self._with_buffers(buffers).with_storage(
-            staged=self.staged + jnp.where(refused, 0, n),
+            staged=self.staged + jnp.where(refused, 0, take),
             overflowed=self.overflowed | refused,
         )
         return new, refused
@@ -137,6 +142,15 @@ class ItemBuffer(StateObject, kw_only=True):
         """Forgets staged items (O(1)); committed items are untouched."""
         self._require_resident("discard")
         return self.with_storage(staged=overwrite(self.staged, 0))
+
+    def holds_staged(self) -> Array:
+        return self.staged > 0 if self.resident else jnp.zeros((), bool)
+
+    def fill(self) -> dict[str, Any]:
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": self.maxlen}
+        capacity = f"last {self.maxlen}" if self.ring else self.maxlen
+        return {"committed": int(self.count), "staged": int(self.staged), "capacity": capacity}
 
     def _visible_range(self, include_staged: bool) -> tuple[Array, Array]:
         """``(start, end)``: positions of the items a reader sees."""

@@ -164,6 +164,20 @@ class EncodeOnceKV(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.with_storage(staged=overwrite(self.staged, False))
 
+    def holds_staged(self) -> Array:
+        return self.staged if self.resident else jnp.zeros((), bool)
+
+    def fill(self) -> dict[str, Any]:
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": self.length}
+        lengths = self.lengths.tolist()
+        written, staged = bool(self.written), bool(self.staged)
+        return {
+            "committed": lengths if written else 0,
+            "staged": lengths if staged else 0,
+            "capacity": self.length,
+        }
+
     def view(self, *, include_staged: bool = True) -> KVView:
         """The conditioning as a :class:`KVView` (empty until written or staged)."""
         self._require_resident("view")

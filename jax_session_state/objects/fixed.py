@@ -145,6 +145,13 @@ class FixedState(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.with_storage(has_staged=overwrite(self.has_staged, False))
 
+    def holds_staged(self) -> jax.Array:
+        return self.has_staged if self.resident else jnp.zeros((), bool)
+
+    def fill(self) -> dict[str, Any]:
+        staged = bool(self.has_staged) if self.resident else None
+        return {"committed": "value" if self.resident else None, "staged": "value" if staged else 0, "capacity": "-"}
+
     def view(self, *, include_staged: bool = True) -> Any:
         """The value: the staged one when included and present, else committed."""
         self._require_resident("view")
@@ -159,3 +166,20 @@ class FixedState(StateObject, kw_only=True):
     def staged_nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
         """Bytes of the slot that holds the staged value."""
         return tree_bytes_by_device(self.staged_value, seen)
+
+    # ------------------------------------------------------------ branches
+    def branch_window(self, size: int | None) -> FixedState:
+        """A state of the same spec whose staged slot holds one lane's value."""
+        del size
+        return self.empty()
+
+    def branch_view(self, window: FixedState) -> Any:
+        """The lane's value where it staged one, else the committed value."""
+        return self.commit_window(window).value
+
+    def commit_window(self, window: FixedState) -> FixedState:
+        """The committed value replaced by the lane's, if it staged one."""
+        value = jax.tree_util.tree_map(
+            lambda lane, committed: jnp.where(window.has_staged, lane, committed), window.staged_value, self.value
+        )
+        return self.with_storage(value=value)

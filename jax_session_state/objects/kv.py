@@ -16,7 +16,7 @@ from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
 from jax_session_state.sharding import ShardingRules
 
-__all__ = ["KVCache", "KVChunk", "KVView"]
+__all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
 
 
 class KVChunk(NamedTuple):
@@ -33,6 +33,49 @@ class KVChunk(NamedTuple):
     k: Array
     v: Array
     counts: Array | None = None
+
+
+def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> tuple[KVChunk, Array, Array]:
+    """Checks a K/V payload written by ``obj.operation``.
+
+    Args:
+      obj: the object written; its ``kv_heads``, ``head_dim`` and ``dtype``
+        fix the payload's trailing shape and dtype.
+      payload: a :class:`KVChunk` or ``(k, v[, counts])`` tuple.
+      operation: the public method, for messages.
+      rows: the payload's leading size (batch rows, sequence slots).
+
+    Returns:
+      The chunk, its counts ``Int[Array, "rows"]`` (all ``T`` when None) and
+      whether a count lies outside ``[0, T]``: eagerly that raises
+      ``ValueError`` at once; under jit the caller refuses the write.
+
+    Raises:
+      TypeError, ValueError: the wrong structure, shape or dtype, naming ``obj``.
+    """
+    owner = f"{obj.describe()}.{operation}"
+    if not isinstance(payload, tuple) or len(payload) not in (2, 3):
+        raise TypeError(
+            f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
+            f"tuple; got {type(payload).__name__}."
+        )
+    chunk = KVChunk(*payload)
+    sizes: dict[str, int] = {}
+    pattern = (rows, "T", obj.kv_heads, obj.head_dim)
+    v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=obj.dtype, sizes=sizes)
+    v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=obj.dtype, sizes=sizes)
+    T = sizes["T"]
+    if chunk.counts is None:
+        counts = jnp.full((rows,), T, jnp.int32)
+    else:
+        v.check_array(chunk.counts, owner=owner, what="counts", shape=(rows,), dtype=jnp.int32)
+        counts = chunk.counts
+    bad_counts = jnp.any((counts < 0) | (counts > T))
+    obj._refuse_now_if(
+        bad_counts,
+        lambda: ValueError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
+    )
+    return chunk, counts, bad_counts
 
 
 class KVView(struct.PyTreeNode):
@@ -85,6 +128,29 @@ class KVView(struct.PyTreeNode):
                 }
             )
         return rows
+
+
+class BranchKVView(struct.PyTreeNode):
+    """What a speculative lane reads from a K/V cache: a shared prefix and its own rows.
+
+    Attention over it reads the prefix once for every lane (under ``vmap``
+    the prefix is not batched) and merges the two parts by log-sum-exp
+    (cascade attention).
+
+    Attributes:
+      prefix: the committed cache, shared by all lanes.
+      window: the lane's rows, positions absolute (after the prefix's).
+    """
+
+    prefix: KVView
+    window: KVView
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """Prefix rows then window rows of each batch row, in position order."""
+        return [
+            {key: np.concatenate([a[key], b[key]]) for key in a}
+            for a, b in zip(self.prefix.materialize(), self.window.materialize())
+        ]
 
 
 class KVCache(StateObject, kw_only=True):
@@ -236,22 +302,6 @@ class KVCache(StateObject, kw_only=True):
         return None if self.window is None else self.capacity - self.sink
 
     # ------------------------------------------------------------- writes
-    def _chunk(self, payload: Any, operation: str) -> KVChunk:
-        owner = f"{self.describe()}.{operation}"
-        if not isinstance(payload, tuple) or len(payload) not in (2, 3):
-            raise TypeError(
-                f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
-                f"tuple; got {type(payload).__name__}."
-            )
-        chunk = KVChunk(*payload)
-        sizes: dict[str, int] = {}
-        pattern = (self.batch, "T", self.kv_heads, self.head_dim)
-        v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=self.dtype, sizes=sizes)
-        v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=self.dtype, sizes=sizes)
-        if chunk.counts is not None:
-            v.check_array(chunk.counts, owner=owner, what="counts", shape=(self.batch,), dtype=jnp.int32)
-        return chunk
-
     def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[KVCache, Array]:
         """Writes rows after the committed (and already staged) ones.
 
@@ -268,14 +318,8 @@ class KVCache(StateObject, kw_only=True):
           is written: eagerly a :class:`CapacityError` / :class:`ValueError`
           is raised, under jit ``overflowed`` is set.
         """
-        chunk = self._chunk(payload, operation)
+        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
         T = chunk.k.shape[1]
-        counts = jnp.full((self.batch,), T, jnp.int32) if chunk.counts is None else chunk.counts
-        bad_counts = jnp.any((counts < 0) | (counts > T))
-        self._refuse_now_if(
-            bad_counts,
-            lambda: ValueError(f"{self.describe()}.{operation}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
-        )
         start = self.lengths + self.staged
         if self.window is None:
             room = self.capacity - start
@@ -315,6 +359,15 @@ class KVCache(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.with_storage(staged=overwrite(self.staged, 0))
 
+    def holds_staged(self) -> Array:
+        return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
+
+    def fill(self) -> dict[str, Any]:
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": self.capacity}
+        capacity = self.capacity if self.window is None else f"sink {self.sink} + window {self.window} + chunk {self.max_chunk}"
+        return {"committed": self.lengths.tolist(), "staged": self.staged.tolist(), "capacity": capacity}
+
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> KVView:
         """The cache as attention reads it; see :class:`KVView`.
@@ -337,6 +390,43 @@ class KVCache(StateObject, kw_only=True):
             sink=self.sink,
         )
 
+    # ------------------------------------------------------------ branches
+    def branch_window(self, size: int | None) -> KVCache:
+        """An append-mode cache of ``size`` rows for one lane's K/V."""
+        if size is None:
+            raise TypeError(f"{self.describe()}: lanes need a window size (rows per lane).")
+        return KVCache.allocate(
+            batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=size, dtype=self.dtype,
+            sharding=self.sharding,
+        )
+
+    def branch_view(self, window: KVCache) -> BranchKVView:
+        """The committed cache and the lane's rows at positions after it."""
+        prefix = self.view(include_staged=False)
+        rows = window.view()
+        offset = prefix.lengths[:, None]
+        return BranchKVView(
+            prefix=prefix,
+            window=KVView(
+                k=rows.k,
+                v=rows.v,
+                lengths=prefix.lengths + rows.lengths,
+                positions=jnp.where(rows.positions >= 0, rows.positions + offset, -1),
+                window=self.window,
+                sink=self.sink,
+            ),
+        )
+
+    def commit_window(self, window: KVCache) -> KVCache:
+        """Appends the lane's rows (in pieces of ``max_chunk`` for a ring)."""
+        counts = window.lengths + window.staged
+        k, v = (x.transpose(0, 2, 1, 3) for x in (window.k, window.v))  # token-major, window-sized
+        piece = window.capacity if self.window is None else self.max_chunk
+        cache = self
+        for start in range(0, window.capacity, piece):
+            taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)
+            cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
+        return cache
 
 def _write_rows(cache: Array, slots: Array, rows: Array) -> Array:
     """``cache`` with ``rows[b, t]`` written into slot ``slots[b, t]`` of batch row ``b``.

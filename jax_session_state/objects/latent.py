@@ -139,3 +139,33 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             return LatentView(items=self.items, count=end)
         slots = (start + jnp.arange(self.maxlen, dtype=jnp.int32)) % self.slots
         return LatentView(items=jnp.take(self.items, slots, axis=0), count=end - start)
+
+    # ------------------------------------------------------------ branches
+    def branch_window(self, size: int | None) -> LatentBuffer:
+        """A bounded buffer of ``size`` items for one lane's frames."""
+        if size is None:
+            raise TypeError(f"{self.describe()}: lanes need a window size (items per lane).")
+        if self.ring and size > self.slots:
+            raise ValueError(f"{self.describe()}: a lane window of {size} items exceeds the ring's {self.slots} slots.")
+        return LatentBuffer.allocate(
+            maxlen=size, item_shape=self.item_shape, dtype=self.dtype, item_axes=self.item_axes, sharding=self.sharding
+        )
+
+    def branch_view(self, window: LatentBuffer) -> LatentView:
+        """The last ``maxlen`` of the committed items followed by the lane's items."""
+        _, prefix_end = self._visible_range(include_staged=False)
+        lane_items = window.count + window.staged
+        end = prefix_end + lane_items
+        start = jnp.maximum(end - self.maxlen, 0) if self.ring else 0
+        position = start + jnp.arange(self.maxlen, dtype=jnp.int32)
+        from_prefix = jnp.take(self.items, position % self.slots if self.ring else position, axis=0, mode="clip")
+        from_lane = jnp.take(window.items, position - prefix_end, axis=0, mode="clip")
+        lane = (position >= prefix_end).reshape(-1, *([1] * len(self.item_shape)))
+        return LatentView(items=jnp.where(lane, from_lane, from_prefix), count=jnp.minimum(end - start, self.maxlen))
+
+    def commit_window(self, window: LatentBuffer) -> LatentBuffer:
+        """Appends the lane's items."""
+        written, refused = self._write(
+            [window.items], window.maxlen, staging=False, operation="commit_window", take=window.count + window.staged
+        )
+        return written._commit_staged(when=~refused)

@@ -1,0 +1,107 @@
+"""A paged fork costs one page, not the sequence: PagedKVCache.fork at 32k against 1k tokens.
+
+Measures, in one run (8 kv-heads x 64, float32, pages of 16 rows):
+
+- a jitted, donated ``PagedKVCache.fork`` of a 32k-token slot and of a
+  1k-token slot of the same pool, each ending mid-page so the fork copies
+  one partial page (bar: 32k / 1k <= 1.3);
+- for scale, a deep copy (``Session.fork``) of a dense ``KVCache`` holding
+  the same 32k tokens.
+
+Run:  python -m benchmarks.paged [--full] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_session_state as jss
+from benchmarks._common import interleaved, parser, report
+
+HEADS, HEAD_DIM, PAGE = 8, 64, 16
+LONG, SHORT = 32 * 1024 - 5, 1024 - 5  # tokens; both end mid-page
+FORKS = 8  # forks timed per sample, into slots 2..2+FORKS-1
+FILL = 1024  # rows appended per call while filling
+BARS = {"fork_32k_over_1k": 1.3}
+
+
+def _filled_cache() -> jss.PagedKVCache:
+    """Slot 0 holds LONG tokens and slot 1 SHORT tokens of random K/V; the rest are free."""
+    slots = 2 + FORKS
+    pages = -(-LONG // PAGE) + -(-SHORT // PAGE) + FORKS
+    cache = jss.PagedKVCache.allocate(
+        max_slots=slots, kv_heads=HEADS, head_dim=HEAD_DIM, page_size=PAGE, num_pages=pages,
+        max_pages_per_slot=-(-LONG // PAGE),
+    )
+    append = jax.jit(lambda c, p: c.append(p), donate_argnums=0)
+    rng = np.random.default_rng(0)
+    for start in range(0, LONG, FILL):
+        counts = np.zeros(slots, np.int32)
+        counts[0] = min(FILL, LONG - start)
+        counts[1] = min(FILL, max(SHORT - start, 0))
+        k, v = (jnp.asarray(rng.normal(size=(slots, FILL, HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+        cache = append(cache, jss.KVChunk(k, v, jnp.asarray(counts)))
+    jss.check(cache)
+    return cache
+
+
+def fork_timings(*, rounds: int) -> dict[str, float]:
+    """Median seconds per fork of the long and the short slot, interleaved round by round.
+
+    Each sample forks one source into every spare slot (timed), then frees
+    them again (not timed), so every sample starts from the same pool.
+    """
+    fork = jax.jit(lambda c, src, dst: c.fork(src, dst), donate_argnums=0)
+    free = jax.jit(lambda c, slot: c.free(slot), donate_argnums=0)
+    cache = _filled_cache()
+    samples: dict[int, list[float]] = {0: [], 1: []}
+    for round_ in range(rounds + 1):  # the first round compiles and warms
+        for src in (0, 1) if round_ % 2 else (1, 0):
+            start = time.perf_counter()
+            for dst in range(2, 2 + FORKS):
+                cache = fork(cache, src, dst)
+                jax.block_until_ready(cache)
+            elapsed = (time.perf_counter() - start) / FORKS
+            assert int(cache.free_count) == 0 and not bool(cache.overflowed)  # one page per fork, no more
+            if round_:
+                samples[src].append(elapsed)
+            for dst in range(2, 2 + FORKS):
+                cache = free(cache, dst)
+    jss.check(cache)
+    return {"long": statistics.median(samples[0]), "short": statistics.median(samples[1])}
+
+
+def dense_fork_timing(*, rounds: int) -> float:
+    """Median seconds to deep-copy a session holding a dense 32k-token KVCache."""
+    kv = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=LONG)
+    rows = jnp.zeros((1, LONG, HEADS, HEAD_DIM), jnp.float32)
+    session = jss.Session(objects={"kv": kv.append((rows, rows))})
+    copy = {"dense": lambda: jax.block_until_ready(session.fork())}
+    return interleaved(copy, rounds=rounds, repeat=3)["dense"]
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    rounds = 31 if args.full else 11
+    forks = fork_timings(rounds=rounds)
+    dense = dense_fork_timing(rounds=5 if args.full else 3)
+    ratio = forks["long"] / forks["short"]
+    rows = [
+        {"measure": f"paged fork, {SHORT + 5} tokens (us)", "value": forks["short"] * 1e6},
+        {"measure": f"paged fork, {LONG + 5} tokens (us)", "value": forks["long"] * 1e6},
+        {"measure": f"dense deep copy, {LONG + 5} tokens (us)", "value": dense * 1e6},
+        {"measure": "ratio fork_32k_over_1k", "value": ratio, "bar": f"≤ {BARS['fork_32k_over_1k']}",
+         "holds": ratio <= BARS["fork_32k_over_1k"]},
+        {"measure": "ratio dense_copy_over_paged_fork_32k", "value": dense / forks["long"]},
+    ]
+    report("paged", rows, ["measure", "value", "bar", "holds"], args.out,
+           ratios={"fork_32k_over_1k": ratio, "dense_copy_over_paged_fork_32k": dense / forks["long"]})
+
+
+if __name__ == "__main__":
+    main()

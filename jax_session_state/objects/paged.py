@@ -1,0 +1,505 @@
+"""``PagedKVCache``: K/V of many sequence slots in one pool of pages, with copy-on-write forks.
+
+Sequences share a pool of fixed-size pages instead of each owning a
+``capacity``-long buffer.  A slot's page table lists the pages that hold its
+rows in order; pages come from an on-device free list as rows need them and
+go back when no slot refers to them any more.  ``fork(src, dst)`` gives
+``dst`` the same full pages (their reference counts go up) and a copy of
+only the partial last page, so a fork costs one page whatever the length.
+
+A shared page is never written: it is full of committed rows, and every
+write lands at or after a slot's committed length, that is in the slot's
+own partial last page or in pages taken fresh from the free list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from jax_session_state import _validation as v
+from jax_session_state.base import StateObject, overwrite
+from jax_session_state.errors import CapacityError
+from jax_session_state.objects.kv import KVChunk, KVView, read_chunk
+from jax_session_state.sharding import ShardingRules
+
+__all__ = ["PagedKVCache", "PagedView"]
+
+# Storage that a refused operation leaves exactly as it was (the pools are
+# written with dropped indices instead).
+_BOOKKEEPING = ("page_table", "lengths", "staged", "refcounts", "free_pages", "free_count")
+
+
+class PagedView(struct.PyTreeNode):
+    """What attention reads from a paged cache: the pools and the page tables.
+
+    Row ``p`` of slot ``s`` lies at ``pool[page_table[s, p // page_size],
+    p % page_size]`` for ``p < lengths[s]``.  Pages are token-major, as a
+    model writes them; :meth:`to_dense` gathers them into a head-major
+    :class:`KVView` (the reference path of attention).
+
+    Attributes:
+      k_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
+      v_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
+      page_table: ``Int[Array, "max_slots max_pages_per_slot"]`` page ids,
+        -1 where a slot holds no page.
+      lengths: ``Int[Array, "max_slots"]`` rows visible per slot.
+      page_size: rows per page.
+    """
+
+    k_pages: Array
+    v_pages: Array
+    page_table: Array
+    lengths: Array
+    page_size: int = struct.field(pytree_node=False)
+
+    def positions(self) -> Array:
+        """Position of each row of :meth:`to_dense`, -1 past a slot's length.
+
+        Returns:
+          ``Int[Array, "max_slots max_pages_per_slot*page_size"]``.
+        """
+        rows = jnp.arange(self.page_table.shape[1] * self.page_size, dtype=jnp.int32)
+        return jnp.where(rows < self.lengths[:, None], rows, -1)
+
+    def to_dense(self) -> KVView:
+        """Every slot's pages gathered, in order, into a head-major :class:`KVView`.
+
+        The dense view is ``[max_slots, kv_heads, max_pages_per_slot *
+        page_size, head_dim]``: a copy as large as the page tables allow, so
+        a reference path, not a decode kernel.  Rows past a slot's length
+        hold whatever their page holds and are masked by ``positions``.
+        """
+        slots, pages = self.page_table.shape
+        ids = jnp.maximum(self.page_table, 0)
+
+        def gather(pool: Array) -> Array:
+            rows = pool[ids].reshape(slots, pages * self.page_size, *pool.shape[2:])
+            return rows.transpose(0, 2, 1, 3)
+
+        return KVView(
+            k=gather(self.k_pages), v=gather(self.v_pages), lengths=self.lengths, positions=self.positions()
+        )
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """The visible rows of each slot in position order, on the host.
+
+        Returns:
+          One dict per slot with ``positions`` ``[n]``, ``k`` and ``v``
+          ``[n, kv_heads, head_dim]`` (numpy), as :meth:`KVView.materialize`.
+        """
+        table, lengths = np.asarray(self.page_table), np.asarray(self.lengths)
+        k, v_ = np.asarray(self.k_pages), np.asarray(self.v_pages)
+        rows = []
+        for s, n in enumerate(lengths):
+            positions = np.arange(n, dtype=np.int32)
+            pages, offsets = table[s, positions // self.page_size], positions % self.page_size
+            rows.append({"positions": positions, "k": k[pages, offsets], "v": v_[pages, offsets]})
+        return rows
+
+
+class PagedKVCache(StateObject, kw_only=True):
+    """Self-attention K/V of ``max_slots`` sequences in one pool of pages.
+
+    - ``append`` / ``stage`` / ``commit`` take a :class:`KVChunk` with ``k, v:
+      Float[Array, "max_slots T kv_heads head_dim"]`` and per-slot ``counts``
+      (0 for slots not written).  Pages come from the free list as rows need
+      them.  Staging is in-buffer: staged rows go past a slot's committed
+      length; ``commit()`` advances the length and ``discard()`` forgets the
+      staged count, both O(1).  Pages taken for staged rows stay attached to
+      the slot after a ``discard()`` and take the slot's next rows; ``free``
+      returns them.
+    - ``fork(src, dst)`` makes ``dst`` a copy-on-write copy of ``src``'s
+      committed rows: full pages are shared by reference count, only the
+      partial last page is copied (one page from the free list).
+    - ``free(slot)`` empties the slot; pages no other slot refers to go
+      back to the free list.
+
+    A slot is *free* while it holds no page.  Refused operations change
+    nothing: a write that needs more pages than are free or more than
+    ``max_pages_per_slot`` pages for one slot is a :class:`CapacityError`;
+    a slot index out of range an ``IndexError``; a fork from a slot without
+    committed rows, a fork into a slot holding rows, or a free of a free slot
+    a ``ValueError``.  Eagerly these raise at once; under ``jit`` they cannot,
+    so the object's ``overflowed`` flag is set instead (nothing written) and
+    :func:`jax_session_state.check` raises.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> cache = jss.PagedKVCache.allocate(max_slots=2, kv_heads=1, head_dim=2, page_size=4, num_pages=8)
+      >>> rows = jnp.ones((2, 6, 1, 2))
+      >>> cache = cache.append(jss.KVChunk(rows, rows, counts=jnp.array([6, 0], jnp.int32)))
+      >>> fork = jax.jit(lambda c, src, dst: c.fork(src, dst), donate_argnums=0)
+      >>> cache = fork(cache, 0, 1)  # shares page 0, copies the 2 rows of page 1
+      >>> cache.view().lengths, int(cache.free_count)
+      (Array([6, 6], dtype=int32), 5)
+    """
+
+    max_slots: int = struct.field(pytree_node=False)
+    kv_heads: int = struct.field(pytree_node=False)
+    head_dim: int = struct.field(pytree_node=False)
+    page_size: int = struct.field(pytree_node=False)
+    num_pages: int = struct.field(pytree_node=False)
+    max_pages_per_slot: int = struct.field(pytree_node=False)
+    dtype: np.dtype = struct.field(pytree_node=False)
+
+    k_pages: Array | None = None
+    """``Float[Array, "num_pages page_size kv_heads head_dim"]``."""
+    v_pages: Array | None = None
+    """``Float[Array, "num_pages page_size kv_heads head_dim"]``."""
+    page_table: Array | None = None
+    """``Int[Array, "max_slots max_pages_per_slot"]`` page ids in row order, -1 after the last."""
+    lengths: Array | None = None
+    """``Int[Array, "max_slots"]`` committed rows per slot."""
+    staged: Array | None = None
+    """``Int[Array, "max_slots"]`` staged rows per slot, after the committed ones."""
+    refcounts: Array | None = None
+    """``Int[Array, "num_pages"]`` page-table entries referring to each page."""
+    free_pages: Array | None = None
+    """``Int[Array, "num_pages"]`` a stack: its first ``free_count`` entries are the free pages."""
+    free_count: Array | None = None
+    """``Int[Array, ""]`` pages on the free list."""
+    overflowed: Array | None = None
+    """``Bool[Array, ""]`` an operation was refused under jit."""
+
+    can_overflow = True
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        max_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_pages: int,
+        max_pages_per_slot: int | None = None,
+        dtype: Any = jnp.float32,
+        recompute_source: str | tuple[str, ...] = (),
+        recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
+    ) -> PagedKVCache:
+        """An empty cache: every slot free, every page on the free list.
+
+        Args:
+          max_slots: sequence slots.
+          kv_heads: K/V heads.
+          head_dim: size of each head.
+          page_size: rows per page.
+          num_pages: pages in the pool, shared by all slots.
+          max_pages_per_slot: page-table entries per slot (at most
+            ``num_pages``, the default): a slot holds at most this many
+            pages' rows.
+          dtype: storage dtype; payloads must match it exactly.
+          recompute_source: sibling object(s) this cache can be rebuilt from.
+          recompute_cost: estimated work to rebuild it.
+          sharding: where the cache lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
+            Its storage axes are ``("num_pages", "page_size", "kv_heads",
+            "head_dim")`` for the pools, ``("max_slots",
+            "max_pages_per_slot")`` for the page table, ``("max_slots",)``
+            for the lengths and ``("num_pages",)`` for the free list.
+
+        Returns:
+          An empty, resident cache.
+        """
+        owner = "PagedKVCache.allocate"
+        num_pages = v.positive_int(owner, "num_pages", num_pages)
+        max_pages_per_slot = v.positive_int(
+            owner, "max_pages_per_slot", num_pages if max_pages_per_slot is None else max_pages_per_slot
+        )
+        if max_pages_per_slot > num_pages:
+            raise ValueError(
+                f"{owner}: max_pages_per_slot must be <= num_pages ({num_pages}), since a slot holds "
+                f"distinct pages; got {max_pages_per_slot}."
+            )
+        spec = cls(
+            max_slots=v.positive_int(owner, "max_slots", max_slots),
+            kv_heads=v.positive_int(owner, "kv_heads", kv_heads),
+            head_dim=v.positive_int(owner, "head_dim", head_dim),
+            page_size=v.positive_int(owner, "page_size", page_size),
+            num_pages=num_pages,
+            max_pages_per_slot=max_pages_per_slot,
+            dtype=np.dtype(dtype),
+            recompute_source=v.source_names(owner, recompute_source),
+            recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
+        )
+        return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        pool = ("num_pages", "page_size", "kv_heads", "head_dim")
+        slots, pages = ("max_slots",), ("num_pages",)
+        return {
+            "k_pages": pool, "v_pages": pool, "page_table": ("max_slots", "max_pages_per_slot"),
+            "lengths": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
+            "free_count": (), "overflowed": (),
+        }
+
+    def _empty_storage(self) -> dict[str, Any]:
+        pool = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+        slots = jnp.zeros((self.max_slots,), jnp.int32)
+        return {
+            "k_pages": jnp.zeros(pool, self.dtype),
+            "v_pages": jnp.zeros(pool, self.dtype),
+            "page_table": jnp.full((self.max_slots, self.max_pages_per_slot), -1, jnp.int32),
+            "lengths": slots,
+            "staged": jnp.zeros_like(slots),
+            "refcounts": jnp.zeros((self.num_pages,), jnp.int32),
+            "free_pages": jnp.arange(self.num_pages - 1, -1, -1, dtype=jnp.int32),  # page 0 on top
+            "free_count": jnp.asarray(self.num_pages, jnp.int32),
+            "overflowed": jnp.zeros((), bool),
+        }
+
+    @property
+    def slot_rows(self) -> int:
+        """The most rows one slot can hold: ``max_pages_per_slot * page_size``."""
+        return self.max_pages_per_slot * self.page_size
+
+    # ------------------------------------------------------------- writes
+    def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[PagedKVCache, Array]:
+        """Writes rows after each slot's committed (and already staged) ones.
+
+        Args:
+          payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
+            Float[Array, "max_slots T kv_heads head_dim"]`` of the cache's
+            dtype and ``counts: Int[Array, "max_slots"]`` in ``[0, T]``.
+          operation: the public method, for messages.
+
+        Returns:
+          The cache with the rows staged, and whether the write was refused
+          (a count out of range, a slot past ``max_pages_per_slot`` pages, or
+          more new pages needed than are free): then nothing is written.
+        """
+        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.max_slots)
+        T = chunk.k.shape[1]
+        owner = f"{self.describe()}.{operation}"
+        start = self.lengths + self.staged
+        end = start + counts
+        no_room = jnp.any(end > self.slot_rows)
+        self._refuse_now_if(
+            no_room,
+            lambda: CapacityError(
+                f"{owner}: writing {np.asarray(counts).tolist()} rows after {np.asarray(start).tolist()} "
+                f"exceeds a slot's {self.slot_rows} rows (max_pages_per_slot {self.max_pages_per_slot} x "
+                f"page_size {self.page_size}); nothing was written. Allocate more max_pages_per_slot."
+            ),
+        )
+        entry = jnp.arange(self.max_pages_per_slot, dtype=jnp.int32)
+        need = (self.page_table < 0) & (entry * self.page_size < end[:, None])
+        needed = need.sum(dtype=jnp.int32)
+        no_pages = needed > self.free_count
+        self._refuse_now_if(
+            no_pages,
+            lambda: CapacityError(
+                f"{owner}: writing {np.asarray(counts).tolist()} rows needs {int(needed)} new pages but "
+                f"{int(self.free_count)} of {self.num_pages} are free; nothing was written. Free slots, "
+                "or allocate more num_pages."
+            ),
+        )
+        refused = bad_counts | no_room | no_pages
+        taken = self._take_pages(need)
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        entries = jnp.minimum(positions // self.page_size, self.max_pages_per_slot - 1)
+        pages = jnp.take_along_axis(taken.page_table, entries, axis=1)
+        written = (jnp.arange(T) < counts[:, None]) & ~refused
+        pages = jnp.where(written, pages, self.num_pages)  # out of range: dropped
+        offsets = positions % self.page_size
+        new = taken.with_storage(
+            k_pages=self.k_pages.at[pages, offsets].set(chunk.k, mode="drop"),
+            v_pages=self.v_pages.at[pages, offsets].set(chunk.v, mode="drop"),
+            staged=self.staged + counts,
+        )
+        return self._unless(refused, new), refused
+
+    def _take_pages(self, need: Array) -> PagedKVCache:
+        """Pops a free page into every page-table entry where ``need`` (row-major order)."""
+        rank = jnp.cumsum(need.ravel()).reshape(need.shape) - 1
+        top = jnp.clip(self.free_count - 1 - rank, 0, self.num_pages - 1)
+        ids = self.free_pages[top]
+        return self.with_storage(
+            page_table=jnp.where(need, ids, self.page_table),
+            refcounts=self.refcounts.at[jnp.where(need, ids, self.num_pages)].set(1, mode="drop"),
+            free_count=self.free_count - need.sum(dtype=jnp.int32),
+        )
+
+    def _unless(self, refused: Array, new: PagedKVCache) -> PagedKVCache:
+        """``new``, or this cache's bookkeeping where ``refused``; ``overflowed`` records a refusal.
+
+        ``new``'s pools must already drop a refused write.
+        """
+        kept = {name: jnp.where(refused, getattr(self, name), getattr(new, name)) for name in _BOOKKEEPING}
+        return new.with_storage(**kept, overflowed=self.overflowed | refused)
+
+    def _commit_staged(self, when: Array | bool = True) -> PagedKVCache:
+        promoted = jnp.where(when, self.staged, 0)
+        return self.with_storage(lengths=self.lengths + promoted, staged=self.staged - promoted)
+
+    def discard(self) -> PagedKVCache:
+        """Forgets staged rows (O(1)); their pages stay with the slot for its next rows."""
+        self._require_resident("discard")
+        return self.with_storage(staged=overwrite(self.staged, 0))
+
+    def holds_staged(self) -> Array:
+        return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
+
+    def fill(self) -> dict[str, Any]:
+        pages = f"{self.num_pages} pages x {self.page_size} rows"
+        if not self.resident:
+            return {"committed": None, "staged": None, "capacity": pages}
+        capacity = f"{pages}, {int(self.free_count)} free"
+        return {"committed": self.lengths.tolist(), "staged": self.staged.tolist(), "capacity": capacity}
+
+    # -------------------------------------------------------------- slots
+    def fork(self, src: int | Array, dst: int | Array) -> PagedKVCache:
+        """Slot ``dst`` becomes a copy-on-write copy of slot ``src``'s committed rows.
+
+        ``dst`` refers to ``src``'s full pages (their reference counts go up)
+        and gets a fresh copy of the partial last page, if any: one page from
+        the free list, whatever the length.  ``src``'s staged rows are not
+        forked.  Pages ``dst`` kept from discarded rows are released first.
+
+        Args:
+          src: a slot holding committed rows (an int, or an int32 scalar array
+            so one jitted fork serves every slot).
+          dst: a slot holding no rows.
+
+        Returns:
+          The cache with ``dst`` forked; under ``jit`` a refused fork changes
+          nothing and sets ``overflowed``.
+
+        Raises:
+          IndexError: ``src`` or ``dst`` outside ``[0, max_slots)``.
+          ValueError: ``src`` holds no committed rows, or ``dst`` holds rows.
+          CapacityError: the partial last page needs a copy and no page is free.
+        """
+        self._require_resident("fork")
+        src, bad_src = self._slot("fork", "src", src)
+        dst, bad_dst = self._slot("fork", "dst", dst)
+        owner = f"{self.describe()}.fork"
+        length = self.lengths[src]
+        empty_src = length == 0
+        self._refuse_now_if(
+            empty_src,
+            lambda: ValueError(
+                f"{owner}: src slot {int(src)} holds no committed rows; fork needs a slot with "
+                "committed rows to copy (commit staged rows first)."
+            ),
+        )
+        dst_rows = self.lengths[dst] + self.staged[dst]
+        occupied_dst = dst_rows > 0
+        self._refuse_now_if(
+            occupied_dst,
+            lambda: ValueError(
+                f"{owner}: dst slot {int(dst)} is occupied ({int(dst_rows)} rows); fork needs a slot "
+                "without rows: free(dst) first, or fork into another slot."
+            ),
+        )
+        released = self._release(dst)
+        full = length // self.page_size
+        partial = length % self.page_size > 0
+        no_page = partial & (released.free_count < 1)
+        self._refuse_now_if(
+            no_page,
+            lambda: CapacityError(
+                f"{owner}: the partial last page of slot {int(src)} needs a copy but no page of "
+                f"{self.num_pages} is free; nothing was written. Free slots, or allocate more num_pages."
+            ),
+        )
+        refused = bad_src | bad_dst | empty_src | occupied_dst | no_page
+        entry = jnp.arange(self.max_pages_per_slot, dtype=jnp.int32)
+        row = self.page_table[src]
+        shared = entry < full
+        copy = jnp.where(partial & ~refused, released.free_pages[jnp.maximum(released.free_count - 1, 0)], -1)
+        new_row = jnp.where(shared, row, jnp.where(entry == full, copy, -1))
+        refcounts = released.refcounts.at[jnp.where(shared, row, self.num_pages)].add(1, mode="drop")
+        target = jnp.where(copy >= 0, copy, self.num_pages)  # out of range: nothing copied
+        source = jnp.maximum(row[jnp.minimum(full, self.max_pages_per_slot - 1)], 0)
+        new = released.with_storage(
+            k_pages=self.k_pages.at[target].set(self.k_pages[source], mode="drop"),
+            v_pages=self.v_pages.at[target].set(self.v_pages[source], mode="drop"),
+            page_table=released.page_table.at[dst].set(new_row),
+            lengths=released.lengths.at[dst].set(length),
+            refcounts=refcounts.at[target].set(1, mode="drop"),
+            free_count=released.free_count - partial.astype(jnp.int32),
+        )
+        return self._unless(refused, new)
+
+    def free(self, slot: int | Array) -> PagedKVCache:
+        """Empties ``slot``; its pages that no other slot refers to go back to the free list.
+
+        Args:
+          slot: a slot holding pages (an int, or an int32 scalar array).
+
+        Returns:
+          The cache with the slot free; under ``jit`` a refused free changes
+          nothing and sets ``overflowed``.
+
+        Raises:
+          IndexError: ``slot`` outside ``[0, max_slots)``.
+          ValueError: the slot is already free (it holds no pages).
+        """
+        self._require_resident("free")
+        slot, bad_slot = self._slot("free", "slot", slot)
+        is_free = self.page_table[slot, 0] < 0
+        self._refuse_now_if(
+            is_free,
+            lambda: ValueError(
+                f"{self.describe()}.free: slot {int(slot)} is already free (it holds no pages); "
+                "free only slots that were written or forked into."
+            ),
+        )
+        return self._unless(bad_slot | is_free, self._release(slot))
+
+    def _slot(self, operation: str, name: str, index: int | Array) -> tuple[Array, Array]:
+        """``index`` clipped into range, and whether it was out of range (raised at once eagerly)."""
+        index = jnp.asarray(index)
+        if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
+            raise TypeError(
+                f"{self.describe()}.{operation}: {name} must be an integer scalar; got shape "
+                f"{list(index.shape)} and dtype {index.dtype}."
+            )
+        bad = (index < 0) | (index >= self.max_slots)
+        self._refuse_now_if(
+            bad,
+            lambda: IndexError(
+                f"{self.describe()}.{operation}: {name} must be a slot in [0, {self.max_slots}); "
+                f"got {int(index)}."
+            ),
+        )
+        return jnp.clip(index, 0, self.max_slots - 1).astype(jnp.int32), bad
+
+    def _release(self, slot: Array) -> PagedKVCache:
+        """Bookkeeping of ``slot`` emptied: its references dropped, pages left unreferenced freed."""
+        row = self.page_table[slot]
+        held = row >= 0
+        refcounts = self.refcounts.at[jnp.where(held, row, self.num_pages)].add(-1, mode="drop")
+        freed = held & (refcounts[jnp.maximum(row, 0)] == 0)
+        top = self.free_count + jnp.cumsum(freed) - 1
+        return self.with_storage(
+            page_table=self.page_table.at[slot].set(-1),
+            lengths=self.lengths.at[slot].set(0),
+            staged=self.staged.at[slot].set(0),
+            refcounts=refcounts,
+            free_pages=self.free_pages.at[jnp.where(freed, top, self.num_pages)].set(row, mode="drop"),
+            free_count=self.free_count + freed.sum(dtype=jnp.int32),
+        )
+
+    # -------------------------------------------------------------- reads
+    def view(self, *, include_staged: bool = True) -> PagedView:
+        """The pools, page tables and per-slot lengths; see :class:`PagedView`."""
+        self._require_resident("view")
+        lengths = self.lengths + self.staged if include_staged else self.lengths
+        return PagedView(
+            k_pages=self.k_pages,
+            v_pages=self.v_pages,
+            page_table=self.page_table,
+            lengths=lengths,
+            page_size=self.page_size,
+        )

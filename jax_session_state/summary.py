@@ -1,0 +1,171 @@
+"""``summary``: a readable table of every object in a session (or many).
+
+Example:
+  >>> import jax_session_state as jss
+  >>> session = jss.Session(objects={
+  ...     "kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=16),
+  ...     "carry": jss.FixedState.allocate(shapes=(1, 8)),
+  ... })
+  >>> print(jss.summary(session))
+  name   kind        shapes               dtype    committed  staged  capacity  resident  recompute  cpu:0
+  -----  ----------  -------------------  -------  ---------  ------  --------  --------  ---------  -----
+  carry  FixedState  [1, 8]               float32  value      0       -         yes       -          65
+  kv     KVCache     k, v: [1, 2, 16, 4]  float32  [0]        [0]     16        yes       -          1033
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
+from jax_session_state.base import StateObject
+from jax_session_state.session import Session
+
+__all__ = ["Summary", "summary"]
+
+_FIXED_COLUMNS = ["name", "kind", "shapes", "dtype", "committed", "staged", "capacity", "resident", "recompute"]
+
+
+class Summary:
+    """Rows describing state objects; prints as plain text, rich, or HTML.
+
+    Attributes:
+      rows: one dict per object (and one per session's attrs), keyed by column.
+      columns: the column names, device keys last.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], columns: list[str]):
+        self.rows = rows
+        self.columns = columns
+
+    def _cells(self) -> list[list[str]]:
+        return [[_text(row.get(column, "")) for column in self.columns] for row in self.rows]
+
+    def __str__(self) -> str:
+        cells = self._cells()
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(self.columns, widths)).rstrip()]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def __rich__(self) -> Any:
+        from rich.table import Table  # rich ships with flax
+
+        table = Table(title="session state")
+        for column in self.columns:
+            table.add_column(column, justify="right" if ":" in column or column == "host" else "left")
+        for row in self._cells():
+            table.add_row(*row)
+        return table
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in self._cells()
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def print(self) -> None:
+        """Prints with rich when it can, as plain text otherwise."""
+        try:
+            from rich.console import Console
+        except ImportError:
+            print(self)
+        else:
+            Console().print(self)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _shapes(obj: StateObject) -> str:
+    """The shapes of the object's main storage, compactly."""
+    if hasattr(obj, "k") and hasattr(obj, "v") and obj.resident:
+        return f"k, v: {list(obj.k.shape)}"
+    leaves = jax.tree_util.tree_leaves(getattr(obj, obj.storage_fields()[0]))
+    if not leaves:
+        return "-"
+    return ", ".join(str(list(leaf.shape)) for leaf in leaves)
+
+
+def _dtype(obj: StateObject) -> str:
+    dtype = getattr(obj, "dtype", None)
+    if dtype is None:
+        dtypes = {np.dtype(s.dtype).name for s in getattr(obj, "leaf_specs", ())}
+        return ", ".join(sorted(dtypes)) or "-"
+    return np.dtype(dtype).name
+
+
+def object_row(name: str, obj: StateObject, seen: SeenStorages) -> dict[str, Any]:
+    """One summary row: what the object is, how full, where its bytes are."""
+    fill = obj.fill()
+    return {
+        "name": name,
+        "kind": type(obj).__name__,
+        "shapes": _shapes(obj),
+        "dtype": _dtype(obj),
+        "committed": fill["committed"],
+        "staged": fill["staged"],
+        "capacity": fill["capacity"],
+        "resident": obj.resident,
+        "recompute": ", ".join(obj.recompute_source) or None,
+        **obj.nbytes_by_device(seen),
+    }
+
+
+def session_rows(session: Session, seen: SeenStorages, extra: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """A row per object of ``session`` (sorted by name) and one for its attrs, each with ``extra``."""
+    extra = extra or {}
+    rows = [{**extra, **object_row(name, session[name], seen)} for name in sorted(session.objects)]
+    if session.attrs:
+        attrs_bytes = tree_bytes_by_device(session.attrs, seen)
+        rows.append({**extra, "name": "attrs", "kind": "attrs", "shapes": ", ".join(sorted(session.attrs)), **attrs_bytes})
+    return rows
+
+
+def summary(tree: StateObject | Session | Mapping[Any, Any]) -> Summary:
+    """A table of every object in ``tree``.
+
+    Args:
+      tree: a state object, a :class:`Session`, or a mapping of names / session
+        ids to either (e.g. a manager's sessions).  Bytes are de-duplicated
+        across everything shown.
+
+    Returns:
+      A :class:`Summary`: ``print()`` it as plain text, give it to rich, or
+      let a notebook render its HTML.
+    """
+    seen = SeenStorages()
+    if isinstance(tree, StateObject):
+        rows = [object_row(type(tree).__name__, tree, seen)]
+        columns = list(_FIXED_COLUMNS)
+    elif isinstance(tree, Session):
+        rows = session_rows(tree, seen)
+        columns = list(_FIXED_COLUMNS)
+    elif isinstance(tree, Mapping):
+        rows = []
+        for key, item in tree.items():
+            if isinstance(item, Session):
+                rows += session_rows(item, seen, {"session": key})
+            elif isinstance(item, StateObject):
+                rows.append(object_row(str(key), item, seen))
+            else:
+                raise TypeError(f"summary() shows sessions and state objects; {key!r} is a {type(item).__name__}.")
+        columns = (["session"] if any("session" in r for r in rows) else []) + list(_FIXED_COLUMNS)
+    else:
+        raise TypeError(f"summary() takes a state object, a Session or a mapping of them; got {type(tree).__name__}.")
+    device_keys = sorted({key for row in rows for key in row if ":" in key or key == "host"})
+    return Summary(rows, columns + device_keys)

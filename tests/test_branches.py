@@ -1,0 +1,174 @@
+"""Speculative branches: lanes over one shared prefix, adopt, discard, memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_session_state as jss
+from jax_session_state.testing import assert_logically_equal
+
+B, H, D = 1, 2, 3
+
+
+def make_session(*, ring=False):
+    kv = (
+        jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=3)
+        if ring
+        else jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=64)
+    )
+    return jss.Session(
+        objects={
+            "kv": kv,
+            "frames": jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), ring=True, max_staged=1),
+            "carry": jss.FixedState.allocate(shapes=(B, 3)),
+            "cond": jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=4),
+        },
+        attrs={"rng": jax.random.key(0), "step": jnp.int32(0)},
+    )
+
+
+def lane_data(rng, lanes, chunks, T=3):
+    return {
+        "kv": jnp.asarray(rng.normal(size=(lanes, chunks, B, T, H, D)), jnp.float32),
+        "frames": jnp.asarray(rng.normal(size=(lanes, chunks, 2)), jnp.float32),
+        "carry": jnp.asarray(rng.normal(size=(lanes, chunks, B, 3)), jnp.float32),
+    }
+
+
+def roll(lane, data):
+    """One lane's rollout: several chunks staged one after another."""
+    for c in range(data["kv"].shape[0]):
+        rows = data["kv"][c]
+        lane = lane.stage(kv=(rows, rows), frames=data["frames"][c], carry=data["carry"][c])
+    key, _ = jax.random.split(lane.attrs["rng"])
+    return lane.with_attrs(rng=key, step=lane.attrs["step"] + 1), data["carry"][-1].sum()
+
+
+def sequential(session, data, lane):
+    """What adopting ``lane`` must equal: its writes appended to the session one by one."""
+    for c in range(data["kv"].shape[1]):
+        rows = data["kv"][lane, c]
+        session = session.append(kv=(rows, rows), frames=data["frames"][lane, c], carry=data["carry"][lane, c])
+    return session
+
+
+@jax.jit
+def branch_and_roll(session, data):
+    return session.branch(4, window={"kv": 6, "frames": 2}).map(roll, data)[0]
+
+
+append_prefix = jax.jit(lambda s, rows, frame: s.append(kv=(rows, rows), frames=frame))
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["append", "ring"])
+@settings(max_examples=30)
+@given(seed=st.integers(0, 2**32 - 1), prefix_chunks=st.integers(0, 5), lane=st.integers(0, 3))
+def test_adopt_equals_appending_the_lane(ring, seed, prefix_chunks, lane):
+    rng = np.random.default_rng(seed)
+    session = make_session(ring=ring)
+    for c in range(prefix_chunks):
+        rows = jnp.asarray(rng.normal(size=(B, 3, H, D)), jnp.float32)
+        session = append_prefix(session, rows, jnp.full((2,), float(c)))
+    data = lane_data(rng, 4, 2)
+    branches = branch_and_roll(session, data)
+    adopted = branches.adopt(lane)
+    assert_logically_equal(adopted.view(), sequential(session, data, lane).view(), "adopt")
+    # The lane saw what the adopted session shows (a ring's lane also still sees
+    # the prefix's window as it was before the lane's rows).
+    seen, kept = branches.lane(lane).view(), adopted.view()
+    assert_logically_equal(seen["frames"], kept["frames"], "lane view")
+    (seen_kv,), (kept_kv,) = seen["kv"].materialize(), kept["kv"].materialize()
+    shown = np.isin(seen_kv["positions"], kept_kv["positions"])
+    assert shown.sum() == len(kept_kv["positions"])
+    np.testing.assert_array_equal(seen_kv["k"][shown], kept_kv["k"])
+    if not ring:
+        np.testing.assert_array_equal(seen_kv["positions"], kept_kv["positions"])
+
+
+def test_lanes_are_independent_and_the_prefix_untouched():
+    rng = np.random.default_rng(0)
+    session = make_session()
+    data = lane_data(rng, 3, 1)
+    branches, scores = session.branch(3, window=4).map(roll, data)
+    np.testing.assert_allclose(scores, data["carry"][:, -1].sum(axis=(1, 2)), rtol=1e-6)
+    for i in range(3):
+        np.testing.assert_array_equal(branches.lane(i).view()["carry"], data["carry"][i, -1])
+    assert_logically_equal(branches.prefix.view(), session.view(), "the prefix changed")
+    assert branches.discard() is branches.prefix
+
+
+def test_rng_keys_split_per_lane_and_adopted():
+    session = make_session()
+    branches = session.branch(5, window=4)
+    keys = jax.random.key_data(branches.attrs["rng"])
+    assert keys.shape[0] == 5 and len({tuple(k) for k in np.asarray(keys)}) == 5
+    np.testing.assert_array_equal(branches.attrs["step"], np.zeros(5))
+    adopted = branches.adopt(3)
+    np.testing.assert_array_equal(jax.random.key_data(adopted.attrs["rng"]), keys[3])
+
+
+def test_jitted_plan_step_compiles_once():
+    rng = np.random.default_rng(1)
+    traces = []
+
+    def plan(session, data):
+        traces.append(None)
+        branches, scores = session.branch(4, window={"kv": 6, "frames": 2}).map(roll, data)
+        return branches.adopt(jnp.argmax(scores))
+
+    step = jax.jit(plan, donate_argnums=0)
+    session = make_session()
+    for _ in range(3):
+        data = lane_data(rng, 4, 2)
+        best = int(jnp.argmax(data["carry"][:, -1].sum(axis=(1, 2))))
+        expected = sequential(session.fork(), data, best)  # a copy: the step donates session
+        session = step(session, data)
+        assert_logically_equal(session.view(), expected.view(), "jitted adopt")
+    assert len(traces) == 1
+
+
+def test_memory_grows_with_lanes_times_window_not_prefix():
+    session = jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=4, head_dim=16, capacity=4096)})
+    rows = jnp.ones((1, 4096, 4, 16))
+    session = session.append(kv=(rows, rows))
+    lanes, window = 16, 32
+    branches = session.branch(lanes, window=window)
+    window_bytes = 2 * 4 * window * 16 * 4  # k and v of one lane
+    assert branches.nbytes <= session.nbytes + 1.1 * lanes * window_bytes
+    forks = [session.fork() for _ in range(lanes)]
+    assert sum(f.nbytes for f in forks) > 10 * branches.nbytes
+
+
+def test_branching_staged_data_is_refused():
+    session = make_session().stage(carry=jnp.ones((B, 3)))
+    with pytest.raises(ValueError, match=r"staged data in \['carry'\].*Commit or discard"):
+        session.branch(2, window=4)
+
+
+def test_adopt_out_of_range():
+    session = make_session()
+    branches = session.branch(2, window=4)
+    with pytest.raises(IndexError, match="lane 2 is out of range.*0..1"):
+        branches.adopt(2)
+    with pytest.raises(IndexError):
+        branches.adopt(-1)
+    staged, _ = branches.map(roll, lane_data(np.random.default_rng(2), 2, 1))
+    kept = jax.jit(lambda b, i: b.adopt(i))(staged, jnp.int32(7))  # traced: adopts nothing
+    assert_logically_equal(kept.view(), session.view(), "out-of-range traced adopt")
+
+
+def test_lanes_cannot_write_shared_objects():
+    branches = make_session().branch(2, window=4)
+    rows = jnp.ones((B, 2, H, D))
+    with pytest.raises(TypeError, match=r"lanes cannot write 'cond' \(EncodeOnceKV"):
+        branches.lane(0).stage(cond=(rows, rows))
+
+
+def test_lane_overflow_is_flagged_per_lane():
+    branches = make_session().branch(2, window={"kv": 2, "frames": 1})
+    rows = jnp.ones((2, B, 3, H, D))
+    flagged = branches.map(lambda lane, r: lane.stage(kv=(r, r)), rows)
+    with pytest.raises(jss.CapacityError, match=r"windows\['kv'\]"):
+        jss.check(flagged)

@@ -1,0 +1,70 @@
+"""summary(): every object, its kind, fill and bytes per device, in text, rich and HTML."""
+
+import io
+
+import jax
+import jax.numpy as jnp
+import pytest
+from rich.console import Console
+
+import jax_session_state as jss
+
+
+def make_session():
+    session = jss.Session(
+        objects={
+            "kv": jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=4, window=8, sink=2, max_chunk=4),
+            "prompt": jss.FixedState.allocate(shapes=(2, 3)),
+            "cond": jss.EncodeOnceKV.allocate(batch=2, kv_heads=2, head_dim=4, length=4, recompute_source="prompt"),
+            "frames": jss.LatentBuffer.allocate(maxlen=3, item_shape=(5,), ring=True, max_staged=1),
+            "bank": jss.RetrievalStore.allocate(capacity=6, key_dim=4, value_shapes=(2,)),
+        },
+        attrs={"rng": jax.random.key(0)},
+    )
+    rows = jnp.ones((2, 3, 2, 4))
+    return session.append(kv=(rows, rows), frames=jnp.ones((2, 5))).stage(kv=(rows[:, :1], rows[:, :1]))
+
+
+def test_rows_describe_every_object():
+    session = make_session()
+    table = jss.summary(session)
+    by_name = {row["name"]: row for row in table.rows}
+    assert set(by_name) == {"kv", "prompt", "cond", "frames", "bank", "attrs"}
+    assert by_name["kv"]["kind"] == "KVCache" and by_name["kv"]["committed"] == [3, 3]
+    assert by_name["kv"]["staged"] == [1, 1] and "window 8" in by_name["kv"]["capacity"]
+    assert by_name["frames"]["committed"] == 2 and by_name["cond"]["recompute"] == "prompt"
+    for name, obj in session.objects.items():
+        assert by_name[name]["cpu:0"] == obj.nbytes
+    assert sum(row.get("cpu:0", 0) for row in table.rows) == session.nbytes
+    text = str(table)
+    for name in session.objects:
+        assert name in text
+    assert "k, v: [2, 2, 14, 4]" in text and "cpu:0" in text.splitlines()[0]
+
+
+def test_non_resident_objects_are_shown():
+    session = make_session()
+    session = session.with_objects(cond=session["cond"].evict()[0])
+    row = next(r for r in jss.summary(session).rows if r["name"] == "cond")
+    assert row["resident"] is False and "cpu:0" not in row
+
+
+def test_many_sessions_share_one_byte_count():
+    session = make_session()
+    table = jss.summary({"a": session, "b": session})  # the same buffers twice: counted once
+    assert table.columns[0] == "session"
+    assert sum(row.get("cpu:0", 0) for row in table.rows) == session.nbytes
+
+
+def test_rich_and_html():
+    table = jss.summary(make_session())
+    buffer = io.StringIO()
+    Console(file=buffer, width=250, color_system=None).print(table)
+    assert "KVCache" in buffer.getvalue() and "EncodeOnceKV" in buffer.getvalue()
+    html = table._repr_html_()
+    assert html.startswith("<table>") and html.count("<tr>") == len(table.rows) + 1
+
+
+def test_rejects_other_things():
+    with pytest.raises(TypeError, match="takes a state object"):
+        jss.summary(3)
