@@ -16,6 +16,9 @@ kind               logical axes of its storage
 ``LatentBuffer``   items ``("slots", *item_axes)``; count, staged, overflowed ``()``
 ``RetrievalStore`` keys ``("slots", "key_dim")``; each value leaf
                    ``("slots", *value_axes)``; count, staged, overflowed ``()``
+``PagedKVCache``   pools ``("num_pages", "page_size", "kv_heads", "head_dim")``;
+                   page table ``("max_slots", "max_pages_per_slot")``; lengths,
+                   staged ``("max_slots",)``; refcounts, free list ``("num_pages",)``
 =================  ==========================================================
 
 An axis whose name has no rule (or no name) is not sharded.  Objects remember

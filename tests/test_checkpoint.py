@@ -47,6 +47,7 @@ def random_session(seed=0):
             ),
             "frames": jss.LatentBuffer.allocate(maxlen=3, item_shape=(2,), ring=True, max_staged=2, dtype=jnp.bfloat16),
             "bank": jss.RetrievalStore.allocate(capacity=4, key_dim=3, value_shapes={"a": (2,), "b": [(1,)]}),
+            "pages": jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=2, num_pages=8),
         },
         attrs={
             "rng": jax.random.key(seed),
@@ -65,6 +66,7 @@ def random_session(seed=0):
         carry=Carry(h=normal(B, 3), c=jnp.asarray(rng.integers(0, 9, size=B), jnp.int32)),
         frames=normal(2, 2).astype(jnp.bfloat16),
         bank=(normal(2, 3), {"a": normal(2, 2), "b": [normal(2, 1)]}),
+        pages=jss.KVChunk(normal(B, 3, H, D), normal(B, 3, H, D), jnp.array([3, 1], jnp.int32)),
     )
     session = session.stage(kv=(normal(B, 2, H, D), normal(B, 2, H, D)), frames=normal(2).astype(jnp.bfloat16))
     return session.with_objects(cond=session["cond"].evict()[0])

@@ -63,6 +63,14 @@ KINDS = {
         lambda rng: jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
         {"items": P("data", "model"), "count": P(), "staged": P(), "overflowed": P()},
     ),
+    "paged": (
+        lambda **kw: jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=16, **kw),
+        kv_chunk,
+        {
+            "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "page_table": P(),
+            "lengths": P(), "staged": P(), "refcounts": P(), "free_pages": P(), "free_count": P(), "overflowed": P(),
+        },
+    ),
     "retrieval": (
         lambda **kw: jss.RetrievalStore.allocate(
             capacity=6, key_dim=4, value_shapes={"a": (4,)}, max_staged=4, value_axes={"a": ("hidden",)}, **kw
@@ -235,6 +243,35 @@ def test_session_step_keeps_every_placement_compiles_once_and_matches_unsharded(
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_paged_fork_and_free_keep_sharding_and_write_in_place():
+    k, v, _ = kv_chunk(np.random.default_rng(6), T=6)
+    cache = KINDS["paged"][0](sharding=RULES).append(jss.KVChunk(k, v, jnp.array([6, 0], jnp.int32)))
+    placement, pointers = shardings(cache), shard_pointers(cache)
+    fork = jax.jit(lambda c: c.fork(0, 1), donate_argnums=0)
+    cache = fork(cache)
+    jss.check(cache)
+    assert shardings(cache) == placement and shard_pointers(cache) == pointers
+    free = jax.jit(lambda c: c.free(1), donate_argnums=0)
+    cache = free(cache)
+    assert shardings(cache) == placement and shard_pointers(cache) == pointers
+
+
+def test_branches_of_a_sharded_session_keep_the_placement():
+    session = jss.shard(jss.Session(objects={"kv": KINDS["kv_append"][0]()}, attrs={"rng": jax.random.key(1)}), RULES)
+    rows = kv_chunk(np.random.default_rng(7))[:2]
+    session = session.append(kv=rows)
+    branches = session.branch(2, window=4)
+
+    def guess(lane, scale):
+        return lane.stage(kv=(rows[0] * scale, rows[1] * scale)), scale
+
+    branches, _ = jax.jit(lambda b: b.map(guess, jnp.arange(2.0)))(branches)
+    adopted = jax.jit(lambda b: b.adopt(1))(branches)
+    assert shardings(adopted["kv"]) == shardings(session["kv"])
+    expected = session["kv"].append((rows[0], rows[1]))
+    assert_logically_equal(adopted.view()["kv"], expected.view(), "the adopted lane")
 
 
 def test_non_resident_objects_keep_their_rules_and_reallocate_sharded():
