@@ -2,7 +2,7 @@
 
 Measures, in one run:
 
-- a jitted, donated ``KVCache.append`` + dense masked attention step on a cache
+- a jitted, donated ``KVCache.append`` + ``jss.attend`` step on a cache
   sharded over kv-heads (8 ways), against the same step on one device; the
   compiled step must move no data between devices and write in place;
 - bytes per device of that session: each must be total / 8 (bar: within 1%);
@@ -43,23 +43,6 @@ HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 MIB = 1 << 20
 
 
-def dense_attend(q: jax.Array, view: jss.KVView) -> jax.Array:
-    """Causal dense attention of the last T positions, masked to the valid prefix.
-
-    ``q: [batch, T, heads, dim]`` against the view's head-major
-    ``k, v: [batch, heads, capacity, dim]``; work is over the whole capacity.
-    """
-    T = q.shape[1]
-    scores = jnp.einsum("bthd,bhcd->bhtc", q, view.k) / np.sqrt(q.shape[-1])
-    query_positions = view.lengths[:, None] - T + jnp.arange(T)
-    seen = (view.positions[:, None, :] >= 0) & (view.positions[:, None, :] <= query_positions[:, :, None])
-    weights = jax.nn.softmax(jnp.where(seen[:, None], scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bhtc,bhcd->bthd", weights, view.v)
-
-
-attend = dense_attend  # switch to jss.attend once attention.py lands
-
-
 def step_benchmark(capacity: int, *, rounds: int) -> tuple[list[dict], jss.Session]:
     """A donated append + attention step, sharded 8 ways over heads and on one device."""
     mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
@@ -74,7 +57,7 @@ def step_benchmark(capacity: int, *, rounds: int) -> tuple[list[dict], jss.Sessi
     def step(kv: jss.KVCache, chunk: jss.KVChunk, q: jax.Array) -> tuple[jss.KVCache, jax.Array]:
         traces.append(None)
         kv = kv.append(chunk)
-        out = attend(q, kv.view())
+        out = jss.attend(q, kv.view())
         return kv.with_storage(lengths=kv.lengths - CHUNK), out  # rewind: every call writes the same rows
 
     jitted = jax.jit(step, donate_argnums=0)

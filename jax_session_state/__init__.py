@@ -2,6 +2,7 @@
 
 from jax_session_state import accounting, checkpoint, errors, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
+from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
 from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
@@ -67,12 +68,15 @@ __all__ = [
     "StateObject",
     "Summary",
     "accounting",
+    "attend",
+    "attend_with_lse",
     "check",
     "checkpoint",
     "device_bytes",
     "device_key",
     "errors",
     "is_state_object",
+    "merge_attention",
     "shard",
     "sharding",
     "summary",

@@ -195,7 +195,13 @@ class ShardingRules:
           owner: names the object in messages.
         """
         paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-        names = treedef.flatten_up_to(axes)
+        try:
+            names = treedef.flatten_up_to(axes)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"{owner}: its storage_axes() do not name every storage leaf ({error}); a kind must give "
+                "each storage array a tuple of logical axis names."
+            ) from None
         return treedef.unflatten(
             [
                 NamedSharding(

@@ -99,6 +99,7 @@ class KVModel:
         self.capacity, self.window, self.sink, self.max_chunk = capacity, window, sink, max_chunk
         self.rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(batch)]
         self.committed = [0] * batch
+        self.high_water = [0] * batch  # one past the largest position ever written, discarded or not
         self.overflowed = False
         self.heads, self.head_dim = heads, head_dim
 
@@ -115,6 +116,7 @@ class KVModel:
                 return REFUSED_CAPACITY
         for b, c in enumerate(counts):
             self.rows[b].extend((k[b, t], v[b, t]) for t in range(c))
+            self.high_water[b] = max(self.high_water[b], len(self.rows[b]))
         return OK
 
     def apply(self, op: Op) -> str:
@@ -130,9 +132,14 @@ class KVModel:
 
     def view(self, include_staged: bool) -> list[dict[str, np.ndarray]]:
         out = []
-        for rows, committed in zip(self.rows, self.committed):
+        for rows, committed, high_water in zip(self.rows, self.committed, self.high_water):
             end = len(rows) if include_staged else committed
-            start = 0 if self.window is None else committed - self.window
+            if self.window is None:
+                start = 0
+            elif include_staged:  # everything the ring still holds
+                start = high_water - (self.window + self.max_chunk)
+            else:  # the committed window
+                start = committed - self.window
             shown = [p for p in range(end) if p < self.sink or p >= start]
             out.append({
                 "positions": np.asarray(shown, np.int32),

@@ -7,11 +7,11 @@ buffer (``ring=None``) keeps position ``p`` in slot ``p``.
 
 Staged entries are written in-buffer past the committed ones.  A ring keeps a
 margin of slots beyond what a reader may see, so staged entries never
-overwrite visible committed ones and ``discard()`` stays O(1).  Because the
-visible positions ``[start, end)`` never span more than the ring, each slot
-holds at most one of them: the largest position below ``end`` that maps to
-it.  A slot whose derived position is not visible may hold anything (an older
-entry or a discarded staged one); readers mask it with ``-1``.
+overwrite visible committed ones and ``discard()`` stays O(1).  Each slot
+holds the largest position written to it; given the *high-water mark* (one
+past the largest position ever written), that is the largest position below
+it that maps to the slot.  Positions past a reader's end are discarded
+staged entries; readers mask them (and anything else not visible) with -1.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def slot_positions(capacity: int, end: Array, *, sink: int, ring: int | None) ->
 
     Args:
       capacity: number of slots.
-      end: ``Int[Array, "..."]`` one past the last visible position.
+      end: ``Int[Array, "..."]`` the high-water mark (or any bound that only
+        the visible positions lie below, within one ring of it).
       sink: slots kept for the first positions.
       ring: ring slots after the sinks; None for append mode.
 

@@ -167,7 +167,10 @@ class KVCache(StateObject, kw_only=True):
       chunk of up to ``C`` rows, staged or appended, never overwrites the
       window its own queries attend to, and ``discard()`` restores the
       committed view exactly.  Staging more than ``C`` rows before a commit
-      is a :class:`CapacityError`.
+      is a :class:`CapacityError`.  ``view(include_staged=False)`` shows the
+      sinks and the last ``W`` committed tokens (what later queries need);
+      ``view()`` shows every token still held, so attention right after an
+      ``append`` of a chunk sees each of its queries' whole window.
 
     Staging is in-buffer: ``stage`` writes rows past the committed length,
     ``commit()`` advances the length and ``discard()`` forgets the staged
@@ -201,6 +204,9 @@ class KVCache(StateObject, kw_only=True):
     """``Int[Array, "batch"]`` committed tokens per row."""
     staged: Array | None = None
     """``Int[Array, "batch"]`` staged tokens per row, after the committed ones."""
+    high_water: Array | None = None
+    """``Int[Array, "batch"]`` one past the largest position ever written (a ring
+    slot holds the largest position below it that maps to the slot)."""
     overflowed: Array | None = None
     """``Bool[Array, ""]`` a write was refused under jit."""
 
@@ -283,7 +289,8 @@ class KVCache(StateObject, kw_only=True):
 
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "capacity", "head_dim")
-        return {"k": kv, "v": kv, "lengths": ("batch",), "staged": ("batch",), "overflowed": ()}
+        rows = ("batch",)
+        return {"k": kv, "v": kv, "lengths": rows, "staged": rows, "high_water": rows, "overflowed": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
@@ -293,6 +300,7 @@ class KVCache(StateObject, kw_only=True):
             "v": jnp.zeros(shape, self.dtype),
             "lengths": rows,
             "staged": jnp.zeros_like(rows),
+            "high_water": jnp.zeros_like(rows),
             "overflowed": jnp.zeros((), bool),
         }
 
@@ -346,6 +354,7 @@ class KVCache(StateObject, kw_only=True):
             k=_write_rows(self.k, slots, chunk.k),
             v=_write_rows(self.v, slots, chunk.v),
             staged=self.staged + written,
+            high_water=jnp.maximum(self.high_water, start + written),
             overflowed=self.overflowed | refused,
         )
         return new, refused
@@ -372,14 +381,16 @@ class KVCache(StateObject, kw_only=True):
     def view(self, *, include_staged: bool = True) -> KVView:
         """The cache as attention reads it; see :class:`KVView`.
 
-        In ring mode the view holds the sinks and the last ``window``
-        committed positions (plus the staged ones when included): exactly what
-        queries at the staged rows may attend to.
+        In ring mode the committed view (``include_staged=False``) holds the
+        sinks and the last ``window`` committed positions, which ``discard()``
+        restores exactly; the full view holds every position still in the
+        ring up to the staged ones, enough for each query of a chunk just
+        staged or appended.
         """
         self._require_resident("view")
         end = self.lengths + self.staged if include_staged else self.lengths
-        positions = _ring.slot_positions(self.capacity, end, sink=self.sink, ring=self.ring_slots)
-        start = 0 if self.window is None else (self.lengths - self.window)[:, None]
+        positions = _ring.slot_positions(self.capacity, self.high_water, sink=self.sink, ring=self.ring_slots)
+        start = 0 if self.window is None or include_staged else (self.lengths - self.window)[:, None]
         shown = _ring.visible(positions, start=start, end=end[:, None], sink=self.sink)
         return KVView(
             k=self.k,

@@ -27,12 +27,18 @@ KINDS = {
     "kv_append": (
         lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=16, **kw),
         kv_chunk,
-        {"k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"), "staged": P("data"), "overflowed": P()},
+        {
+            "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"), "staged": P("data"),
+            "high_water": P("data"), "overflowed": P(),
+        },
     ),
     "kv_ring": (
         lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=8, **kw),
         kv_chunk,
-        {"k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"), "staged": P("data"), "overflowed": P()},
+        {
+            "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"), "staged": P("data"),
+            "high_water": P("data"), "overflowed": P(),
+        },
     ),
     "encode_once": (
         lambda **kw: jss.EncodeOnceKV.allocate(batch=B, kv_heads=4, head_dim=D, length=8, **kw),
@@ -203,7 +209,7 @@ def test_bytes_per_device_are_an_eighth_of_a_head_sharded_cache_and_replicas_cou
     )
     session = jss.shard(jss.Session(objects={"kv": kv}, attrs={"rng": jax.random.key(0)}), kv.sharding)
     cache_bytes = 2 * B * 8 * 64 * 16 * 4  # k and v, float32
-    replicated = B * 4 + B * 4 + 1  # lengths, staged (int32 [batch]) and overflowed, whole on every device
+    replicated = 3 * B * 4 + 1  # lengths, staged, high_water (int32 [batch]) and overflowed, whole on every device
     key_bytes = 8  # a threefry key: uint32[2], replicated
     by_device = session.nbytes_by_device()
     assert sorted(by_device) == sorted(f"cpu:{d.id}" for d in jax.devices())
@@ -302,7 +308,6 @@ def dense_attend(q, view):
     return jnp.einsum("bkgtc,bkcd->btkgd", weights, view.v).reshape(batch, T, heads, dim)
 
 
-attend = dense_attend  # the kernel under test: jss.attend once attention.py lands
 
 
 def reference_attention(q, view):
@@ -322,6 +327,7 @@ def reference_attention(q, view):
     return out
 
 
+@pytest.mark.parametrize("attend", [dense_attend, jss.attend], ids=["einsum", "jss.attend"])
 @pytest.mark.parametrize(
     "mesh_shape, names, rules",
     [
@@ -329,7 +335,7 @@ def reference_attention(q, view):
         ((2, 4), ("data", "model"), {"batch": "data", "kv_heads": "model", "heads": "model"}),
     ],
 )
-def test_attention_over_head_sharded_cache_never_gathers_it(mesh_shape, names, rules):
+def test_attention_over_head_sharded_cache_never_gathers_it(mesh_shape, names, rules, attend):
     mesh = auto_mesh(mesh_shape, names)
     rules = jss.ShardingRules(mesh, rules)
     kv_heads, heads, T = 8, 16, 4

@@ -69,9 +69,12 @@ def test_ring_keeps_sinks_and_window_after_wraparound():
     for t in range(10):
         x = jnp.full((1, 1, 1, 1), float(t))
         cache = cache.append((x, x))
-    (row,) = cache.view().materialize()
+    (row,) = cache.view(include_staged=False).materialize()  # the committed window
     np.testing.assert_array_equal(row["positions"], [0, 1, 7, 8, 9])
     np.testing.assert_array_equal(row["k"].ravel(), [0, 1, 7, 8, 9])
+    (row,) = cache.view().materialize()  # all the ring holds: a whole chunk's windows
+    np.testing.assert_array_equal(row["positions"], [0, 1, 5, 6, 7, 8, 9])
+    np.testing.assert_array_equal(row["k"].ravel(), [0, 1, 5, 6, 7, 8, 9])
 
 
 def test_overflow_eager_raises_and_writes_nothing():

@@ -1,0 +1,246 @@
+"""Attention over state views: reads cost what is valid, never what is allocated.
+
+``attend(q, view)`` dispatches on the view:
+
+- :class:`KVView` in append mode: blockwise over K/V blocks up to the longest
+  row's length with an online softmax (flash-decoding style) in a
+  ``lax.fori_loop`` whose trip count is computed at run time, so a
+  32k-capacity cache holding 1k tokens attends like a 1k cache;
+  ``positions`` is not read.
+- :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
+  one dense, masked pass over its slots using ``positions``.
+- :class:`BranchKVView` (a speculative lane): cascade attention — the shared
+  prefix and the lane's own rows separately, merged by log-sum-exp.  Under
+  ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
+  once for every lane.
+- :class:`PagedView`: the pages gathered into a dense view (reference path).
+
+A query at position ``qp`` sees a key at position ``p`` when
+``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
+``p < sink or qp - p < window``.  A query that sees nothing returns exact
+zeros (and ``lse = -inf``), never NaN.  Accumulation is float32 whatever the
+cache dtype.
+
+Why no ``jax.nn.dot_product_attention`` here: it wants token-major K/V (a
+transposed copy of the whole cache), its ``local_window_size`` counts slots,
+not positions, so it is wrong once a ring wraps, it cannot express sinks,
+returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
+computes over the whole capacity (measured: 263 ms at 32k capacity against
+3.3 ms here for 1k valid tokens).
+
+Measured on XLA:CPU (notes for whoever tunes this next): XLA copies every
+K/V block out of the cache before a dot, and a bare slice copy compiles to
+scalar code; fusing a multiply into the copy vectorises it, so the softmax
+scale is applied to the K block and V is multiplied by a run-time 1.0 hidden
+behind ``optimization_barrier``.  64-key blocks beat 128-2048 at every length.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import jax_session_state as jss
+  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=1024)
+  >>> rows = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
+  >>> kv = kv.append((rows, rows))
+  >>> q = jax.random.normal(jax.random.key(1), (1, 16, 4, 8))  # 4 query heads over 2 kv heads
+  >>> jss.attend(q, kv.view()).shape
+  (1, 16, 4, 8)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+from jax_session_state.objects.kv import BranchKVView, KVView
+from jax_session_state.objects.paged import PagedView
+
+__all__ = ["BLOCK_SIZE", "attend", "attend_with_lse", "merge_attention"]
+
+BLOCK_SIZE = 64
+"""Keys per block in append mode (chosen by measurement on XLA:CPU)."""
+
+_F32 = jnp.float32
+
+
+def attend(
+    q: Array,
+    view: KVView | BranchKVView | PagedView,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    q_positions: Array | None = None,
+) -> Array:
+    """Attention of ``q`` over a view.
+
+    Args:
+      q: ``Float[Array, "batch T q_heads head_dim"]``, token-major;
+        ``q_heads`` a multiple of the view's ``kv_heads`` (GQA: query head
+        ``h`` reads kv head ``h // (q_heads // kv_heads)``).
+      view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
+      causal: mask keys after each query's position.
+      scale: score scale, default ``1 / sqrt(head_dim)``.
+      q_positions: ``Int[Array, "batch T"]`` absolute query positions;
+        default the view's last ``T`` positions (the rows just written).
+
+    Returns:
+      ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
+    """
+    return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions)[0]
+
+
+def attend_with_lse(
+    q: Array,
+    view: KVView | BranchKVView | PagedView,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    q_positions: Array | None = None,
+) -> tuple[Array, Array]:
+    """:func:`attend`, plus the log-sum-exp of each query's visible scores.
+
+    Returns:
+      ``out`` as :func:`attend`, and ``lse``: ``Float32[Array, "batch T
+      q_heads"]``, ``-inf`` where a query sees nothing.  Two results over
+      disjoint keys merge exactly with :func:`merge_attention`.
+    """
+    if q.ndim != 4:
+        raise ValueError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
+    if isinstance(view, BranchKVView):
+        q_positions = _default_positions(q, view.window.lengths, q_positions)
+        prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions)
+        lane = _dense_with_lse(q, view.window, causal, scale, q_positions)
+        return merge_attention(*prefix, *lane)
+    if isinstance(view, PagedView):
+        view = view.to_dense()
+    if not isinstance(view, KVView):
+        raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
+    return _kv_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
+
+
+def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
+    """Exact merge of two attentions over disjoint key sets (cascade attention).
+
+    Args:
+      out_a: ``Float[Array, "batch T heads head_dim"]`` one side's output
+        (zeros where it saw nothing, as :func:`attend_with_lse` returns).
+      lse_a: ``Float32[Array, "batch T heads"]`` its log-sum-exp (-inf: empty).
+      out_b: the other side's output.
+      lse_b: the other side's log-sum-exp.
+
+    Returns:
+      ``(out, lse)`` equal to attention over the union of the keys; zeros and
+      ``-inf`` where both sides are empty, never NaN.
+    """
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    weight_a, weight_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = weight_a + weight_b
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)
+    out = (weight_a[..., None] * out_a.astype(_F32) + weight_b[..., None] * out_b.astype(_F32)) / total[..., None]
+    return out.astype(out_a.dtype), jnp.where(seen, top + jnp.log(total), -jnp.inf)
+
+
+# ---------------------------------------------------------------- internals
+def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> Array:
+    batch, T = q.shape[:2]
+    if q_positions is None:
+        return lengths[:, None].astype(jnp.int32) - T + jnp.arange(T, dtype=jnp.int32)
+    if q_positions.shape != (batch, T):
+        raise ValueError(f"attend(): q_positions must have shape [{batch}, {T}] (batch, T); got {list(q_positions.shape)}.")
+    return q_positions.astype(jnp.int32)
+
+
+def _grouped(q: Array, view: KVView, scale: float | None) -> tuple[Array, int, float]:
+    """Checks q against the view; returns q as ``[B, kv_heads, T*G, D]`` float32, G, scale."""
+    B, T, q_heads, D = q.shape
+    view_batch, kv_heads, _, view_dim = view.k.shape
+    if B != view_batch:
+        raise ValueError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
+    if D != view_dim:
+        raise ValueError(f"attend(): q has head_dim {D} but the view has head_dim {view_dim}.")
+    if q_heads % kv_heads:
+        raise ValueError(f"attend(): q_heads={q_heads} is not a multiple of the view's kv_heads={kv_heads}.")
+    groups = q_heads // kv_heads
+    # Only q (small) is transposed: [B, T, Hk, G, D] -> [B, Hk, T*G, D], rows ordered (t, g).
+    grouped = q.astype(_F32).reshape(B, T, kv_heads, groups, D).transpose(0, 2, 1, 3, 4)
+    return grouped.reshape(B, kv_heads, T * groups, D), groups, 1.0 / math.sqrt(D) if scale is None else scale
+
+
+def _finish(q: Array, state: tuple[Array, Array, Array], groups: int) -> tuple[Array, Array]:
+    """Normalises the online-softmax state into ``(out, lse)`` in q's layout."""
+    top, total, acc = state
+    B, T, q_heads, D = q.shape
+    kv_heads = q_heads // groups
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
+    lse = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
+    out = out.reshape(B, kv_heads, T, groups, D).transpose(0, 2, 1, 3, 4).reshape(q.shape)
+    lse = lse.reshape(B, kv_heads, T, groups).transpose(0, 2, 1, 3).reshape(B, T, q_heads)
+    return out.astype(q.dtype), lse
+
+
+def _empty_state(qh: Array) -> tuple[Array, Array, Array]:
+    return jnp.full(qh.shape[:3], -jnp.inf, _F32), jnp.zeros(qh.shape[:3], _F32), jnp.zeros(qh.shape, _F32)
+
+
+def _online_update(state: Any, scores: Array, visible: Array, values: Array) -> tuple[Array, Array, Array]:
+    """One online-softmax step over a block of ``[B, Hk, M, n]`` scores."""
+    top, total, acc = state
+    scores = jnp.where(visible, scores, -jnp.inf)
+    new_top = jnp.maximum(top, scores.max(-1))
+    # Rows that have seen nothing keep top = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
+    safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+    weights = jnp.exp(scores - safe_top[..., None])
+    decay = jnp.exp(top - safe_top)
+    block = jnp.einsum("bhmn,bhnd->bhmd", weights, values, preferred_element_type=_F32)
+    return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + block
+
+
+def _scores(keys: Array, qh: Array) -> Array:
+    return jnp.einsum("bhmd,bhnd->bhmn", qh, keys, preferred_element_type=_F32)
+
+
+def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
+    if view.window is not None:
+        return _dense_with_lse(q, view, causal, scale, q_positions)
+    qh, groups, scale = _grouped(q, view, scale)
+    capacity = view.k.shape[2]
+    n = min(BLOCK_SIZE, capacity)
+    # The trip count depends on lengths only (not on queries), so under vmap over
+    # lanes sharing one prefix the loop, and every block read, stays unbatched.
+    n_blocks = (jnp.clip(jnp.max(view.lengths), 0, capacity) + n - 1) // n
+    last = jnp.broadcast_to(view.lengths[:, None] - 1, q_positions.shape)  # last visible key per query
+    if causal:
+        last = jnp.minimum(last, q_positions)
+    last = jnp.repeat(last, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1], rows (t, g)
+    one = lax.optimization_barrier(jnp.ones((), _F32))  # see the module notes
+
+    def body(i: Array, state: Any) -> Any:
+        first = i * n
+        start = jnp.minimum(first, capacity - n)  # the last block is shifted back...
+        keys = lax.dynamic_slice_in_dim(view.k, start, n, axis=2).astype(_F32) * scale
+        values = lax.dynamic_slice_in_dim(view.v, start, n, axis=2).astype(_F32) * one
+        key_position = start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
+        visible = (key_position >= first) & (key_position <= last)  # ...and its overlap masked
+        return _online_update(state, _scores(keys, qh), visible, values)
+
+    return _finish(q, lax.fori_loop(0, n_blocks, body, _empty_state(qh)), groups)
+
+
+def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
+    """One masked pass over every slot of a small view, using ``positions``."""
+    qh, groups, scale = _grouped(q, view, scale)
+    key_position = view.positions[:, None, None, :]  # [B, 1, 1, C]
+    query_position = jnp.repeat(q_positions, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1]
+    visible = (key_position >= 0) & (key_position < view.lengths[:, None, None, None])
+    if causal:
+        visible &= key_position <= query_position
+    if view.window is not None:
+        visible &= (key_position < view.sink) | (query_position - key_position < view.window)
+    scores = _scores(view.k.astype(_F32) * scale, qh)
+    return _finish(q, _online_update(_empty_state(qh), scores, visible, view.v.astype(_F32)), groups)

@@ -1,0 +1,281 @@
+"""attend() against a naive float64 numpy reference, on every kind of view.
+
+Error metric: ``max|a - b| / max|b|`` over the whole output (``b`` the
+reference), at most 1e-5 in float32; ``lse`` the same on finite entries and
+``-inf`` exactly where the reference has it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_session_state as jss
+
+TOL = 1e-5
+EXAMPLES = settings(max_examples=25)
+
+
+def reference(q, k, v, lengths, key_positions, *, window=None, sink=0, causal=True, scale=None, q_positions=None):
+    """Naive float64 attention: (out, lse), zeros / -inf where nothing is visible."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, q_heads, D = q.shape
+    groups = q_heads // k.shape[1]
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    lengths = np.asarray(lengths)
+    if q_positions is None:
+        q_positions = lengths[:, None] - T + np.arange(T)
+    qp = np.asarray(q_positions)[:, :, None]
+    kp = np.asarray(key_positions)[:, None, :]
+    visible = (kp >= 0) & (kp < lengths[:, None, None])
+    if causal:
+        visible = visible & (kp <= qp)
+    if window is not None:
+        visible = visible & ((kp < sink) | (qp - kp < window))
+    kr, vr = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    s = np.einsum("bthd,bhcd->bthc", q, kr) * scale
+    s = np.where(visible[:, :, None, :], s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    seen = np.isfinite(top)
+    p = np.exp(s - np.where(seen, top, 0.0))
+    total = p.sum(-1, keepdims=True)
+    out = np.einsum("bthc,bhcd->bthd", p / np.where(seen, total, 1.0), vr)
+    lse = np.where(seen, top + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
+    return out, lse
+
+
+def assert_close(out, lse, ref_out, ref_lse):
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert not np.isnan(out).any()
+    assert np.max(np.abs(out - ref_out)) <= TOL * max(np.max(np.abs(ref_out)), 1e-30)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    if finite.any():
+        assert np.max(np.abs(lse[finite] - ref_lse[finite])) <= TOL * max(1.0, np.max(np.abs(ref_lse[finite])))
+    assert np.all(out[np.isneginf(ref_lse)] == 0)  # a query that sees nothing gives exact zeros
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def append_view(k, v, lengths):
+    capacity = k.shape[2]
+    positions = np.where(np.arange(capacity) < np.asarray(lengths)[:, None], np.arange(capacity), -1)
+    return jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32),
+                      positions=jnp.asarray(positions, jnp.int32))
+
+
+def ring_positions(length, capacity, sink):
+    positions = np.full(capacity, -1, np.int32)
+    for p in range(length):
+        positions[p if p < sink else sink + (p - sink) % (capacity - sink)] = p
+    return positions
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(**static):
+    return jax.jit(functools.partial(jss.attend_with_lse, **static))
+
+
+@EXAMPLES
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2, 4]),
+    T=st.sampled_from([1, 3, 16]),
+    capacity=st.sampled_from([16, 77, 200]),
+    causal=st.booleans(),
+)
+def test_append_mode(seed, batch, kv_heads, groups, T, capacity, causal):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, batch, T, kv_heads * groups, 8)
+    k, v = randn(rng, batch, kv_heads, capacity, 8), randn(rng, batch, kv_heads, capacity, 8)
+    lengths = rng.integers(0, capacity + 1, batch).astype(np.int32)
+    lengths[0] = 0 if seed % 3 == 0 else lengths[0]  # empty rows
+    view = append_view(k, v, lengths)
+    out, lse = jitted(causal=causal)(q, view)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+    assert_close(out, lse, *reference(q, k, v, lengths, view.positions, causal=causal))
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 2**31 - 1), T=st.sampled_from([1, 16]), causal=st.booleans(), scale=st.sampled_from([None, 0.3]))
+def test_explicit_query_positions(seed, T, causal, scale):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, 2, T, 4, 8)
+    k, v = randn(rng, 2, 2, 150, 8), randn(rng, 2, 2, 150, 8)
+    lengths = rng.integers(0, 151, 2).astype(np.int32)
+    q_positions = jnp.asarray(rng.integers(-3, 153, (2, T)), jnp.int32)
+    view = append_view(k, v, lengths)
+    out, lse = jss.attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions)
+    ref = reference(q, k, v, lengths, view.positions, causal=causal, scale=scale, q_positions=q_positions)
+    assert_close(out, lse, *ref)
+
+
+@EXAMPLES
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 3),
+    groups=st.sampled_from([1, 2]),
+    T=st.sampled_from([1, 4, 16]),
+    window=st.sampled_from([1, 5, 12]),
+    sink=st.sampled_from([0, 1, 3]),
+    causal=st.booleans(),
+)
+def test_ring_mode_with_wraparound_and_sinks(seed, batch, groups, T, window, sink, causal):
+    rng = np.random.default_rng(seed)
+    capacity = sink + window + T + 1
+    lengths = rng.integers(0, 4 * capacity, batch).astype(np.int32)  # wraps several times
+    positions = np.stack([ring_positions(int(n), capacity, sink) for n in lengths])
+    q = randn(rng, batch, T, 2 * groups, 8)
+    k, v = randn(rng, batch, 2, capacity, 8), randn(rng, batch, 2, capacity, 8)
+    view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions), window=window, sink=sink)
+    out, lse = jitted(causal=causal)(q, view)
+    assert_close(out, lse, *reference(q, k, v, lengths, positions, window=window, sink=sink, causal=causal))
+
+
+def test_ring_cache_equals_windowed_attention_over_the_whole_history():
+    rng = np.random.default_rng(1)
+    window, sink, chunk, steps = 6, 2, 4, 9
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=window, sink=sink, max_chunk=chunk)
+    history_k, history_v = [], []
+    for _ in range(steps):
+        k, v = randn(rng, 1, chunk, 2, 8), randn(rng, 1, chunk, 2, 8)
+        history_k.append(k), history_v.append(v)
+        cache = cache.append((jnp.asarray(k), jnp.asarray(v)))
+        q = randn(rng, 1, chunk, 4, 8)
+        out, lse = jss.attend_with_lse(q, cache.view())
+        all_k = np.concatenate(history_k, 1).transpose(0, 2, 1, 3)
+        all_v = np.concatenate(history_v, 1).transpose(0, 2, 1, 3)
+        n = all_k.shape[2]
+        assert_close(out, lse, *reference(q, all_k, all_v, [n], np.arange(n)[None], window=window, sink=sink))
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["append", "ring"])
+def test_cascade_over_branch_lanes_equals_the_concatenation(ring):
+    rng = np.random.default_rng(2)
+    H, D, T = 2, 8, 3
+    kv = (
+        jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, window=7, sink=2, max_chunk=T)
+        if ring
+        else jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=256)
+    )
+    session = jss.Session(objects={"kv": kv})
+    prefix_k = []
+    for _ in range(6):
+        k = randn(rng, 1, T, H, D)
+        prefix_k.append(k)
+        session = session.append(kv=(jnp.asarray(k), jnp.asarray(k)))
+    lanes, chunks = 4, 3
+    rows = randn(rng, lanes, chunks, 1, T, H, D)
+    queries = randn(rng, lanes, chunks, 1, T, 2 * H, D)
+
+    def lane_rollout(lane, rows, queries):
+        outs = []
+        for c in range(chunks):
+            lane = lane.stage(kv=(rows[c], rows[c]))
+            outs.append(jss.attend_with_lse(queries[c], lane.view()["kv"]))
+        return lane, outs
+
+    _, outs = jax.jit(lambda s, r, q: s.branch(lanes, window=chunks * T).map(lane_rollout, r, q))(session, rows, queries)
+    for lane in range(lanes):
+        history = np.concatenate(prefix_k + [rows[lane, c] for c in range(chunks)], 1).transpose(0, 2, 1, 3)
+        for c in range(chunks):
+            n = (len(prefix_k) + c + 1) * T
+            ref = reference(queries[lane, c], history[:, :, :n], history[:, :, :n], [n], np.arange(n)[None],
+                            window=7 if ring else None, sink=2 if ring else 0)
+            assert_close(outs[c][0][lane], outs[c][1][lane], *ref)
+
+
+def test_merge_both_empty_is_zero_not_nan():
+    zeros, empty = jnp.zeros((1, 2, 3, 4)), jnp.full((1, 2, 3), -jnp.inf)
+    out, lse = jss.merge_attention(zeros, empty, zeros, empty)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_paged_view_equals_dense():
+    rng = np.random.default_rng(3)
+    paged = jss.PagedKVCache.allocate(max_slots=3, kv_heads=2, head_dim=8, page_size=4, num_pages=24)
+    dense = jss.KVCache.allocate(batch=3, kv_heads=2, head_dim=8, capacity=32)
+    for _ in range(3):
+        k = jnp.asarray(randn(rng, 3, 5, 2, 8))
+        counts = jnp.asarray(rng.integers(0, 6, 3), jnp.int32)
+        paged, dense = paged.append(jss.KVChunk(k, k, counts)), dense.append(jss.KVChunk(k, k, counts))
+    q = randn(rng, 3, 2, 4, 8)
+    out, lse = jss.attend_with_lse(q, paged.view())
+    view = dense.view()
+    assert_close(out, lse, *reference(q, view.k, view.v, view.lengths, view.positions))
+
+
+def test_one_compile_for_every_length():
+    traces = []
+
+    @jax.jit
+    def f(q, view):
+        traces.append(None)
+        return jss.attend(q, view)
+
+    rng = np.random.default_rng(4)
+    q = randn(rng, 2, 1, 2, 8)
+    k, v = randn(rng, 2, 2, 100, 8), randn(rng, 2, 2, 100, 8)
+    for lengths in ([0, 0], [3, 17], [100, 64], [33, 1]):
+        view = append_view(k, v, lengths)
+        assert_close(f(q, view), jss.attend_with_lse(q, view)[1], *reference(q, k, v, lengths, view.positions))
+    assert len(traces) == 1
+
+
+def test_vmap_over_views():
+    rng = np.random.default_rng(5)
+    q = randn(rng, 3, 2, 4, 4, 8)
+    k, v = randn(rng, 3, 2, 2, 40, 8), randn(rng, 3, 2, 2, 40, 8)
+    lengths = rng.integers(0, 41, (3, 2)).astype(np.int32)
+    out, lse = jax.jit(jax.vmap(lambda q, k, v, n: jss.attend_with_lse(q, append_view_jnp(k, v, n))))(q, k, v, lengths)
+    for i in range(3):
+        positions = np.where(np.arange(40) < lengths[i][:, None], np.arange(40), -1)
+        assert_close(out[i], lse[i], *reference(q[i], k[i], v[i], lengths[i], positions))
+
+
+def append_view_jnp(k, v, lengths):
+    capacity = k.shape[2]
+    iota = jnp.arange(capacity)
+    return jss.KVView(k=k, v=v, lengths=lengths, positions=jnp.where(iota < lengths[:, None], iota, -1))
+
+
+def test_bfloat16_cache_accumulates_in_float32():
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(randn(rng, 1, 16, 4, 32), jnp.bfloat16)
+    k, v = (jnp.asarray(randn(rng, 1, 2, 300, 32), jnp.bfloat16) for _ in range(2))
+    view = append_view_jnp(k, v, jnp.asarray([257], jnp.int32))
+    out, lse = jss.attend_with_lse(q, view)
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    ref, _ = reference(np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float32), [257],
+                       np.asarray(view.positions))
+    assert np.max(np.abs(np.asarray(out, np.float64) - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize(
+    "q_shape, match",
+    [
+        ((1, 4, 3, 8), r"q_heads=3 is not a multiple of the view's kv_heads=2"),
+        ((2, 4, 4, 8), "q has batch 2 but the view has batch 1"),
+        ((1, 4, 4, 16), "q has head_dim 16 but the view has head_dim 8"),
+        ((4, 4, 8), r"q must be \[batch, T, q_heads, head_dim\]"),
+    ],
+)
+def test_bad_queries_are_named(q_shape, match):
+    view = append_view_jnp(jnp.zeros((1, 2, 16, 8)), jnp.zeros((1, 2, 16, 8)), jnp.asarray([4], jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        jss.attend(jnp.ones(q_shape), view)
+
+
+def test_bad_positions_and_views_are_named():
+    view = append_view_jnp(jnp.zeros((1, 2, 16, 8)), jnp.zeros((1, 2, 16, 8)), jnp.asarray([4], jnp.int32))
+    with pytest.raises(ValueError, match=r"q_positions must have shape \[1, 4\]"):
+        jss.attend(jnp.ones((1, 4, 2, 8)), view, q_positions=jnp.zeros((4,), jnp.int32))
+    with pytest.raises(TypeError, match="got LatentView"):
+        jss.attend(jnp.ones((1, 4, 2, 8)), jss.LatentBuffer.allocate(maxlen=2, item_shape=(1,)).view())
