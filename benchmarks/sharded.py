@@ -121,6 +121,14 @@ def gib_session() -> tuple[jss.Session, jss.ShardingRules]:
     return jss.shard(jss.Session(objects={"kv": kv}, attrs={"rng": jax.random.key(2)}), rules), rules
 
 
+def session_arrays(session: jss.Session) -> dict[str, jax.Array]:
+    """Every array of a session, RNG keys as their key data: what the library saves."""
+    return {
+        str(i): jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for i, x in enumerate(jax.tree_util.tree_leaves(session))
+    }
+
+
 def measured(candidates: dict[str, tuple[Callable[[], object], Callable[[], None]]], rounds: int) -> dict[str, float]:
     """Median seconds of each ``run`` over rounds; each ``cleanup`` runs untimed after.
 
@@ -153,10 +161,9 @@ HOST_ONLY = {"save": "numpy.save of host copies", "restore": "numpy.load"}
 
 def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
     session, rules = gib_session()
-    arrays = {"k": session["kv"].k, "v": session["kv"].v}
-    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(session) if hasattr(x, "nbytes"))
+    arrays = session_arrays(session)
+    total = sum(x.nbytes for x in arrays.values())
     host = {name: np.asarray(x) for name, x in arrays.items()}  # numpy saves what is already on the host
-    sharding = arrays["k"].sharding
 
     def np_save(source: dict) -> Callable[[], None]:
         def save() -> None:
@@ -169,14 +176,14 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
         return [np.load(directory / f"{name}.npy") for name in host]
 
     def np_load_placed() -> list[jax.Array]:
-        return [jax.device_put(x, sharding) for x in np_load()]
+        return [jax.device_put(x, arrays[name].sharding) for name, x in zip(host, np_load())]
 
     def orbax(index: int, options: dict, chunk: int | None) -> tuple[Callable, Callable, Callable]:
         checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**options))
         path = directory / f"orbax-{index}"
         save_args = {name: ocp.SaveArgs(chunk_byte_size=chunk) for name in arrays}
-        target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for name, x in arrays.items()}
-        restore_args = {name: ocp.ArrayRestoreArgs(sharding=sharding) for name in arrays}
+        target = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for name, x in arrays.items()}
+        restore_args = {name: ocp.ArrayRestoreArgs(sharding=x.sharding) for name, x in arrays.items()}
         return (
             lambda: checkpointer.save(path, args=ocp.args.PyTreeSave(arrays, save_args=save_args)),
             lambda: checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)),
@@ -209,7 +216,7 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
         rounds,
     )
     restored = jss.checkpoint.restore(library, shardings=rules)
-    exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip((restored["kv"].k, restored["kv"].v), arrays.values()))
+    exact = all(np.array_equal(np.asarray(x), host[name]) for name, x in session_arrays(restored).items())
 
     rows = []
     for what, times in (("save", saves), ("restore", restores)):

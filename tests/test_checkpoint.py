@@ -3,6 +3,7 @@
 Saving on 8 devices and restoring on 4 or 1 is in tests/multidevice/test_sharded_checkpoint.py.
 """
 
+import gc
 import json
 import os
 import signal
@@ -236,7 +237,8 @@ def flip_bytes(path):
         (lambda root: flip_bytes(largest_data_file(root)), "does not match its fingerprint"),
     ],
 )
-# When one array cannot be read, Orbax leaves the reads of the others to the garbage collector.
+# When one array cannot be read, Orbax leaves the reads of the others to the garbage collector;
+# they are collected here, where their warnings are expected.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_or_foreign_checkpoint_is_refused_clearly(tmp_path, damage, match):
     big = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=4096)  # its data is the largest file
@@ -245,6 +247,7 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_clearly(tmp_path, damage, ma
     damage(tmp_path)
     with pytest.raises(jss.CheckpointError, match=match):
         checkpoint.restore(tmp_path)
+    gc.collect()
 
 
 def test_a_checkpoint_fingerprinted_on_accelerators_checks_on_cpu(tmp_path, monkeypatch):
