@@ -22,20 +22,40 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def interleaved(
-    candidates: Mapping[str, Callable[[], Any]], *, rounds: int, repeat: int | Mapping[str, int]
+    candidates: Mapping[str, Callable[[], Any]],
+    *,
+    rounds: int,
+    repeat: int | Mapping[str, int],
+    best_of: bool = False,
+    pause: float = 0.0,
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured round-robin.
 
     Args:
       candidates: name -> a callable that runs once and blocks until done.
       rounds: rounds of the round-robin; the median is over rounds.
-      repeat: calls per candidate per round (their mean is one sample), one
-        number for all or one per candidate.
+      repeat: calls per candidate per round, one number for all or one per
+        candidate; their mean is one sample.
+      best_of: take the fastest of a round's calls as its sample instead of
+        the mean, after one untimed warm-up call (on a shared machine the
+        mean mostly measures the neighbours).
+      pause: seconds to sleep before each candidate's calls, so that the
+        worker threads of the previous candidate's runtime go idle first.
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(rounds):
         for name, run in candidates.items():
             calls = repeat if isinstance(repeat, int) else repeat[name]
+            time.sleep(pause)
+            if best_of:
+                run()
+                times = []
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                samples[name].append(min(times))
+                continue
             start = time.perf_counter()
             for _ in range(calls):
                 run()

@@ -5,9 +5,12 @@ Measures, in one run:
 - a jitted ``KVCache.append`` of a 16-token chunk (8 kv-heads x 64, float32)
   at capacity 1k and 32k tokens, donated and not (bars: donated 32k / 1k
   <= 1.3; not donated / donated at 32k >= 100);
-- a 256-step ``lax.scan`` rollout (append 16 tokens + attention over the
-  valid prefix) written with the library against the same rollout written
-  by hand on raw arrays with ``lax.dynamic_update_slice`` (bar <= 1.10).
+- a 256-step ``lax.scan`` rollout (append 16 tokens + ``jss.attend``)
+  written with the library (``KVCache.append``, ``attend`` on
+  ``cache.view()``) against the same rollout on raw arrays
+  (``lax.dynamic_update_slice`` into head-major buffers, the same ``attend``
+  kernel on a ``KVView`` of them): the difference is only what the library
+  adds (bar <= 1.10).
 
 Run:  python -m benchmarks.append [--full] [--out PATH]
 """
@@ -87,44 +90,16 @@ def append_timings(*, rounds: int) -> dict[str, float]:
     }
 
 
-def _prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, block: int) -> jax.Array:
-    """Attention of q ``[1, T, H, D]`` over head-major k/v up to ``length``, blockwise.
-
-    The same function serves both rollouts, so their difference is what the
-    library adds around it.
-    """
-    T = q.shape[1]
-    q_pos = length - T + jnp.arange(T)
-    qh = q[0].transpose(1, 0, 2) * (1.0 / np.sqrt(HEAD_DIM))  # [H, T, D]
-
-    def body(i, carry):
-        out, m, s = carry
-        kb = jax.lax.dynamic_slice_in_dim(k[0], i * block, block, axis=1)
-        vb = jax.lax.dynamic_slice_in_dim(v[0], i * block, block, axis=1)
-        scores = jnp.einsum("htd,hkd->htk", qh, kb)
-        pos = i * block + jnp.arange(block)
-        scores = jnp.where(pos[None, None, :] <= q_pos[None, :, None], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(-1))
-        p = jnp.exp(scores - m_new[..., None])
-        scale = jnp.exp(m - m_new)
-        return out * scale[..., None] + jnp.einsum("htk,hkd->htd", p, vb), m_new, s * scale + p.sum(-1)
-
-    init = (jnp.zeros((HEADS, T, HEAD_DIM)), jnp.full((HEADS, T), -jnp.inf), jnp.zeros((HEADS, T)))
-    out, _, s = jax.lax.fori_loop(0, (length + block - 1) // block, body, init)
-    return (out / s[..., None]).transpose(1, 0, 2)[None]
-
-
 def rollout_timings(steps: int, *, rounds: int) -> dict[str, float]:
-    """Seconds per whole rollout: the library against raw arrays, same attention."""
-    capacity, block = steps * CHUNK, 256
+    """Seconds per whole rollout: the library against raw arrays, the same attention kernel."""
+    capacity = steps * CHUNK
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.normal(size=(steps, 1, CHUNK, HEADS, HEAD_DIM)), jnp.float32)
 
     def library(cache: jss.KVCache, xs: jax.Array):
         def step(cache, x):
             cache = cache.append(jss.KVChunk(x, x))
-            view = cache.view()
-            return cache, _prefix_attention(x, view.k, view.v, view.lengths[0], block).sum()
+            return cache, jss.attend(x, cache.view()).sum()
 
         return jax.lax.scan(step, cache, xs)
 
@@ -135,7 +110,8 @@ def rollout_timings(steps: int, *, rounds: int) -> dict[str, float]:
             k = jax.lax.dynamic_update_slice(k, rows, (0, 0, length, 0))
             v = jax.lax.dynamic_update_slice(v, rows, (0, 0, length, 0))
             length = length + CHUNK
-            return (k, v, length), _prefix_attention(x, k, v, length, block).sum()
+            view = jss.KVView(k=k, v=v, lengths=length[None], positions=None)  # append mode reads no positions
+            return (k, v, length), jss.attend(x, view).sum()
 
         return jax.lax.scan(step, carry, xs)
 

@@ -1,6 +1,6 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, checkpoint, errors, sharding
+from jax_session_state import accounting, checkpoint, errors, offload, planner, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
@@ -16,6 +16,7 @@ from jax_session_state.errors import (
     SessionStateError,
     SessionStateLostError,
 )
+from jax_session_state.manager import Held, ManagerEvent, SessionStateManager
 from jax_session_state.objects import (
     BranchKVView,
     EncodeOnceKV,
@@ -31,6 +32,7 @@ from jax_session_state.objects import (
     RetrievalView,
     Retrieved,
 )
+from jax_session_state.offload import Parked
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard
 from jax_session_state.summary import Summary, summary
@@ -45,16 +47,19 @@ __all__ = [
     "CheckpointError",
     "EncodeOnceKV",
     "FixedState",
+    "Held",
     "KVCache",
     "KVChunk",
     "KVView",
     "Lane",
     "LatentBuffer",
     "LatentView",
+    "ManagerEvent",
     "NotEvictableError",
     "NotResidentError",
     "PagedKVCache",
     "PagedView",
+    "Parked",
     "RecomputeGraphError",
     "RetrievalStore",
     "RetrievalView",
@@ -64,6 +69,7 @@ __all__ = [
     "SessionAdmissionError",
     "SessionStateError",
     "SessionStateLostError",
+    "SessionStateManager",
     "ShardingRules",
     "StateObject",
     "Summary",
@@ -77,6 +83,8 @@ __all__ = [
     "errors",
     "is_state_object",
     "merge_attention",
+    "offload",
+    "planner",
     "shard",
     "sharding",
     "summary",

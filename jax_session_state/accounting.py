@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,10 +36,13 @@ import numpy as np
 __all__ = [
     "HOST",
     "SeenStorages",
+    "Storage",
     "add_bytes",
     "device_key",
     "device_bytes",
+    "storages",
     "tree_bytes_by_device",
+    "tree_storages",
 ]
 
 HOST = "host"
@@ -79,6 +83,7 @@ def _platform_name(device: jax.Device) -> str:
     return device.platform
 
 
+@functools.cache  # devices live as long as the process: a few keys, asked per buffer
 def device_key(device: jax.Device, memory_kind: str | None = None) -> str:
     """The device key of ``device``'s ``memory_kind`` memory.
 
@@ -107,6 +112,51 @@ def add_bytes(total: dict[str, int], more: Mapping[str, int]) -> dict[str, int]:
     return total
 
 
+Storage = tuple[str, int, int]
+"""One buffer: ``(device key, buffer pointer, bytes)``."""
+
+
+def storages(x: Any) -> list[Storage]:
+    """The buffers ``x`` holds, one per addressable shard.
+
+    Args:
+      x: a :class:`jax.Array` (one storage per addressable shard, on its
+        device and memory kind), a :class:`numpy.ndarray` (under ``"host"``),
+        or anything else (no storage).
+
+    Returns:
+      ``(device key, pointer, bytes)`` per buffer; none for a deleted (donated)
+      array.
+
+    Raises:
+      TypeError: ``x`` is a tracer (inside ``jit`` there is no storage).
+    """
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            "byte accounting counts the storage of concrete arrays; it got a traced "
+            "value. Count bytes outside jit, on the step's inputs or outputs."
+        )
+    if isinstance(x, jax.Array):
+        if x.is_deleted():  # donated away: it holds nothing any more
+            return []
+        memory_kind = getattr(x.sharding, "memory_kind", None)
+        if len(x.sharding.device_set) == 1:  # one buffer: no shard objects to build
+            (device,) = x.sharding.device_set
+            return [(device_key(device, memory_kind), x.unsafe_buffer_pointer(), x.nbytes)]
+        return [
+            (device_key(shard.device, memory_kind), shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
+            for shard in x.addressable_shards
+        ]
+    if isinstance(x, np.ndarray):
+        return [(HOST, x.__array_interface__["data"][0], x.nbytes)]
+    return []
+
+
+def tree_storages(tree: Any) -> list[Storage]:
+    """:func:`storages` of every leaf of a pytree, in leaf order (repeats kept)."""
+    return [storage for leaf in jax.tree_util.tree_leaves(tree) for storage in storages(leaf)]
+
+
 def device_bytes(x: Any, seen: SeenStorages | None = None) -> dict[str, int]:
     """Bytes of storage ``x`` holds, by device key, skipping storages in ``seen``.
 
@@ -125,23 +175,10 @@ def device_bytes(x: Any, seen: SeenStorages | None = None) -> dict[str, int]:
     """
     if seen is None:
         seen = SeenStorages()
-    if isinstance(x, jax.core.Tracer):
-        raise TypeError(
-            "device_bytes() counts storage of concrete arrays; it got a traced "
-            "value. Count bytes outside jit, on the step's inputs or outputs."
-        )
     out: dict[str, int] = {}
-    if isinstance(x, jax.Array):
-        if x.is_deleted():  # donated away: it holds nothing any more
-            return out
-        memory_kind = getattr(x.sharding, "memory_kind", None)
-        for shard in x.addressable_shards:
-            key = device_key(shard.device, memory_kind)
-            if seen.add(key, shard.data.unsafe_buffer_pointer()):
-                out[key] = out.get(key, 0) + shard.data.nbytes
-    elif isinstance(x, np.ndarray):
-        if seen.add(HOST, x.__array_interface__["data"][0]):
-            out[HOST] = x.nbytes
+    for key, pointer, nbytes in storages(x):
+        if seen.add(key, pointer):
+            out[key] = out.get(key, 0) + nbytes
     return out
 
 

@@ -28,11 +28,33 @@ returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity (measured: 263 ms at 32k capacity against
 3.3 ms here for 1k valid tokens).
 
-Measured on XLA:CPU (notes for whoever tunes this next): XLA copies every
-K/V block out of the cache before a dot, and a bare slice copy compiles to
-scalar code; fusing a multiply into the copy vectorises it, so the softmax
-scale is applied to the K block and V is multiplied by a run-time 1.0 hidden
-behind ``optimization_barrier``.  64-key blocks beat 128-2048 at every length.
+Measured on XLA:CPU (notes for whoever tunes this next;
+``benchmarks/attention.py`` prints where a step's time goes): XLA copies
+every K/V block out of the cache before a dot, and a bare slice copy
+compiles to scalar code; fusing a multiply into the copy vectorises it, so
+the softmax scale is applied to the K block and V is multiplied by a
+run-time 1.0 hidden behind ``optimization_barrier``.  XLA runs the loop on
+one core (process CPU time = wall time) while PyTorch uses two threads; per
+64-key block the K/V copies (half of a T=1 step), about a dozen small
+fusions (mask, max, exp, sums, rescale) and the loop itself cost more than
+the two dots.  At T=1 and 4k tokens a step takes about 1.7x PyTorch's
+one-thread time and 2.5x its two-thread time.
+
+Tried and not kept (A/B in one run, jax 0.10, 4k tokens, T=1 and 16):
+32/128/256/512-key blocks (on jax 0.11 128 won at T=16, lost at T=1),
+``K @ q`` for T=1, the softmax sum taken by the P@V dot through a column of
+ones, K and V read in one slice of a stacked buffer, K stored or copied
+transposed, two independent chains of blocks, the heads split over two
+loops, the body unrolled 2x/4x by hand (``fori_loop`` cannot unroll a
+run-time trip count), larger blocks for the many-row prefix of branch
+lanes, XLA's YNNPACK fusions turned off, and reductions in place of dots
+(10x slower): each was within noise or slower.  Under ``vmap`` over lanes
+the online-softmax state is lane-major while the dots are head-major, so
+XLA adds about four transposing copies of the state per block; a batching
+rule folding lanes into query rows would avoid them, but
+``jax.custom_batching.custom_vmap`` cannot be differentiated, so it is not
+used.  ``KVView.positions`` (whole capacity) is never computed in append
+mode: nothing reads it and XLA drops it (a test checks the compiled step).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -50,7 +72,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import Array, lax
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import StateObject
+from jax_session_state.manager import Held, SessionStateManager
 from jax_session_state.session import Session
 
 __all__ = ["Summary", "summary"]
@@ -130,19 +131,45 @@ def session_rows(session: Session, seen: SeenStorages, extra: Mapping[str, Any] 
     """A row per object of ``session`` (sorted by name) and one for its attrs, each with ``extra``."""
     extra = extra or {}
     rows = [{**extra, **object_row(name, session[name], seen)} for name in sorted(session.objects)]
-    if session.attrs:
-        attrs_bytes = tree_bytes_by_device(session.attrs, seen)
-        rows.append({**extra, "name": "attrs", "kind": "attrs", "shapes": ", ".join(sorted(session.attrs)), **attrs_bytes})
-    return rows
+    return rows + _attrs_rows(session, seen, extra)
 
 
-def summary(tree: StateObject | Session | Mapping[Any, Any]) -> Summary:
+def _attrs_rows(session: Session, seen: SeenStorages, extra: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if not session.attrs:
+        return []
+    attrs_bytes = tree_bytes_by_device(session.attrs, seen)
+    shapes = ", ".join(sorted(session.attrs))
+    return [{**extra, "name": "attrs", "kind": "attrs", "shapes": shapes, **attrs_bytes}]
+
+
+def held_rows(session_id: Any, held: Held, seen: SeenStorages) -> list[dict[str, Any]]:
+    """A row per object of a session a manager holds, saying how it is held, and one for its attrs."""
+    extra = {"session": session_id}
+    if held.donated:  # a step in progress donated its arrays: there is nothing to read
+        return [{**extra, "held": "in use (donated)", "name": name, "kind": type(obj).__name__}
+                for name, obj in sorted(held.session.objects.items())]
+    rows = []
+    for name in sorted(held.session.objects):
+        if name in held.parked:
+            row = object_row(name, held.parked[name].obj, seen)
+            state = "parked"
+        else:
+            row = object_row(name, held.session[name], seen)
+            state = "dropped" if name in held.dropped else "resident"
+        rows.append({**extra, "held": state, **row})
+    return rows + _attrs_rows(held.session, seen, extra)
+
+
+def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any]) -> Summary:
     """A table of every object in ``tree``.
 
     Args:
-      tree: a state object, a :class:`Session`, or a mapping of names / session
-        ids to either (e.g. a manager's sessions).  Bytes are de-duplicated
-        across everything shown.
+      tree: a state object, a :class:`Session`, a
+        :class:`~jax_session_state.SessionStateManager` (every session it
+        holds, least recently used first, with a ``held`` column: resident,
+        parked or dropped; nothing is brought back), or a mapping of names /
+        session ids to sessions or objects.  Bytes are de-duplicated across
+        everything shown.
 
     Returns:
       A :class:`Summary`: ``print()`` it as plain text, give it to rich, or
@@ -155,6 +182,9 @@ def summary(tree: StateObject | Session | Mapping[Any, Any]) -> Summary:
     elif isinstance(tree, Session):
         rows = session_rows(tree, seen)
         columns = list(_FIXED_COLUMNS)
+    elif isinstance(tree, SessionStateManager):
+        rows = [row for session_id, held in tree.held().items() for row in held_rows(session_id, held, seen)]
+        columns = ["session", "held", *_FIXED_COLUMNS]
     elif isinstance(tree, Mapping):
         rows = []
         for key, item in tree.items():
@@ -166,6 +196,9 @@ def summary(tree: StateObject | Session | Mapping[Any, Any]) -> Summary:
                 raise TypeError(f"summary() shows sessions and state objects; {key!r} is a {type(item).__name__}.")
         columns = (["session"] if any("session" in r for r in rows) else []) + list(_FIXED_COLUMNS)
     else:
-        raise TypeError(f"summary() takes a state object, a Session or a mapping of them; got {type(tree).__name__}.")
+        raise TypeError(
+            f"summary() takes a state object, a Session, a SessionStateManager or a mapping of them; "
+            f"got {type(tree).__name__}."
+        )
     device_keys = sorted({key for row in rows for key in row if ":" in key or key == "host"})
     return Summary(rows, columns + device_keys)

@@ -6,6 +6,7 @@ reference), at most 1e-5 in float32; ``lse`` the same on finite entries and
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -279,3 +280,36 @@ def test_bad_positions_and_views_are_named():
         jss.attend(jnp.ones((1, 4, 2, 8)), view, q_positions=jnp.zeros((4,), jnp.int32))
     with pytest.raises(TypeError, match="got LatentView"):
         jss.attend(jnp.ones((1, 4, 2, 8)), jss.LatentBuffer.allocate(maxlen=2, item_shape=(1,)).view())
+
+
+def test_append_step_does_no_work_over_the_whole_capacity():
+    """The view's positions ([batch, capacity]) are not read in append mode: XLA drops them from a step."""
+    capacity = 4093  # a size no other array of the step has
+
+    def step(cache, q, rows):
+        cache = cache.append((rows, rows))
+        return cache, jss.attend(q, cache.view())
+
+    cache = jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=8, capacity=capacity)
+    rows, q = jnp.ones((2, 3, 2, 8)), jnp.ones((2, 3, 4, 8))
+    hlo = jax.jit(step, donate_argnums=0).lower(cache, q, rows).compile().as_text()
+    assert not re.search(rf"(s32|pred)\[2,{capacity}\]", hlo)
+
+
+def test_branch_lanes_read_the_prefix_once():
+    """Under vmap over lanes, every read of the shared prefix is one unbatched block (no per-lane gather)."""
+    lanes, capacity = 5, 203
+    session = jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=capacity)})
+    session = session.append(kv=(jnp.ones((1, 100, 2, 8)), jnp.ones((1, 100, 2, 8))))
+
+    def lane_step(lane, q):
+        lane = lane.stage(kv=(q[:, :, :2], q[:, :, :2]))
+        return lane, jss.attend(q, lane.view()["kv"])
+
+    step = jax.jit(lambda branches, q: branches.map(lane_step, q))
+    q = jnp.asarray(randn(np.random.default_rng(7), lanes, 1, 3, 4, 8))
+    hlo = step.lower(session.branch(lanes, window=6), q).compile().as_text()
+    shapes = dict(re.findall(r"(%[\w.-]+) = (\S+?)\{", hlo))
+    reads = [(op, shape) for shape, op, operand in re.findall(r"= (\S+?)\{\S* (dynamic-slice|gather)\((%[\w.-]+)", hlo)
+             if shapes.get(operand) == f"f32[1,2,{capacity},8]"]
+    assert reads and all(op == "dynamic-slice" and re.fullmatch(r"f32\[1,2,\d+,8\]", s) for op, s in reads), reads

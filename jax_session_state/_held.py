@@ -1,0 +1,214 @@
+"""What the session manager holds: one record per session, and an exact byte ledger.
+
+A session's byte figures are taken once, when it is put, created or restored
+(enumerating its buffers), and cached here: a lookup then does no accounting,
+and the planner reads cached figures.  The ledger counts references to every
+buffer (device key, pointer, bytes), so a buffer shared by two sessions counts
+once in the running totals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Literal
+
+from jax_session_state.accounting import Storage, tree_storages
+from jax_session_state.base import StateObject
+from jax_session_state.offload import Parked, Placement
+from jax_session_state.planner import ObjectUsage, SessionUsage
+from jax_session_state.session import Session
+
+HeldState = Literal["resident", "parked", "dropped", "absent"]
+
+
+def distinct_bytes(storages: Iterable[Storage]) -> dict[str, int]:
+    """Bytes by device key, each buffer once."""
+    out: dict[str, int] = {}
+    for key, _, nbytes in set(storages):
+        out[key] = out.get(key, 0) + nbytes
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """A registered rebuild: ``fn(session) -> StateObject`` and its cost (None: the object's own)."""
+
+    fn: Callable[[Session], StateObject]
+    cost: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectRecord:
+    """How the manager holds one object.
+
+    Attributes:
+      state: ``resident``; ``parked`` (its arrays in host memory, ``parked``);
+        ``dropped`` (evicted by the manager, to be rebuilt onto
+        ``placement``); ``absent`` (non-resident when it was put: left alone).
+      storages: the buffers held for it now (parked: the host copies).
+      home_bytes: its bytes by device key when resident where it belongs.
+      parked: the parked object, when parked.
+      placement: where a dropped object's arrays go when it is rebuilt.
+    """
+
+    state: HeldState
+    storages: tuple[Storage, ...]
+    home_bytes: Mapping[str, int]
+    parked: Parked | None = None
+    placement: Placement | None = None
+
+    @classmethod
+    def of(cls, obj: StateObject) -> ObjectRecord:
+        storages = tuple(tree_storages(obj))
+        return cls("resident" if obj.resident else "absent", storages, distinct_bytes(storages))
+
+    def dropped(self, placement: Placement) -> ObjectRecord:
+        """The record once dropped from ``placement``."""
+        return ObjectRecord("dropped", (), self.home_bytes, placement=placement)
+
+    def parked_as(self, parked: Parked) -> ObjectRecord:
+        """The record once parked as ``parked``."""
+        return ObjectRecord("parked", tuple(tree_storages(parked.obj)), self.home_bytes, parked=parked)
+
+    def usage(
+        self, name: str, obj: StateObject, rebuild: Rebuild | None, *, as_resident: bool = False
+    ) -> ObjectUsage:
+        """The planner's figures of this object (``as_resident``: as if restored)."""
+        rebuildable = rebuild is not None and bool(obj.recompute_source) and obj.evictable
+        cost = rebuild.cost if rebuild is not None and rebuild.cost is not None else obj.recompute_cost
+        if self.state == "absent":
+            state, nbytes = "dropped", {}
+        elif as_resident or self.state == "resident":
+            state, nbytes = "resident", self.home_bytes
+        else:
+            state = self.state
+            nbytes = distinct_bytes(self.storages) if self.state == "parked" else self.home_bytes
+        return ObjectUsage(
+            name,
+            nbytes,
+            state=state,
+            sources=obj.recompute_source,
+            recompute_cost=cost,
+            rebuildable=rebuildable,
+        )
+
+
+class Entry:
+    """One held session: its objects (parked and dropped ones non-resident), records, pins and use."""
+
+    __slots__ = (
+        "session",
+        "records",
+        "attrs_storages",
+        "attrs_bytes",
+        "whole",
+        "pins",
+        "busy",
+        "origin",
+        "_usage",
+    )
+
+    def __init__(self, session: Session, records: dict[str, ObjectRecord]):
+        self.session = session
+        self.records = records
+        self.attrs_storages = tuple(tree_storages(session.attrs))
+        self.attrs_bytes = distinct_bytes(self.attrs_storages)
+        self.whole = all(record.state in ("resident", "absent") for record in records.values())
+        self.pins = 0  # open pin() contexts
+        self.busy: int | None = None  # the thread running update() on it
+        self.origin = object()  # which create() this entry descends from
+        self._usage: tuple[int, tuple[ObjectUsage, ...]] | None = None
+
+    @classmethod
+    def of(cls, session: Session) -> Entry:
+        return cls(session, {name: ObjectRecord.of(obj) for name, obj in session.objects.items()})
+
+    def with_object(self, name: str, obj: StateObject, record: ObjectRecord) -> Entry:
+        """A new entry with object ``name`` and its record replaced; pins and update hold carried over."""
+        session = self.session.with_objects(**{name: obj})
+        return Entry(session, {**self.records, name: record}).carrying(self)
+
+    def carrying(self, old: Entry) -> Entry:
+        """This entry, taking over ``old``'s pins, update hold and origin (it replaces ``old``)."""
+        self.pins, self.busy, self.origin = old.pins, old.busy, old.origin
+        return self
+
+    @property
+    def ready(self) -> bool:
+        """Whether a lookup may hand the session out at once: whole, and not in an update()."""
+        return self.whole and self.busy is None
+
+    def storages(self) -> Iterator[Storage]:
+        """Every buffer held for this session (repeats kept)."""
+        for record in self.records.values():
+            yield from record.storages
+        yield from self.attrs_storages
+
+    def names(self, state: HeldState) -> list[str]:
+        return [name for name, record in self.records.items() if record.state == state]
+
+    def usage(
+        self,
+        session_id: Hashable,
+        last_used: int,
+        pinned: bool,
+        rebuilds: Mapping[str, Rebuild],
+        version: int,
+    ) -> SessionUsage:
+        """The planner's figures of this session; object figures cached per rebuild registry ``version``."""
+        if self._usage is None or self._usage[0] != version:
+            self._usage = (version, self._object_usage(rebuilds, as_resident=False))
+        return SessionUsage(session_id, self._usage[1], last_used, pinned, self.attrs_bytes)
+
+    def restored_usage(
+        self, session_id: Hashable, last_used: int, rebuilds: Mapping[str, Rebuild]
+    ) -> SessionUsage:
+        """The planner's figures of this session once its parked and dropped objects are back."""
+        objects = self._object_usage(rebuilds, as_resident=True)
+        return SessionUsage(session_id, objects, last_used, True, self.attrs_bytes)
+
+    def _object_usage(self, rebuilds: Mapping[str, Rebuild], as_resident: bool) -> tuple[ObjectUsage, ...]:
+        return tuple(
+            record.usage(name, self.session.objects[name], rebuilds.get(name), as_resident=as_resident)
+            for name, record in self.records.items()
+        )
+
+
+class Ledger:
+    """Reference counts of every buffer held, and exact running totals by device key."""
+
+    def __init__(self) -> None:
+        self.refs: dict[Storage, int] = {}
+        self.totals: dict[str, int] = {}
+
+    def delta(self, removed: Iterable[Storage], added: Iterable[Storage]) -> dict[str, int]:
+        """How the totals would change if ``removed`` were released and ``added`` taken."""
+        change = collections.Counter(added)
+        change.subtract(removed)
+        out: dict[str, int] = {}
+        for storage, diff in change.items():
+            before = self.refs.get(storage, 0)
+            if diff and (before > 0) != (before + diff > 0):
+                key, _, nbytes = storage
+                out[key] = out.get(key, 0) + (nbytes if diff > 0 else -nbytes)
+        return out
+
+    def apply(self, removed: Iterable[Storage], added: Iterable[Storage]) -> None:
+        """Releases ``removed`` and takes ``added``."""
+        removed, added = list(removed), list(added)
+        for key, nbytes in self.delta(removed, added).items():
+            total = self.totals.get(key, 0) + nbytes
+            if total:
+                self.totals[key] = total
+            else:
+                self.totals.pop(key, None)
+        for storage in added:
+            self.refs[storage] = self.refs.get(storage, 0) + 1
+        for storage in removed:
+            count = self.refs[storage] - 1
+            if count:
+                self.refs[storage] = count
+            else:
+                del self.refs[storage]

@@ -1,0 +1,180 @@
+"""The planner's exact search for drops and parks that fit every budget.
+
+Used when the planner's greedy, rule-ordered pass falls short: greedy choices
+can block each other (dropping a dependent pins its source, parking a large
+object can leave no host room for the two that would have fitted).  Each
+session contributes its Pareto-optimal drop/park options; a depth-first
+search with a lower bound on what the remaining sessions can still free picks
+one option per session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+
+class Candidates(NamedTuple):
+    """A session's objects a drop or park of which frees an over-budget key.
+
+    Attributes:
+      index: the session's position among the planner's actors.
+      drops: droppable objects (``ObjectUsage``).
+      parks: ``(object, moved bytes by device key)`` of parkable objects.
+    """
+
+    index: int
+    drops: list[Any]
+    parks: list[tuple[Any, dict[str, int]]]
+
+
+class Option(NamedTuple):
+    """One way a session can take part in a plan without preemption."""
+
+    delta: tuple[int, ...]  # usage change per constrained key
+    room: int  # bytes moved into parked storage
+    drops: frozenset[str]
+    parks: frozenset[str]
+
+
+def _may_fit(start: Any, candidates: Iterable[Candidates]) -> bool:
+    """Cheap necessary condition for drops and parks to fit, ignoring conflicts."""
+    drop_free = dict.fromkeys(start.over, 0)
+    park_free = dict.fromkeys(start.over, 0)
+    for _, drops, parks in candidates:
+        for obj in drops:
+            for key, count in obj.bytes_by_device.items():
+                if key in drop_free:
+                    drop_free[key] += count
+        for _, moved in parks:
+            for key, count in moved.items():
+                if key in park_free:
+                    park_free[key] += count
+    missing = {k: start.usage[k] - start.budgets[k] - drop_free[k] for k in start.over}
+    return (
+        all(m <= park_free[k] for k, m in missing.items())
+        and sum(max(m, 0) for m in missing.values()) <= start.room_left
+    )
+
+
+def _session_menu(
+    candidates: Candidates,
+    column: Mapping[str, int],
+    room_left: float,
+    destination: Callable[[str], str | None],
+    limit: int,
+) -> list[Option] | None:
+    """Pareto-optimal drop/park options of one session; None if over ``limit``."""
+    width = len(column)
+    menu = [Option((0,) * width, 0, frozenset(), frozenset())]
+    droppable = {obj.name: obj for obj in candidates.drops}
+    parkable = {obj.name: moved for obj, moved in candidates.parks}
+    objects = {obj.name: obj for obj, _ in candidates.parks} | droppable
+    for name in sorted(objects):
+        obj = objects[name]
+        drop_delta = [0] * width
+        for key, count in obj.bytes_by_device.items():
+            if key in column:
+                drop_delta[column[key]] -= count
+        park_delta = [0] * width
+        for key, count in parkable.get(name, {}).items():
+            for k, sign in ((key, -1), (destination(key), 1)):
+                if k in column:
+                    park_delta[column[k]] += sign * count
+        park_room = sum(parkable.get(name, {}).values())
+        grown = []
+        for option in menu:
+            grown.append(option)
+            if (
+                name in droppable
+                and option.drops.isdisjoint(obj.sources)
+                and not any(name in droppable[d].sources for d in option.drops)
+            ):
+                delta = tuple(map(sum, zip(option.delta, drop_delta)))
+                grown.append(Option(delta, option.room, option.drops | {name}, option.parks))
+            if name in parkable and option.room + park_room <= room_left:
+                delta = tuple(map(sum, zip(option.delta, park_delta)))
+                grown.append(Option(delta, option.room + park_room, option.drops, option.parks | {name}))
+        if len(grown) > limit:
+            return None
+        menu = grown
+    front: list[Option] = []
+    for option in sorted(menu, key=lambda o: (sum(o.delta), o.room)):
+        if not any(
+            f.room <= option.room and all(a <= b for a, b in zip(f.delta, option.delta)) for f in front
+        ):
+            front.append(option)
+    return front
+
+
+def search(
+    start: Any,
+    candidates: Callable[[], Iterable[Candidates]],
+    destination: Callable[[str], str | None],
+    limit: int,
+) -> tuple[dict[int, Option] | None, bool]:
+    """Exact search for drops and parks (no preemption) that fit every budget.
+
+    Args:
+      start: the planner's ledger before any action (``usage``, ``budgets``,
+        ``over``, ``room_left``).
+      candidates: yields each actor's candidates (parks only where parking is
+        on); called twice, so that the cheap bound is streamed and only a
+        search that may succeed keeps them all.
+      destination: where parked bytes of a device key go.
+      limit: options per session and backtracking steps before giving up.
+
+    Returns:
+      ``(option by actor index, exhaustive)``; the selection is None when
+      nothing fits, or when ``limit`` was exceeded (then exhaustive is False).
+    """
+    if not _may_fit(start, candidates()):
+        return None, True
+    kept = [c for c in candidates() if c.drops or c.parks]
+    destinations = {destination(k) for c in kept for _, moved in c.parks for k in moved}
+    keys = sorted(start.over | (destinations & start.budgets.keys()))
+    column = {key: j for j, key in enumerate(keys)}
+    slack = [start.budgets[k] - start.usage.get(k, 0) for k in keys]
+    indices, menus = [], []
+    for session_candidates in kept:
+        menu = _session_menu(session_candidates, column, start.room_left, destination, limit)
+        if menu is None:
+            return None, False
+        indices.append(session_candidates.index)
+        menus.append(menu)
+    best_rest = [[0] * len(keys)]  # reversed below: best_rest[i] bounds what menus[i:] can free
+    for menu in reversed(menus):
+        best_rest.append([r + min(o.delta[j] for o in menu) for j, r in enumerate(best_rest[-1])])
+    best_rest.reverse()
+    usage_change, room, chosen, backtracks = [0] * len(keys), 0, [], 0
+
+    def take(option: Option, sign: int) -> None:
+        nonlocal room
+        room += sign * option.room
+        for j, d in enumerate(option.delta):
+            usage_change[j] += sign * d
+
+    while True:
+        depth = len(chosen)
+        if room <= start.room_left:
+            if all(c <= s for c, s in zip(usage_change, slack)):
+                return {indices[d]: menus[d][i] for d, i in enumerate(chosen)}, True
+            if depth < len(menus) and all(
+                c + r <= s for c, r, s in zip(usage_change, best_rest[depth], slack)
+            ):
+                chosen.append(0)
+                take(menus[depth][0], 1)
+                continue
+        while True:  # backtrack to the deepest session with an untried option
+            if not chosen:
+                return None, True
+            depth = len(chosen) - 1
+            tried = chosen.pop()
+            take(menus[depth][tried], -1)
+            backtracks += 1
+            if backtracks > limit:
+                return None, False
+            if tried + 1 < len(menus[depth]):
+                chosen.append(tried + 1)
+                take(menus[depth][tried + 1], 1)
+                break

@@ -1,0 +1,152 @@
+"""Park a state object's storage in a host memory kind, and bring it back.
+
+:func:`park` copies every array of an object to a host memory kind of the
+same devices (``jax.device_put`` with the array's sharding carrying
+``memory_kind="pinned_host"``), so the accounting moves its bytes from
+``"cpu:0"`` to ``"cpu:0/pinned_host"`` (``"cuda:0"`` to
+``"cuda:0/pinned_host"``).  :func:`restore` puts them back on their original
+shardings — same devices, same memory kind, bit for bit — so a jitted step
+sees exactly what it saw before and does not retrace.
+
+A :class:`Parked` is deliberately not a pytree: a jitted step cannot take it
+by accident (``jit`` rejects it), it must be restored first.
+
+Example:
+  >>> import jax_session_state as jss
+  >>> from jax_session_state import offload
+  >>> carry = jss.FixedState.allocate(shapes=(2, 8))
+  >>> carry.nbytes_by_device()
+  {'cpu:0': 129}
+  >>> parked = offload.park(carry)
+  >>> parked.nbytes_by_device()
+  {'cpu:0/pinned_host': 129}
+  >>> offload.restore(parked).nbytes_by_device()
+  {'cpu:0': 129}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generic, TypeVar
+
+import jax
+
+from jax_session_state.accounting import SeenStorages
+from jax_session_state.base import StateObject
+from jax_session_state.errors import NotResidentError
+
+__all__ = ["Parked", "Placement", "is_donated", "park", "restore"]
+
+T = TypeVar("T", bound=StateObject)
+
+
+def is_donated(tree: Any) -> bool:
+    """Whether any array of ``tree`` was deleted (donated to a jitted step, or deleted by hand)."""
+    return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each array of an object lives: its pytree structure and each leaf's sharding.
+
+    Attributes:
+      treedef: the object's pytree structure (its static spec included).
+      shardings: one :class:`jax.sharding.Sharding` per leaf; None for leaves
+        that are not jax arrays (they are left as they are).
+    """
+
+    treedef: jax.tree_util.PyTreeDef
+    shardings: tuple[jax.sharding.Sharding | None, ...]
+
+    @classmethod
+    def of(cls, obj: Any) -> Placement:
+        """The placement of ``obj``'s arrays now."""
+        leaves, treedef = jax.tree_util.tree_flatten(obj)
+        return cls(treedef, tuple(leaf.sharding if isinstance(leaf, jax.Array) else None for leaf in leaves))
+
+    def apply(self, obj: T) -> T:
+        """``obj`` with every array put on its sharding here (a no-op where it is there already).
+
+        Raises:
+          ValueError: ``obj`` has another structure or spec than the object
+            this placement was taken from.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(obj)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"cannot place {_name(obj)} where an object of another structure was: expected "
+                f"{self.treedef}, got {treedef}. Rebuild it with the same spec as the original."
+            )
+        placed = [leaf if s is None else jax.device_put(leaf, s) for leaf, s in zip(leaves, self.shardings)]
+        return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parked(Generic[T]):
+    """A state object whose arrays sit in a host memory kind, and where they came from.
+
+    Not a pytree, so no jitted step takes it by accident: :func:`restore` it.
+
+    Attributes:
+      obj: the object, its arrays in ``memory_kind`` of their devices.
+      placement: where its arrays were before parking.
+      memory_kind: the host memory kind holding them.
+    """
+
+    obj: T
+    placement: Placement
+    memory_kind: str
+
+    def nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
+        """Bytes held in host memory, by device key (``"cpu:0/pinned_host"``)."""
+        return self.obj.nbytes_by_device(seen)
+
+
+def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
+    """Copies ``obj``'s arrays to ``memory_kind`` of their devices; waits until the copy is done.
+
+    Args:
+      obj: a resident state object whose arrays are alive.
+      memory_kind: a memory kind every device of the object has (see
+        ``device.addressable_memories()``).
+
+    Returns:
+      The :class:`Parked` object.  ``obj`` itself is untouched: its device
+      memory is released when the last reference to it goes.
+
+    Raises:
+      NotResidentError: ``obj`` holds no storage.
+      RuntimeError: some array of ``obj`` was deleted (donated); park the
+        step's output instead.
+      ValueError: a device of ``obj`` has no ``memory_kind`` memory.
+    """
+    if not obj.resident:
+        raise NotResidentError(f"park() of {_name(obj)}, which is not resident: there is nothing to park.")
+    if is_donated(obj):
+        raise RuntimeError(
+            f"park() of {_name(obj)}, whose arrays were deleted (donated to a jitted step). "
+            "Park the step's output instead."
+        )
+    placement = Placement.of(obj)
+    for sharding in placement.shardings:
+        for device in sharding.device_set if sharding is not None else ():
+            kinds = [memory.kind for memory in device.addressable_memories()]
+            if memory_kind not in kinds:
+                raise ValueError(
+                    f"park() of {_name(obj)}: device {device} has no {memory_kind!r} memory; "
+                    f"it has {kinds}. Pass one of those."
+                )
+    parked = placement.treedef.unflatten(
+        leaf if s is None else jax.device_put(leaf, s.with_memory_kind(memory_kind))
+        for leaf, s in zip(jax.tree_util.tree_leaves(obj), placement.shardings)
+    )
+    return Parked(jax.block_until_ready(parked), placement, memory_kind)
+
+
+def restore(parked: Parked[T]) -> T:
+    """The parked object back on its original shardings (devices and memory kind), bit for bit."""
+    return parked.placement.apply(parked.obj)
+
+
+def _name(obj: Any) -> str:
+    return obj.describe() if isinstance(obj, StateObject) else type(obj).__name__

@@ -1,0 +1,514 @@
+"""The byte-budget planner: from per-session byte figures to an ordered plan of actions.
+
+A pure function over byte figures: no arrays, locks, clocks or I/O.  The
+session manager hands it a snapshot of every session and either applies the
+returned :class:`Plan` (drops, parks, preemptions, in order) or raises
+:class:`~jax_session_state.errors.BudgetExceededError` from the returned
+:class:`Refusal`.
+
+Example:
+  >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+  >>> kv = ObjectUsage("kv", {"cuda:0": 600})
+  >>> cond = ObjectUsage("cond", {"cuda:0": 300}, sources=("prompt",), rebuildable=True)
+  >>> prompt = ObjectUsage("prompt", {"cuda:0": 100})
+  >>> result = plan([SessionUsage("s", (kv, cond, prompt), last_used=0)],
+  ...               budgets={"cuda:0": 800}, park=True)
+  >>> [(type(a).__name__, a.name) for a in result.actions]
+  [('DropObject', 'cond')]
+  >>> dict(result.usage_after)
+  {'cuda:0': 700}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
+from typing import Literal
+
+from jax_session_state import _plan_search
+
+__all__ = [
+    "Action",
+    "DropObject",
+    "ObjectUsage",
+    "ParkObject",
+    "Plan",
+    "PreemptSession",
+    "Refusal",
+    "SessionUsage",
+    "parking_destination",
+    "plan",
+]
+
+PINNED_HOST_SUFFIX = "/pinned_host"
+
+ObjectState = Literal["resident", "dropped", "parked"]
+
+
+def parking_destination(device_key: str) -> str | None:
+    """The key that parked bytes of ``device_key`` move to.
+
+    Only default memory kinds are parked: ``"cuda:1"`` -> ``"cuda:1/pinned_host"``.
+    Keys that already name a memory kind (``"cpu:0/pinned_host"``) and
+    ``"host"`` give None.
+    """
+    if "/" in device_key or device_key == "host":
+        return None
+    return device_key + PINNED_HOST_SUFFIX
+
+
+def _frozen_bytes(bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
+    if any(count < 0 for count in bytes_by_device.values()):
+        raise ValueError(f"negative byte count in {dict(bytes_by_device)}")
+    return types.MappingProxyType({k: b for k, b in bytes_by_device.items() if b})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectUsage:
+    """Byte figures of one named object of a session.
+
+    Attributes:
+      name: object name, unique within its session.
+      bytes_by_device: bytes per device key where the storage is now; for a
+        parked object that is under the pinned_host keys, for a dropped object
+        where a rebuild would put it (not counted as usage).
+      state: ``"resident"``, ``"dropped"`` or ``"parked"``.
+      sources: names of sibling objects the object is rebuilt from.
+      recompute_cost: estimated work to rebuild the object, >= 0.
+      rebuildable: whether a rebuild function is registered for the object.
+    """
+
+    name: str
+    bytes_by_device: Mapping[str, int]
+    state: ObjectState = "resident"
+    sources: tuple[str, ...] = ()
+    recompute_cost: float = 0.0
+    rebuildable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.state not in ("resident", "dropped", "parked"):
+            raise ValueError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
+        if not self.recompute_cost >= 0:
+            raise ValueError(
+                f"ObjectUsage {self.name!r}: recompute_cost must be >= 0, got {self.recompute_cost}"
+            )
+        object.__setattr__(self, "bytes_by_device", _frozen_bytes(self.bytes_by_device))
+        object.__setattr__(self, "sources", tuple(self.sources))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionUsage:
+    """Byte figures of one session.
+
+    Attributes:
+      session_id: any hashable id, unique among the sessions planned over.
+      objects: the session's objects.
+      last_used: recency tick; larger is more recent.
+      pinned: pinned sessions are never touched.
+      attrs_bytes_by_device: bytes of carried values that are never dropped
+        or parked individually.
+    """
+
+    session_id: Hashable
+    objects: tuple[ObjectUsage, ...]
+    last_used: int
+    pinned: bool = False
+    attrs_bytes_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objects", tuple(self.objects))
+        object.__setattr__(self, "attrs_bytes_by_device", _frozen_bytes(self.attrs_bytes_by_device))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DropObject:
+    """Release an object's storage; ``freed`` is its bytes per device key."""
+
+    session_id: Hashable
+    name: str
+    freed: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParkObject:
+    """Move an object to host memory; ``moved[k]`` bytes go from k to k + "/pinned_host"."""
+
+    session_id: Hashable
+    name: str
+    moved: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreemptSession:
+    """Release a whole session; ``freed`` is all its bytes per device key."""
+
+    session_id: Hashable
+    freed: Mapping[str, int]
+
+
+Action = DropObject | ParkObject | PreemptSession
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Actions to apply in order, and the usage per device key after them."""
+
+    actions: tuple[Action, ...]
+    usage_after: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """No plan was found.
+
+    Attributes:
+      shortfall_by_device: bytes by which each key still exceeds its budget
+        after the rule-ordered greedy plan (including preemptions if allowed).
+      proven: True when no valid plan fits (see :func:`plan`); False only when
+        preemption was disallowed and the bounded search gave up.
+      message: a readable summary naming the keys and shortfalls.
+    """
+
+    shortfall_by_device: Mapping[str, int]
+    proven: bool
+    message: str
+
+
+class _Ledger:
+    """Usage as a plan evolves, with the keys still over budget."""
+
+    def __init__(self, usage: Mapping[str, int], budgets: Mapping[str, int], host_room: int | None):
+        self.usage = dict(usage)
+        self.budgets = budgets
+        self.over = {k for k, b in budgets.items() if self.usage.get(k, 0) > b}
+        self.room_left = math.inf if host_room is None else host_room
+        self.actions: list[Action] = []
+        self.acted_on: dict[tuple[int, str], Action] = {}  # (actor index, object name)
+
+    def shift(self, key: str, amount: int) -> None:
+        self.usage[key] = self.usage.get(key, 0) + amount
+        if key in self.budgets and self.usage[key] > self.budgets[key]:
+            self.over.add(key)
+        else:
+            self.over.discard(key)
+
+    def gain(self, bytes_by_device: Mapping[str, int]) -> int:
+        """Bytes that releasing ``bytes_by_device`` frees on over-budget keys."""
+        return sum(b for k, b in bytes_by_device.items() if k in self.over)
+
+    def to_plan(self) -> Plan:
+        """The plan so far, less drops and parks superseded by a preemption."""
+        preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
+        actions = tuple(
+            a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted
+        )
+        return Plan(actions, types.MappingProxyType({k: b for k, b in sorted(self.usage.items()) if b}))
+
+
+def _add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int]:
+    """Adds all bytes of a session (attrs, non-dropped objects) to ``total``."""
+    for key, count in session.attrs_bytes_by_device.items():
+        total[key] = total.get(key, 0) + count
+    for obj in session.objects:
+        if obj.state != "dropped":
+            for key, count in obj.bytes_by_device.items():
+                total[key] = total.get(key, 0) + count
+    return total
+
+
+def _actors(
+    sessions: Sequence[SessionUsage], protect: Hashable | None, over: Collection[str]
+) -> list[SessionUsage]:
+    """Unpinned, unprotected sessions holding bytes on an over-budget key, LRU first."""
+    actors = [
+        s
+        for s in sessions
+        if not s.pinned
+        and (protect is None or s.session_id != protect)
+        and (
+            any(k in over for k in s.attrs_bytes_by_device)
+            or any(k in over for o in s.objects if o.state != "dropped" for k in o.bytes_by_device)
+        )
+    ]
+    actors.sort(key=lambda s: s.last_used)  # stable: input order breaks ties
+    return actors
+
+
+def _droppable(session: SessionUsage) -> list[ObjectUsage]:
+    """Objects droppable before planning: resident, rebuildable, sources resident,
+    and not a source of an already dropped object."""
+    resident = {o.name for o in session.objects if o.state == "resident"}
+    needed = {s for o in session.objects if o.state == "dropped" for s in o.sources}
+    return [
+        o
+        for o in session.objects
+        if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
+    ]
+
+
+def _parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
+    """Resident objects with their default-kind bytes, largest first."""
+    parks = []
+    for obj in session.objects:
+        moved = {k: b for k, b in obj.bytes_by_device.items() if parking_destination(k)}
+        if obj.state == "resident" and moved:
+            parks.append((obj, moved))
+    parks.sort(key=lambda p: (-sum(p[1].values()), p[0].name))
+    return parks
+
+
+def _drop_phase(
+    ledger: _Ledger,
+    actors: Sequence[SessionUsage],
+    allowed: Mapping[int, Collection[str]] | None = None,
+    room_keys: Collection[str] = (),
+) -> None:
+    """Drops, LRU session first, cheapest recompute per over-budget byte first.
+
+    A drop must free bytes on an over-budget key or, when replaying a searched
+    selection (``allowed``), on a destination key its parks need room in
+    (``room_keys``).
+    """
+    for index, session in enumerate(actors):
+        if not ledger.over:
+            return
+        candidates = _droppable(session)
+        if allowed is not None:
+            candidates = [o for o in candidates if o.name in allowed.get(index, ())]
+        dropped: set[str] = set()
+        needed_by_dropped: set[str] = set()
+        while ledger.over:
+            best = None
+            for obj in candidates:
+                if (
+                    obj.name in dropped
+                    or obj.name in needed_by_dropped
+                    or not dropped.isdisjoint(obj.sources)
+                ):
+                    continue
+                gain = ledger.gain(obj.bytes_by_device)
+                if not gain and not any(k in room_keys for k in obj.bytes_by_device):
+                    continue
+                rank = (obj.recompute_cost / gain if gain else math.inf, obj.name)
+                if best is None or rank < best[0]:
+                    best = (rank, obj)
+            if best is None:
+                break
+            obj = best[1]
+            dropped.add(obj.name)
+            needed_by_dropped.update(obj.sources)
+            for key, count in obj.bytes_by_device.items():
+                ledger.shift(key, -count)
+            action = DropObject(session.session_id, obj.name, obj.bytes_by_device)
+            ledger.actions.append(action)
+            ledger.acted_on[index, obj.name] = action
+
+
+def _park_phase(
+    ledger: _Ledger, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+) -> None:
+    """Parks, LRU session first, larger objects first, where room allows."""
+    for index, session in enumerate(actors):
+        if not ledger.over or ledger.room_left <= 0:  # every parkable object moves bytes
+            return
+        for obj, moved in _parkable(session):
+            if not ledger.over:
+                return
+            total = sum(moved.values())
+            if (
+                (allowed is not None and obj.name not in allowed.get(index, ()))
+                or (index, obj.name) in ledger.acted_on
+                or not ledger.gain(moved)
+                or total > ledger.room_left
+                or any(
+                    ledger.usage.get(parking_destination(k), 0) + b
+                    > ledger.budgets.get(parking_destination(k), math.inf)
+                    for k, b in moved.items()
+                )
+            ):
+                continue
+            ledger.room_left -= total
+            for key, count in moved.items():
+                ledger.shift(key, -count)
+                ledger.shift(parking_destination(key), count)
+            action = ParkObject(session.session_id, obj.name, types.MappingProxyType(moved))
+            ledger.actions.append(action)
+            ledger.acted_on[index, obj.name] = action
+
+
+def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
+    """Preempts LRU sessions that still hold bytes on an over-budget key, then leaves out the
+    ones that later preemptions made needless (each loses a session's history)."""
+    taken: list[tuple[PreemptSession, dict[str, int]]] = []
+    for index, session in enumerate(actors):
+        if not ledger.over:
+            break
+        current = dict(session.attrs_bytes_by_device)
+        for obj in session.objects:
+            action = ledger.acted_on.get((index, obj.name))
+            if obj.state == "dropped" or isinstance(action, DropObject):
+                continue
+            for key, count in obj.bytes_by_device.items():
+                if isinstance(action, ParkObject) and key in action.moved:
+                    key = parking_destination(key)
+                current[key] = current.get(key, 0) + count
+        if ledger.gain(current):
+            for key, count in current.items():
+                ledger.shift(key, -count)
+            preempt = PreemptSession(session.session_id, types.MappingProxyType(_add_footprint({}, session)))
+            ledger.actions.append(preempt)
+            taken.append((preempt, current))
+    if ledger.over:
+        return
+    needless = set()
+    for preempt, current in taken[:-1]:
+        for key, count in current.items():
+            ledger.shift(key, count)
+        if ledger.over:
+            for key, count in current.items():
+                ledger.shift(key, -count)
+        else:
+            needless.add(id(preempt))
+    if needless:
+        ledger.actions = [a for a in ledger.actions if id(a) not in needless]
+
+
+def _searched_plan(
+    usage: Mapping[str, int],
+    budgets: Mapping[str, int],
+    host_room: int | None,
+    actors: Sequence[SessionUsage],
+    park: bool,
+    search_limit: int,
+) -> tuple[Plan | None, bool]:
+    """The exact search's drops and parks, replayed in rule order; (None, proven) if none fit."""
+    start = _Ledger(usage, budgets, host_room)
+    over = start.over
+
+    def candidates() -> Iterator[_plan_search.Candidates]:
+        for index, session in enumerate(actors):
+            yield _plan_search.Candidates(
+                index,
+                [o for o in _droppable(session) if any(k in over for k in o.bytes_by_device)],
+                [(o, m) for o, m in _parkable(session) if any(k in over for k in m)] if park else [],
+            )
+
+    selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
+    if selection is None:
+        return None, proven
+    replay = _Ledger(usage, budgets, host_room)
+    parks = {i: option.parks for i, option in selection.items()}
+    room_keys = {
+        parking_destination(k)
+        for i, names in parks.items()
+        for obj, moved in _parkable(actors[i])
+        if obj.name in names
+        for k in moved
+    } & budgets.keys()
+    _drop_phase(replay, actors, {i: option.drops for i, option in selection.items()}, room_keys)
+    _park_phase(replay, actors, parks)
+    return replay.to_plan(), True
+
+
+def plan(
+    sessions: Sequence[SessionUsage],
+    *,
+    budgets: Mapping[str, int],
+    protect: Hashable | None = None,
+    park: bool = False,
+    host_room: int | None = None,
+    allow_preempt: bool = False,
+    search_limit: int = 100_000,
+) -> Plan | Refusal:
+    """Plans drops, parks and preemptions that bring usage within ``budgets``.
+
+    Usage of a key is the bytes of every non-dropped object (parked bytes sit
+    under the pinned_host keys) plus session attrs.  Pinned sessions and the
+    ``protect`` session count but are never touched.  An action is a
+    *candidate* if it is on another session and frees bytes on a key over
+    budget before planning:
+
+    - drop: an object that is resident, rebuildable, whose sources are all
+      resident, and that no dropped object (before or earlier in the plan)
+      lists as a source;
+    - park (if ``park``): a resident object; its default-kind bytes on k move
+      to k + "/pinned_host";
+    - preempt (if ``allow_preempt``): a session; frees all its bytes.
+
+    A *valid* plan is drops, then parks, then preemptions, all candidates,
+    where the drops are droppable in turn, the parks move at most
+    ``host_room`` bytes in total (None: unlimited), and each park leaves its
+    budgeted destination keys within budget.  It *fits* if every budgeted key
+    ends within budget.
+
+    Rules: while a key is over budget, (1) drop, LRU session first, cheapest
+    ``recompute_cost`` per byte freed on over-budget keys first (ties by
+    name); (2) park, LRU session first, larger objects first; (3) preempt LRU
+    sessions first.  Each action frees bytes on a key over budget when taken
+    (a replayed search drop may instead free room its parks need), and the
+    plan stops as soon as every key fits.  A preemption that later ones made
+    needless is left out (preemption loses history, so the plan keeps as few
+    as this greedy order allows).
+
+    Completeness: a Plan is returned whenever some valid plan fits.  Greedy
+    choices can block each other (dropping a dependent pins its source), so
+    when they fall short an exact search over per-session Pareto-optimal
+    drop/park options replaces them (before resorting to preemption), and the
+    chosen actions are replayed in rule order.  With ``allow_preempt`` this is
+    complete always: preempting every candidate session is the least usage
+    any plan reaches.  Without it the search is exact unless a session has
+    more than ``search_limit`` options or the search backtracks more than
+    ``search_limit`` times; then it gives up with ``Refusal.proven`` False.
+
+    Args:
+      sessions: every session, with unique ids.
+      budgets: byte budget per device key; keys without one are unlimited.
+      protect: id of the session being put, created or restored, or None.
+      park: whether objects may be parked to host memory.
+      host_room: bytes the parks may move in total; None for unlimited.
+      allow_preempt: whether whole sessions may be preempted.
+      search_limit: work bound of the exact search (see Completeness).
+
+    Returns:
+      A :class:`Plan`, or a :class:`Refusal` if no valid plan fits.
+
+    Example:
+      The greedy pass drops the cheap ``cond_kv`` first, which pins
+      ``prompt``; the search sees that only dropping ``prompt`` fits:
+
+      >>> prompt = ObjectUsage("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=500.0)
+      >>> cond_kv = ObjectUsage("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True,
+      ...                       recompute_cost=1.0)
+      >>> result = plan([SessionUsage("s", (prompt, cond_kv), last_used=1)], budgets={"cuda:0": 500})
+      >>> [(type(a).__name__, a.name) for a in result.actions]
+      [('DropObject', 'prompt')]
+      >>> dict(result.usage_after)
+      {'cuda:0': 10}
+    """
+    usage: dict[str, int] = {}
+    for session in sessions:
+        _add_footprint(usage, session)
+    greedy = _Ledger(usage, budgets, host_room)
+    if not greedy.over:
+        return greedy.to_plan()
+    actors = _actors(sessions, protect, greedy.over)
+    _drop_phase(greedy, actors)
+    if park:
+        _park_phase(greedy, actors)
+    if not greedy.over:
+        return greedy.to_plan()
+    searched, proven = _searched_plan(usage, budgets, host_room, actors, park, search_limit)
+    if searched is not None:
+        return searched
+    if allow_preempt:
+        _preempt_phase(greedy, actors)
+        if not greedy.over:
+            return greedy.to_plan()
+        proven = True
+    shortfall = {k: greedy.usage[k] - budgets[k] for k in sorted(greedy.over)}
+    message = "over budget: " + ", ".join(f"{k} by {b} bytes" for k, b in shortfall.items())
+    if not proven:
+        message += f" (search gave up at search_limit={search_limit})"
+    return Refusal(types.MappingProxyType(shortfall), proven, message)

@@ -1,0 +1,462 @@
+"""SessionStateManager: the reference design's scenarios, byte budgets, restores, errors and events."""
+
+import gc
+import threading
+
+import jax
+import numpy as np
+import pytest
+from world import TRACES, assert_same, contents, make_session, rebuild_cond, session_bytes, step
+
+import jax_session_state as jss
+
+SIZES = session_bytes()
+ONE = SIZES["session"]
+
+
+def manager(**kw):
+    events = []
+    m = jss.SessionStateManager(on_event=events.append, **kw)
+    m.register_rebuild("cond", rebuild_cond)
+    return m, events
+
+
+def kinds(events):
+    return [(e.kind, e.session_id, e.object_name) for e in events]
+
+
+def frozen_state(m):
+    """Everything a refusal must leave as it was (counters but refusals, bytes, order, holdings, contents)."""
+    stats = m.stats()
+    stats.pop("refusals")
+    held = {
+        sid: (
+            sorted(h.parked),
+            sorted(h.dropped),
+            contents(h.session),
+            {n: contents(p.obj) for n, p in h.parked.items()},
+        )
+        for sid, h in m.held().items()
+    }
+    return stats, m.nbytes_by_device(), list(m.held()), held
+
+
+def assert_frozen(before, m):
+    after = frozen_state(m)
+    assert after[:3] == before[:3]
+    for sid, (parked, dropped, session, parked_contents) in before[3].items():
+        now = after[3][sid]
+        assert now[:2] == (parked, dropped)
+        assert now[2].keys() == session.keys() and all(np.array_equal(now[2][k], session[k]) for k in session)
+        for name, arrays in parked_contents.items():
+            assert all(np.array_equal(now[3][name][k], arrays[k]) for k in arrays)
+
+
+# ----------------------------------------------------------- reference design's scenarios
+def test_count_cap_of_three_with_five_sessions():
+    m, events = manager(max_sessions=3)
+    sessions = {f"s{i}": make_session(i) for i in range(5)}
+    for sid, session in sessions.items():
+        m.create(sid, session)
+    assert len(m) == 3 and [sid for sid in sessions if sid in m] == ["s2", "s3", "s4"]
+    assert kinds(events) == [("preempt", "s0", None), ("preempt", "s1", None)]
+    assert "count cap" in events[0].reason and events[0].bytes_by_device == {"cpu:0": ONE}
+    with pytest.raises(jss.SessionStateLostError, match=r"'s0' is gone: preempted at the count cap"):
+        m.get("s0")
+    assert_same(m.get("s2"), sessions["s2"])
+    assert m.stats()["preemptions"] == 2 and m.nbytes_by_device() == {"cpu:0": 3 * ONE}
+
+
+def test_refusal_when_not_evicting_then_resident_sessions_still_served_then_admission_after_drop():
+    m, events = manager(max_sessions=3, evict_when_full=False)
+    sessions = {f"s{i}": make_session(i) for i in range(4)}
+    for sid in ["s0", "s1", "s2"]:
+        m.create(sid, sessions[sid])
+    before = frozen_state(m)
+    with pytest.raises(
+        jss.SessionAdmissionError, match=r"cannot create session 's3'.*max_sessions=3.*evict_when_full"
+    ):
+        m.create("s3", sessions["s3"])
+    assert "s3" not in m and kinds(events) == [("refusal", "s3", None)]
+    assert_frozen(before, m)
+    assert m.stats()["refusals"] == 1
+    assert_same(m.get("s1"), sessions["s1"])  # a resident session is still served when full
+    assert m.stats()["hits"] == 1
+    assert m.drop("s0") is True and m.drop("s0") is False  # idempotent
+    m.create("s3", sessions["s3"])  # admitted again after a drop
+    assert_same(m.get("s3"), sessions["s3"])
+    with pytest.raises(jss.SessionStateLostError, match=r"'s0' is gone: it was dropped with drop\(\)"):
+        m.get("s0")
+
+
+def test_continuing_an_unknown_session_fails_and_creates_nothing():
+    m, _ = manager()
+    m.create("a", make_session(0))
+    for call in (
+        lambda: m.get("ghost"),
+        lambda: m.put("ghost", make_session(1)),
+        lambda: m.update("ghost", step),
+        lambda: m.pin("ghost").__enter__(),
+    ):
+        with pytest.raises(
+            jss.SessionStateLostError, match=r"'ghost' is unknown.*Nothing was created.*create\('ghost'"
+        ):
+            call()
+    assert "ghost" not in m and len(m) == 1 and m.nbytes_by_device() == {"cpu:0": ONE}
+    assert m.stats()["misses"] == 3 and m.stats()["lookups"] == 3  # get, update and pin look up
+
+
+def test_a_hundred_create_drop_cycles_leak_nothing():
+    m, _ = manager(byte_budget={"cpu:0": 2 * ONE})
+    gc.collect()
+    live = len(jax.live_arrays())
+    for i in range(100):
+        m.create(i % 7, make_session(i))
+        m.get(i % 7)
+        m.create("other", make_session(i + 1000))  # over budget: parks and drops objects of i % 7
+        m.get(i % 7)
+        assert m.drop(i % 7) and m.drop("other")
+    assert len(m) == 0 and m.nbytes_by_device() == {} and m.stats()["bytes"] == {}
+    assert m._ledger.refs == {} and m._ledger.totals == {} and not m._entries and not m._recency
+    assert len(m._lost) == 8  # one reason per id, bounded by LOST_REASONS_KEPT
+    gc.collect()
+    assert len(jax.live_arrays()) == live
+
+
+def test_create_of_a_held_id_and_puts_of_other_things_are_refused():
+    m, _ = manager()
+    m.create("a", make_session(0))
+    with pytest.raises(ValueError, match=r"create\('a'\): that session exists already"):
+        m.create("a", make_session(1))
+    with pytest.raises(TypeError, match="expected a jss.Session; got dict"):
+        m.put("a", {"kv": 1})
+    dead = make_session(2)
+    step(dead)
+    for call in (lambda: m.put("a", dead), lambda: m.create("b", dead)):
+        with pytest.raises(ValueError, match="arrays were deleted.*Pass the step's output instead"):
+            call()
+    assert "b" not in m and m.nbytes_by_device() == {"cpu:0": ONE}
+
+
+# ------------------------------------------------------------------ budgets, drops and parks
+def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bit():
+    m, events = manager(byte_budget={"cpu:0": ONE + 10})
+    a = step(make_session(0))  # compiled by now
+    traces = TRACES[16]
+    original = contents(a)
+    m.create("a", a)
+    m.create("b", make_session(1))
+    # Only "a" may give way; cond is rebuildable (dropped first), the rest is parked, largest first.
+    assert kinds(events) == [
+        ("drop", "a", "cond"),
+        ("park", "a", "kv"),
+        ("park", "a", "prompt"),
+        ("park", "a", "carry"),
+    ]
+    assert events[0].bytes_by_device == {"cpu:0": SIZES["cond"]}
+    assert "cpu:0 over its budget" in events[0].reason and "creating session 'b'" in events[0].reason
+    held = m.held()["a"]
+    assert held.dropped == {"cond"} and set(held.parked) == {"kv", "prompt", "carry"}
+    assert not any(held.session[name].resident for name in ("cond", "kv", "prompt", "carry"))
+    parked_bytes = SIZES["kv"] + SIZES["prompt"] + SIZES["carry"]
+    assert m.nbytes_by_device() == {"cpu:0": ONE + 4, "cpu:0/pinned_host": parked_bytes}
+    for name in held.parked:
+        leaf = jax.tree_util.tree_leaves(held.parked[name].obj)[0]
+        assert leaf.sharding.memory_kind == "pinned_host"
+
+    events.clear()
+    restored = m.get("a")  # "b" makes room the same way
+    assert kinds(events)[:4] == [
+        ("drop", "b", "cond"),
+        ("park", "b", "kv"),
+        ("park", "b", "prompt"),
+        ("park", "b", "carry"),
+    ]
+    assert sorted(kinds(events)[4:7]) == [
+        ("restore", "a", "carry"),
+        ("restore", "a", "kv"),
+        ("restore", "a", "prompt"),
+    ]
+    assert kinds(events)[7:] == [("rebuild", "a", "cond")]  # after its source is back
+    assert contents(restored).keys() == original.keys()
+    for key, value in contents(restored).items():
+        assert value.tobytes() == original[key].tobytes(), key
+    device = jax.devices()[0]
+    for leaf in jax.tree_util.tree_leaves(restored):
+        assert (
+            leaf.sharding == jax.sharding.SingleDeviceSharding(device)
+            and leaf.sharding.memory_kind == "device"
+        )
+    stats = m.stats()
+    assert (stats["evictions"], stats["parks"], stats["restores"], stats["rebuilds"]) == (2, 6, 3, 1)
+    assert stats["bytes"] == {"cpu:0": ONE + 4, "cpu:0/pinned_host": parked_bytes}
+    m.put("a", step(restored))
+    assert TRACES[16] == traces == 1  # the restored session is the same to jit: no retrace
+
+
+def test_put_within_budget_plans_nothing_and_over_budget_refusal_changes_nothing():
+    m, events = manager(byte_budget={"cpu:0": 2 * ONE + 600}, park_memory_kind=None)
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    m.put("a", step(m.get("a")))
+    assert events == []
+    before = frozen_state(m)
+    bigger = make_session(2, capacity=64)  # cond of both others could go, but not enough
+    with pytest.raises(jss.BudgetExceededError, match=r"putting session 'a' does not fit.*Nothing changed"):
+        m.put("a", bigger)
+    assert_frozen(before, m)
+    assert m.stats()["refusals"] == 1 and kinds(events) == [("refusal", "a", None)]
+    assert events[0].bytes_by_device and all(v > 0 for v in events[0].bytes_by_device.values())
+    m.put("a", make_session(3, capacity=28))  # 768 bytes more: fits once b's cond is dropped
+    assert kinds(events)[1:] == [("drop", "b", "cond")]
+
+
+def test_preemption_when_parking_is_off_and_lost_reason_names_the_budget():
+    m, events = manager(byte_budget={"cpu:0": 2 * ONE}, park_memory_kind=None)
+    for sid in "abc":
+        m.create(sid, make_session(ord(sid)))
+    # Greedy drops (a's cond, then b's) come before preemption; a's drop is superseded by its preemption.
+    assert kinds(events) == [("drop", "b", "cond"), ("preempt", "a", None)]
+    with pytest.raises(
+        jss.SessionStateLostError,
+        match=r"preempted \(cpu:0 over its budget of \d+ bytes by \d+ while creating session 'c'\)",
+    ):
+        m.get("a")
+
+
+def test_host_budget_limits_parking():
+    m, events = manager(byte_budget={"cpu:0": ONE + 10}, host_budget=SIZES["kv"] - 1, evict_when_full=False)
+    m.create("a", make_session(0))
+    with pytest.raises(jss.BudgetExceededError):  # a's kv must be parked too, and does not fit
+        m.create("b", make_session(1))
+    m, events = manager(byte_budget={"cpu:0": ONE + 10}, host_budget=SIZES["kv"] + 500)
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    m.create("c", make_session(2))  # no host room left for b's objects: b is preempted instead
+    assert m.nbytes_by_device()["cpu:0/pinned_host"] == SIZES["kv"] + SIZES["prompt"] + SIZES["carry"]
+    assert kinds(events)[-1] == ("preempt", "b", None)
+
+
+def test_restore_that_does_not_fit_is_refused_and_leaves_the_session_parked():
+    m, events = manager(byte_budget={"cpu:0": ONE + 10})
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    with m.pin("b"):
+        before = frozen_state(m)
+        with pytest.raises(jss.BudgetExceededError, match="restoring session 'a' does not fit"):
+            m.get("a")
+        after = frozen_state(m)
+        assert after[0]["misses"] == before[0]["misses"] + 1  # the lookup counts; nothing else changed
+        assert after[1:3] == before[1:3] and sorted(m.held()["a"].parked) == ["carry", "kv", "prompt"]
+    assert_same(m.get("a"), make_session(0))
+
+
+def test_pinned_sessions_are_never_touched_and_pins_nest():
+    m, events = manager(byte_budget={"cpu:0": 2 * ONE})
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    with m.pin("a") as session, m.pin("a"):
+        assert_same(session, make_session(0))
+        m.create("c", make_session(2))
+        assert {e.session_id for e in events} == {"b"}
+        m.put("a", step(session))  # a put inside the pin keeps the pin
+        m.create("d", make_session(3))
+        assert "a" not in {e.session_id for e in events}
+    events.clear()
+    m.create("e", make_session(4))  # a is the least recently used unpinned one now
+    assert events[0].session_id == "a"
+
+
+def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorable():
+    m, events = manager(byte_budget={"cpu:0": ONE + 10})
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    m.drop("b")
+    m.register_rebuild("cond", lambda session: session["kv"])
+    with pytest.raises(
+        ValueError,
+        match=r"rebuilding 'cond' of session 'a'.*must return a resident EncodeOnceKV.*returned KVCache",
+    ):
+        m.get("a")
+    m.register_rebuild("cond", lambda session: 1 / 0)
+    with pytest.raises(
+        RuntimeError, match=r"rebuild function raised ZeroDivisionError.*'cond' is still dropped"
+    ):
+        m.get("a")
+    assert m.held()["a"].dropped == {"cond"}
+    m.register_rebuild("cond", rebuild_cond, cost=3.0)
+    assert_same(m.get("a"), make_session(0))
+
+
+def test_objects_without_a_rebuild_or_a_recompute_source_are_never_dropped():
+    m, events = manager(byte_budget={"cpu:0": ONE + 10}, park_memory_kind=None, evict_when_full=False)
+    m._rebuilds.clear()  # no rebuild registered: cond may not be dropped either
+    m.register_rebuild("carry", lambda session: session["carry"])  # carry declares no source: never dropped
+    m.create("a", make_session(0))
+    with pytest.raises(jss.BudgetExceededError):
+        m.create("b", make_session(1))
+    assert m.stats()["evictions"] == 0 and "b" not in m
+
+
+def test_register_rebuild_checks_its_arguments():
+    m, _ = manager()
+    with pytest.raises(TypeError, match="fn must be callable"):
+        m.register_rebuild("cond", 3)
+    with pytest.raises(ValueError, match="cost must be >= 0"):
+        m.register_rebuild("cond", rebuild_cond, cost=-1)
+    for bad in (
+        dict(max_sessions=0),
+        dict(byte_budget={"cpu:0": -1}),
+        dict(park_memory_kind="device"),
+        dict(host_budget=-5),
+    ):
+        with pytest.raises(ValueError, match="SessionStateManager"):
+            jss.SessionStateManager(**bad)
+
+
+def test_an_empty_manager_is_truthy_and_contains_nothing():
+    m = jss.SessionStateManager()
+    assert m and len(m) == 0 and "a" not in m
+    assert m.stats() == {
+        "sessions": 0,
+        "lookups": 0,
+        "hits": 0,
+        "misses": 0,
+        "evictions": 0,
+        "preemptions": 0,
+        "parks": 0,
+        "restores": 0,
+        "rebuilds": 0,
+        "refusals": 0,
+        "bytes": {},
+    }
+
+
+# -------------------------------------------------------------------------- donation hazard
+def test_a_donated_session_between_get_and_put_is_left_alone():
+    m, events = manager(byte_budget={"cpu:0": 2 * ONE})
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    session = m.get("a")
+    m.get("b")  # a is the least recently used now, and its stored copy is about to die
+    new = step(session)
+    assert jss.offload.is_donated(m.held()["a"].session) and m.held()["a"].donated
+    m.create("c", make_session(2))  # must not touch a: b gives way
+    assert {e.session_id for e in events} == {"b"}
+    with m.pin("c"):
+        with pytest.raises(jss.BudgetExceededError):  # only a could make room: refused, a not preempted
+            m.create("d", make_session(3))
+    assert "a" in m
+    m.put("a", new)
+    assert_same(m.get("a"), new)
+    m.create("d", make_session(3))  # a is alive again and may give way
+    assert "a" in {e.session_id for e in events}
+
+
+def test_sessions_donated_after_planning_are_skipped_when_the_plan_is_prepared():
+    m, events = manager(byte_budget={"cpu:0": 2 * ONE})
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    session = m.get("a")
+    new = step(session)  # a's stored copy is dead; only preparing a plan on it finds out
+    m.get("b")
+    m.create("c", make_session(2))
+    assert {e.session_id for e in events} == {"b"} and "a" in m
+    m.put("a", new)
+
+
+def test_update_is_atomic_for_its_session_and_safe_with_donation():
+    m, events = manager()
+    m.create("a", make_session(0, capacity=64))
+    start = int(m.get("a").attrs["step"])
+
+    def work():
+        for _ in range(20):
+            m.update("a", step)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert int(m.get("a").attrs["step"]) == start + 60  # no lost update
+    assert int(m.get("a")["kv"].view().lengths[0]) == 3 + 60
+
+
+def test_update_inside_its_own_fn_is_an_error_and_the_session_survives():
+    m, _ = manager()
+    m.create("a", make_session(0))
+    with pytest.raises(RuntimeError, match=r"update\('a'\) called inside update\('a'\)"):
+        m.update("a", lambda session: m.update("a", step))
+    assert_same(m.get("a"), make_session(0))
+
+
+def test_update_that_does_not_fit_carries_its_result():
+    m, _ = manager(byte_budget={"cpu:0": ONE + 10}, evict_when_full=False, park_memory_kind=None)
+    m.create("a", make_session(0))
+    bigger = make_session(1, capacity=64)
+    with pytest.raises(jss.BudgetExceededError) as error:
+        m.update("a", lambda session: bigger)
+    assert error.value.session is bigger
+    assert_same(m.get("a"), make_session(0))
+
+
+# ------------------------------------------------------------------------------- summary
+def test_summary_of_a_manager_shows_every_session_and_how_it_is_held():
+    m, _ = manager(byte_budget={"cpu:0": ONE + 10})
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    table = jss.summary(m)
+    rows = {(row["session"], row["name"]): row for row in table.rows}
+    assert {sid for sid, _ in rows} == {"a", "b"} and table.columns[:2] == ["session", "held"]
+    assert rows["a", "cond"]["held"] == "dropped" and rows["a", "cond"]["resident"] is False
+    assert rows["a", "kv"]["held"] == "parked" and rows["a", "kv"]["cpu:0/pinned_host"] == SIZES["kv"]
+    assert rows["b", "kv"]["held"] == "resident" and rows["b", "kv"]["cpu:0"] == SIZES["kv"]
+    totals = {}
+    for row in table.rows:
+        for key in ("cpu:0", "cpu:0/pinned_host"):
+            totals[key] = totals.get(key, 0) + row.get(key, 0)
+    assert totals == m.nbytes_by_device()
+    assert "parked" in str(table) and "dropped" in str(table)
+    new = step(m.get("b"))  # b's stored copy dies until it is put back: shown, not read
+    rows = [row for row in jss.summary(m).rows if row["session"] == "b"]
+    assert {row["held"] for row in rows} == {"in use (donated)"} and len(rows) == 4
+    m.put("b", new)
+    rows = [row for row in jss.summary(m).rows if row["session"] == "b" and row["name"] != "attrs"]
+    assert {row["held"] for row in rows} == {"resident"} and len(rows) == 4
+
+
+def test_the_lock_comes_from_lock_factory():
+    made = []
+
+    def factory(kind=threading.RLock):
+        made.append(kind())
+        return made[-1]
+
+    m = jss.SessionStateManager(lock_factory=factory, byte_budget={"cpu:0": ONE + 10})
+    held_while_rebuilding = []
+
+    def rebuild(session):
+        held_while_rebuilding.append(made[0]._is_owned())
+        return rebuild_cond(session)
+
+    m.register_rebuild("cond", rebuild)
+    m.create("a", make_session(0))
+    m.create("b", make_session(1))
+    assert_same(m.get("a"), make_session(0))
+    assert len(made) == 1 and held_while_rebuilding == [True] and not made[0]._is_owned()
+    plain = jss.SessionStateManager(lock_factory=lambda: factory(threading.Lock))  # not reentrant: works too
+    plain.create("a", make_session(0))
+    plain.update("a", step)
+    assert made[1].locked() is False and int(plain.get("a").attrs["step"]) == 1
+
+
+def test_an_event_callback_that_raises_reaches_the_caller_after_the_operation():
+    def fail(event):
+        raise RuntimeError(f"callback saw {event.kind}")
+
+    m = jss.SessionStateManager(byte_budget={"cpu:0": ONE + 10}, on_event=fail)
+    m.create("a", make_session(0))
+    with pytest.raises(RuntimeError, match="callback saw park"):
+        m.create("b", make_session(1))
+    assert "b" in m and sorted(m.held()["a"].parked) == ["carry", "cond", "kv", "prompt"]

@@ -1,0 +1,124 @@
+"""Parking state in host memory and bringing it back: bytes move, contents and shardings come back exactly."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kinds import KINDS
+from world import assert_same
+
+import jax_session_state as jss
+from jax_session_state import offload
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_park_and_restore_every_kind_bit_for_bit(kind):
+    factory, payload = KINDS[kind]
+    rng = np.random.default_rng(0)
+    obj = factory().append(payload(rng)).stage(payload(rng))
+    nbytes = obj.nbytes
+    parked = offload.park(obj)
+    assert obj.nbytes_by_device() == {"cpu:0": nbytes}  # the original is untouched
+    assert parked.nbytes_by_device() == {"cpu:0/pinned_host": nbytes}
+    assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(parked.obj)} == {"pinned_host"}
+    restored = offload.restore(parked)
+    assert restored.nbytes_by_device() == {"cpu:0": nbytes}
+    assert_same(restored, obj)
+    assert type(restored) is type(obj) and restored.describe() == obj.describe()
+
+
+def test_a_parked_object_cannot_enter_a_jitted_step_and_a_restored_one_does_not_retrace():
+    traces = []
+
+    @jax.jit
+    def read(cache):
+        traces.append(1)
+        return cache.view().k.sum()
+
+    rng = np.random.default_rng(1)
+    rows = jnp.asarray(rng.normal(size=(1, 3, 2, 4)), jnp.float32)
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8).append((rows, rows))
+    expected = read(cache)
+    parked = offload.park(cache)
+    with pytest.raises(TypeError):
+        read(parked)
+    assert read(offload.restore(parked)) == expected and len(traces) == 1
+
+
+def test_park_refuses_what_it_cannot_park():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+    with pytest.raises(jss.NotResidentError, match=r"park\(\) of KVCache.*not resident"):
+        offload.park(cache.evict()[0])
+    with pytest.raises(ValueError, match=r"has no 'tape' memory; it has \[.*'pinned_host'"):
+        offload.park(cache, "tape")
+    donated = cache.empty()
+    jax.jit(lambda c: c.discard(), donate_argnums=0)(donated)
+    assert offload.is_donated(donated) and not offload.is_donated(cache)
+    with pytest.raises(RuntimeError, match="arrays were deleted"):
+        offload.park(donated)
+
+
+def test_placement_refuses_another_structure():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+    other = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=16)
+    placement = offload.Placement.of(cache)
+    for wrong in (jss.FixedState.allocate(shapes=(2,)), other):  # another kind; another spec of the kind
+        with pytest.raises(ValueError, match=r"cannot place .* where an object of another structure was"):
+            placement.apply(wrong)
+    assert_same(placement.apply(cache.empty()), cache)
+
+
+SHARDED = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_session_state as jss
+    from jax_session_state import offload
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("heads",))
+    def make(seed):
+        rng = np.random.default_rng(seed)
+        rows = jnp.asarray(rng.normal(size=(1, 5, 4, 8)), jnp.float32)
+        kv = jss.KVCache.allocate(batch=1, kv_heads=4, head_dim=8, capacity=16).append((rows, rows))
+        kv = kv.replace(k=jax.device_put(kv.k, NamedSharding(mesh, P(None, "heads"))),
+                        v=jax.device_put(kv.v, NamedSharding(mesh, P(None, "heads"))))
+        return jss.Session(objects={"kv": kv})
+
+    a = make(0)
+    shardings = [leaf.sharding for leaf in jax.tree_util.tree_leaves(a)]
+    per_device = a.nbytes_by_device()
+    assert set(per_device) == {"cpu:0", "cpu:1"}, per_device
+    parked = offload.park(a["kv"])
+    assert parked.nbytes_by_device() == {k + "/pinned_host": n for k, n in per_device.items()}
+    back = offload.restore(parked)
+    assert [leaf.sharding for leaf in jax.tree_util.tree_leaves(back)] == shardings
+    for x, y in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(a)):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+    events = []
+    budget = {"cpu:1": per_device["cpu:1"] + 100}
+    manager = jss.SessionStateManager(byte_budget=budget, on_event=events.append)
+    manager.create("a", a)
+    manager.create("b", make(1))
+    assert [(e.kind, e.session_id) for e in events] == [("park", "a")], events
+    assert manager.nbytes_by_device()["cpu:1/pinned_host"] == per_device["cpu:1"]
+    got = manager.get("a")
+    assert [leaf.sharding for leaf in jax.tree_util.tree_leaves(got)] == shardings
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(make(0))):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    print("ok")
+    """
+)
+
+
+def test_sharded_state_is_parked_per_device_and_restored_to_its_sharding():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
