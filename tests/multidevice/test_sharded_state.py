@@ -363,3 +363,26 @@ def test_attention_over_head_sharded_cache_never_gathers_it(mesh_shape, names, r
     assert shard_pointers(kv) == pointers
     assert out.sharding.is_equivalent_to(q_sharding, out.ndim)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_the_manager_budgets_each_device_of_a_sharded_session():
+    mesh = auto_mesh((8,), ("model",))
+    rules = jss.ShardingRules(mesh, {"kv_heads": "model"})
+
+    def make():
+        return jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=8, head_dim=16, capacity=64, sharding=rules)})
+
+    per_device = make().nbytes_by_device()["cpu:0"]
+    manager = jss.SessionStateManager(byte_budget={f"cpu:{d.id}": per_device * 3 // 2 for d in jax.devices()})
+    rng = np.random.default_rng(8)
+    k, v = (jnp.asarray(rng.normal(size=(1, 4, 8, 16)), jnp.float32) for _ in range(2))
+    written = make().append(kv=(k, v))
+    expected = np.asarray(written["kv"].k)
+    manager.create("a", written)
+    manager.create("b", make())  # each device holds one session: a is parked, shard by shard
+    parked = manager.stats()["bytes"]
+    assert manager.stats()["parks"] == 1
+    assert {parked[f"cpu:{d.id}/pinned_host"] for d in jax.devices()} == {per_device}
+    restored = manager.get("a")["kv"]
+    assert restored.sharding == rules and restored.k.sharding == written["kv"].k.sharding
+    np.testing.assert_array_equal(np.asarray(restored.k), expected)
