@@ -63,6 +63,7 @@ from jax_session_state import _codec
 from jax_session_state._fingerprint import fingerprint
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CheckpointError
+from jax_session_state.manager import SessionStateManager
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 
@@ -82,7 +83,7 @@ HOST = "host"
 
 
 # --------------------------------------------------------------------- API
-def save(path: str | os.PathLike, state: Session) -> Path:
+def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
     """Saves ``state`` as the newest checkpoint in directory ``path``, atomically.
 
     The previous checkpoint stays complete and restorable until the new one
@@ -93,7 +94,13 @@ def save(path: str | os.PathLike, state: Session) -> Path:
       path: the checkpoint directory (created if missing).
       state: a :class:`~jax_session_state.Session` (objects, attrs including
         typed PRNG keys, lengths, flags and static specs; non-resident
-        objects are saved as non-resident).
+        objects are saved as non-resident), or a
+        :class:`~jax_session_state.SessionStateManager`: its settings and
+        every session it holds, least recently used first, parked objects
+        included (read from host memory, nothing is brought back), dropped
+        objects recorded as dropped.  Pins, counters, callbacks and rebuild
+        functions are not saved.  Sessions between a ``get`` and the ``put``
+        of a step that donated them cannot be saved.
 
     Returns:
       The directory of the new checkpoint.
@@ -133,28 +140,38 @@ def save(path: str | os.PathLike, state: Session) -> Path:
 
 
 def restore(
-    path: str | os.PathLike, *, target: Session | None = None, shardings: ShardingRules | None = None
-) -> Session:
+    path: str | os.PathLike,
+    *,
+    target: Session | SessionStateManager | None = None,
+    shardings: ShardingRules | None = None,
+) -> Session | SessionStateManager:
     """Restores the newest checkpoint in directory ``path``.
 
     Args:
       path: the checkpoint directory given to :func:`save`.
-      target: a session the checkpoint must match (object names, kinds,
-        specs, attrs structure, shapes and dtypes); restored objects take its
-        placement (each object's ShardingRules, else where its arrays are).
+      target: for a session checkpoint, a session the checkpoint must match
+        (object names, kinds, specs, attrs structure, shapes and dtypes);
+        restored objects take its placement (each object's ShardingRules,
+        else where its arrays are).  For a manager checkpoint, an empty
+        manager to fill (its own settings, callbacks and registered rebuilds
+        apply); without one, a new manager with the saved settings.
       shardings: rules to place every object by (attrs are replicated on the
         mesh), whatever the checkpoint was saved on; overrides ``target``'s.
 
     Without ``target`` or ``shardings`` everything lands on the default
-    device.  A restored session continues a rollout bit for bit.
+    device.  A restored session continues a rollout bit for bit.  A restored
+    manager admits the sessions least recently used first, by its usual
+    rules (so under a smaller budget it parks or preempts as ``create``
+    would); objects dropped when saved are rebuilt if a rebuild is
+    registered on it, else left non-resident; its counters start at zero.
 
     Raises:
       CheckpointError: no checkpoint, another format version, damaged or
         truncated files, or a target that does not match.  Nothing is
         half-restored.
     """
-    if target is not None and not isinstance(target, Session):
-        raise TypeError(f"restore(target=...) takes a Session; got {type(target).__name__}.")
+    if target is not None and not isinstance(target, (Session, SessionStateManager)):
+        raise TypeError(f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}.")
     if shardings is not None and not isinstance(shardings, ShardingRules):
         raise TypeError(f"restore(shardings=...) takes ShardingRules; got {type(shardings).__name__}.")
     directory = _newest(Path(path))
@@ -162,6 +179,10 @@ def restore(
     content = _CONTENTS.get(manifest.get("content"))
     if content is None:
         raise CheckpointError(f"{directory}: holds {manifest.get('content')!r}, which this library cannot restore.")
+    if target is not None and not isinstance(target, content.type):
+        raise CheckpointError(
+            f"{directory} holds a {content.type.__name__}; restore(target=...) got a {type(target).__name__}."
+        )
     try:
         placements, assemble = content.plan(manifest["record"], manifest["arrays"], target, shardings)
     except (KeyError, TypeError, IndexError, AttributeError) as error:
@@ -317,11 +338,56 @@ class _Content:
     plan: Callable[..., tuple[dict[str, Placement], Callable[[dict[str, Any]], Any]]]
 
 
-_CONTENTS = {"session": _Content("session", Session, _encode_session, _plan_session)}
-"""What checkpoints hold, by the name in the manifest.  A manager checkpoint adds
-``"manager"``: its record lists each session's ``_encode_session`` record, the
-LRU order and which objects are parked, its arrays share the one table, and its
-plan reuses ``_plan_session`` per session."""
+# ------------------------------------------------------------- managers
+def _encode_manager(manager: SessionStateManager, table: _ArrayTable) -> dict[str, Any]:
+    """Every session held, least recently used first; parked objects saved with their host arrays."""
+    sessions = []
+    for session_id, held in manager.held().items():
+        if held.donated:
+            raise CheckpointError(
+                f"session {session_id!r} is in use: its arrays were donated to a step that has not been "
+                "put back. put() it (or drop() it) before saving the manager."
+            )
+        objects = {name: held.parked[name].obj if name in held.parked else obj for name, obj in held.session.objects.items()}
+        sessions.append(
+            {
+                "id": _codec.encode_value(session_id, where=f"session id {session_id!r}"),
+                "session": _encode_session(held.session.replace(objects=objects), table),
+                "dropped": sorted(held.dropped),
+            }
+        )
+    return {"config": manager.config(), "sessions": sessions}
+
+
+def _plan_manager(
+    record: dict[str, Any],
+    entries: dict[str, Any],
+    target: SessionStateManager | None,
+    shardings: ShardingRules | None,
+) -> tuple[dict[str, Placement], Callable[[dict[str, Any]], SessionStateManager]]:
+    """Each session planned as a session checkpoint; the manager filled in LRU order."""
+    manager = SessionStateManager(**record["config"]) if target is None else target
+    if len(manager):
+        raise CheckpointError(f"restore(target=manager): the manager must be empty; it holds {len(manager)} sessions.")
+    placements: dict[str, Placement] = {}
+    sessions = []
+    for saved in record["sessions"]:
+        where, assemble = _plan_session(saved["session"], entries, None, shardings)
+        placements.update(where)
+        sessions.append((_codec.decode_value(saved["id"]), assemble, frozenset(saved["dropped"])))
+
+    def assemble_manager(arrays: dict[str, Any]) -> SessionStateManager:
+        manager._load((session_id, assemble(arrays), dropped) for session_id, assemble, dropped in sessions)
+        return manager
+
+    return placements, assemble_manager
+
+
+_CONTENTS = {
+    "session": _Content("session", Session, _encode_session, _plan_session),
+    "manager": _Content("manager", SessionStateManager, _encode_manager, _plan_manager),
+}
+"""What checkpoints hold, by the name in the manifest."""
 
 
 # --------------------------------------------------------------- arrays

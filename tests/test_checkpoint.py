@@ -222,7 +222,7 @@ def flip_bytes(path):
     [
         (lambda root: edit_manifest(root, lambda m: m.update(version=2)), "format version 2; this library reads version 1"),
         (lambda root: edit_manifest(root, lambda m: m.update(format="other")), "is not a jax_session_state.checkpoint"),
-        (lambda root: edit_manifest(root, lambda m: m.update(content="manager")), "holds 'manager'"),
+        (lambda root: edit_manifest(root, lambda m: m.update(content="queue")), "holds 'queue'"),
         (lambda root: edit_manifest(root, lambda m: m.pop("record")), "manifest.json is malformed"),
         (
             lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["kv"].update(kind="nowhere:KVCache")),
@@ -340,3 +340,93 @@ def test_restore_places_objects_by_the_given_rules(tmp_path):
     assert_same(restored, session.replace(objects={n: o.replace(sharding=rules) for n, o in session.objects.items()}))
     placed_like_target = checkpoint.restore(tmp_path, target=restored)
     assert placed_like_target["kv"].sharding == rules
+
+
+# ----------------------------------------------------------------- managers
+def _served_session(i):
+    session = jss.Session(
+        objects={
+            "prompt": jss.FixedState.allocate(shapes=(1, 64)),
+            "cond": jss.FixedState.allocate(shapes=(1, 64), recompute_source="prompt"),
+            "kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64),
+        },
+        attrs={"rng": jax.random.key(i)},
+    )
+    rows = jnp.asarray(np.random.default_rng(i).normal(size=(1, 5, 2, 8)), jnp.float32)
+    prompt = jnp.asarray(np.random.default_rng(100 + i).normal(size=(1, 64)), jnp.float32)
+    return session.append(prompt=prompt, cond=2 * prompt, kv=(rows, rows))
+
+
+def _manager(budget_sessions=3, **kwargs):
+    manager = jss.SessionStateManager(byte_budget={"cpu:0": budget_sessions * _served_session(0).nbytes}, **kwargs)
+    manager.register_rebuild("cond", lambda s: s["cond"].empty().commit(2 * s["prompt"].view()))
+    return manager
+
+
+def _holdings(manager):
+    return {sid: (sorted(h.parked), sorted(h.dropped)) for sid, h in manager.held().items()}
+
+
+def test_a_manager_round_trips_its_sessions_lru_order_parks_and_drops(tmp_path):
+    manager = _manager()
+    originals = {sid: _served_session(i) for i, sid in enumerate(["a", "b", "c", "d", "e"])}
+    for sid, session in originals.items():
+        manager.create(sid, session.fork())
+    manager.get("b")  # b becomes the most recently used
+    with manager.pin("c"):
+        checkpoint.save(tmp_path, manager)
+    saved_holdings = _holdings(manager)
+    assert any(parked for parked, _ in saved_holdings.values()) and any(d for _, d in saved_holdings.values())
+
+    restored = checkpoint.restore(tmp_path, target=_manager())
+    assert list(restored.held()) == list(manager.held())  # least recently used first
+    assert _holdings(restored) == saved_holdings  # the same rules, the same holdings
+    stats = restored.stats()
+    assert stats["sessions"] == 5 and stats["lookups"] == stats["parks"] == stats["evictions"] == 0
+    assert not any(restored._entries[sid].pins for sid in restored.held())  # pins are not persisted
+    for sid, session in originals.items():
+        back = restored.get(sid)  # parked objects copied back, dropped ones rebuilt
+        for name in session.objects:
+            for x, y in zip(jax.tree_util.tree_leaves(back[name]), jax.tree_util.tree_leaves(session[name])):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{sid}.{name}")
+        np.testing.assert_array_equal(jax.random.key_data(back.attrs["rng"]), jax.random.key_data(session.attrs["rng"]))
+
+
+def test_a_manager_restores_without_a_target_with_its_saved_settings(tmp_path):
+    manager = _manager(max_sessions=7, evict_when_full=False, host_budget=1 << 20)
+    manager.create("only", _served_session(1))
+    checkpoint.save(tmp_path, manager)
+    restored = checkpoint.restore(tmp_path)
+    assert isinstance(restored, jss.SessionStateManager) and restored.config() == manager.config()
+    assert list(restored.held()) == ["only"]
+
+
+def test_a_manager_restore_that_does_not_fit_leaves_the_target_empty(tmp_path):
+    manager = _manager()
+    for i in range(3):
+        manager.create(i, _served_session(i))
+    checkpoint.save(tmp_path, manager)
+    small = jss.SessionStateManager(
+        byte_budget={"cpu:0": _served_session(0).nbytes}, evict_when_full=False, park_memory_kind=None
+    )
+    with pytest.raises(jss.BudgetExceededError):
+        checkpoint.restore(tmp_path, target=small)
+    assert len(small) == 0 and small.nbytes_by_device() == {}
+
+
+def test_manager_checkpoints_refuse_what_they_cannot_do(tmp_path):
+    manager = _manager()
+    manager.create("busy", _served_session(0))
+    step = jax.jit(lambda s: s, donate_argnums=0)
+    step(manager.get("busy"))  # donated, not put back
+    with pytest.raises(jss.CheckpointError, match="'busy' is in use"):
+        checkpoint.save(tmp_path / "m", manager)
+    manager.put("busy", _served_session(0))
+    checkpoint.save(tmp_path / "m", manager)
+    with pytest.raises(jss.CheckpointError, match="must be empty; it holds 1"):
+        checkpoint.restore(tmp_path / "m", target=manager)
+    with pytest.raises(jss.CheckpointError, match="holds a SessionStateManager; restore.*got a Session"):
+        checkpoint.restore(tmp_path / "m", target=_served_session(0))
+    checkpoint.save(tmp_path / "s", _served_session(0))
+    with pytest.raises(jss.CheckpointError, match="holds a Session; restore.*got a SessionStateManager"):
+        checkpoint.restore(tmp_path / "s", target=_manager())
