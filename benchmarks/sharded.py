@@ -8,8 +8,9 @@ Measures, in one run:
 - bytes per device of that session: each must be total / 8 (bar: within 1%);
 - checkpoint save and restore of a 1 GiB head-sharded session with
   ``jax_session_state.checkpoint`` against numpy on the same arrays in the
-  same directory: ``numpy.save`` of the jax arrays (which gathers them to the
-  host) and ``numpy.load`` + ``device_put`` back onto the same sharding (bar:
+  same directory: ``numpy.save`` of the jax arrays into new files, as a
+  checkpoint writes them (it gathers them to the host), and ``numpy.load`` +
+  ``device_put`` back onto the same sharding (bar:
   throughput ratio >= 0.5); also against numpy on host copies alone, and raw
   Orbax with other options, to show what mattered.
 
@@ -165,15 +166,19 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
     total = sum(x.nbytes for x in arrays.values())
     host = {name: np.asarray(x) for name, x in arrays.items()}  # numpy saves what is already on the host
 
-    def np_save(source: dict) -> Callable[[], None]:
-        def save() -> None:
-            for name, x in source.items():
-                np.save(directory / f"{name}.npy", x)
+    def np_save(source: dict, folder: str) -> tuple[Callable[[], None], Callable[[], None]]:
+        """numpy.save into new files, as a checkpoint writes them; removing them is not timed."""
+        path = directory / folder
 
-        return save
+        def save() -> None:
+            path.mkdir()
+            for name, x in source.items():
+                np.save(path / f"{name}.npy", x)
+
+        return save, lambda: shutil.rmtree(path)
 
     def np_load() -> list[np.ndarray]:
-        return [np.load(directory / f"{name}.npy") for name in host]
+        return [np.load(directory / "numpy" / f"{name}.npy") for name in host]
 
     def np_load_placed() -> list[jax.Array]:
         return [jax.device_put(x, arrays[name].sharding) for name, x in zip(host, np_load())]
@@ -192,13 +197,13 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
 
     library = directory / "library"
     jss.checkpoint.save(library, session)
-    np_save(host)()
+    np_save(host, "numpy")[0]()
     nothing = lambda: None  # noqa: E731
     variants = {name: orbax(i, *spec) for i, (name, spec) in enumerate(ORBAX_VARIANTS.items())}
     saves = measured(
         {
-            SAME_ARRAYS["save"]: (np_save(arrays), nothing),
-            HOST_ONLY["save"]: (np_save(host), nothing),
+            SAME_ARRAYS["save"]: np_save(arrays, "numpy-of-jax"),
+            HOST_ONLY["save"]: np_save(host, "numpy-of-host"),
             "jss.checkpoint.save": (lambda: jss.checkpoint.save(library, session), nothing),
         }
         | {name: (save, cleanup) for name, (save, _, cleanup) in variants.items()},

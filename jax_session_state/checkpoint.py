@@ -10,6 +10,7 @@ A checkpoint is a directory::
                              shapes, dtypes and fingerprints
         arrays/              an Orbax PyTree checkpoint of those arrays
       .partial-000008/       a save in progress, or one that crashed: never read
+      .superseded-000006/    an older checkpoint being deleted: never read
 
 :func:`save` writes a whole checkpoint into a partial directory, flushes it,
 renames it to the next ``ckpt-N`` (a rename is atomic) and only then removes
@@ -44,12 +45,14 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +78,7 @@ VERSION = 1
 
 _COMPLETE = re.compile(r"ckpt-(\d+)")
 _PARTIAL = ".partial-"
+_TRASH = ".superseded-"
 _MANIFEST = "manifest.json"
 _ARRAYS = "arrays"
 
@@ -120,22 +124,26 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
         )
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    for partial in root.glob(f"{_PARTIAL}*"):  # left by a crashed save
-        shutil.rmtree(partial)
+    for leftover in (*root.glob(f"{_PARTIAL}*"), *root.glob(f"{_TRASH}*")):  # left by a crashed save
+        shutil.rmtree(leftover, ignore_errors=True)
     number = max((n for n, _ in _complete(root)), default=0) + 1
     partial, final = root / f"{_PARTIAL}{number:06d}", root / f"ckpt-{number:06d}"
     table = _ArrayTable()
     manifest = {"format": FORMAT, "version": VERSION, "content": content.name, "record": content.encode(state, table)}
-    manifest["arrays"] = table.entries
     partial.mkdir()
-    if table.values:
-        _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # fingerprints (numpy, GIL released) beside Orbax's writes
+        fingerprints = pool.submit(table.fingerprints)
+        if table.values:
+            _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values))
+        manifest["arrays"] = fingerprints.result()
     _write_durably(partial / _MANIFEST, json.dumps(manifest, indent=1))
     _fsync_directory(partial)
     os.rename(partial, final)
     _fsync_directory(root)
-    for _, older in _complete(root)[:-1]:
-        shutil.rmtree(older)
+    # Older checkpoints leave by an atomic rename; their files are deleted off the caller's path.
+    trash = [older.rename(root / f"{_TRASH}{n:06d}") for n, older in _complete(root)[:-1]]
+    if trash:
+        threading.Thread(target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash], daemon=True).start()
     return final
 
 
@@ -412,10 +420,13 @@ class _ArrayTable:
             x = np.asarray(x)
         entry.update(shape=list(x.shape), dtype=np.dtype(x.dtype).name)
         if self.keep_values:
-            entry["fingerprint"] = fingerprint(x)
             self.values[key] = x
         self.entries[key] = entry
         return key
+
+    def fingerprints(self) -> dict[str, dict[str, Any]]:
+        """The manifest entries, each with its array's fingerprint."""
+        return {key: {**entry, "fingerprint": fingerprint(self.values[key])} for key, entry in self.entries.items()}
 
 
 def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str, Placement]) -> dict[str, Any]:
