@@ -32,6 +32,7 @@ MODULES = [
     "manager",
     "paged",
     "rollout",
+    "sharded",
 ]
 
 HERE = Path(__file__).parent

@@ -9,15 +9,17 @@ Measures, in one run (batch 1, 8 query heads over 8 kv-heads x 64, float32):
     to 4k, T = 16 and T = 1, against PyTorch eager with a preallocated
     head-major cache, an in-place ``copy_`` and ``scaled_dot_product_attention``
     over the valid prefix (bar <= 2.0, goal <= 1.0); PyTorch also on one
-    thread, for the same-core comparison; and whole rollouts: the step in a
-    Python loop and as one ``lax.scan``;
+    thread, for the same-core comparison; where the native CPU kernel is
+    built, the same step with the pure-JAX loop in the same rounds; and whole
+    rollouts: the step in a Python loop and as one ``lax.scan``;
 (c) a one-token decode step with projections against
     ``flax.nnx.MultiHeadAttention(decode=True)`` at capacity 8k (bar <= 0.1);
-(d) where the step's time goes (profiled per XLA op: K/V block copies,
-    matmuls, softmax, writes, loop overhead), each against its ceiling
-    measured in the same run (XLA's best batched matmul for the block
-    shapes, copy bandwidth, one fused pass of the softmax arithmetic), and
-    PyTorch's attention rate; the cost of an empty jitted step;
+(d) where the step's time goes (profiled per XLA op: the native kernel's
+    one call; or, for the pure loop, K/V block copies, matmuls, softmax,
+    writes, loop overhead), each against its ceiling measured in the same
+    run (XLA's best batched matmul for the block shapes, copy bandwidth, one
+    fused pass of the softmax arithmetic), and PyTorch's attention rate; the
+    cost of an empty jitted step;
 (e) the physical limit: bytes that must move per step (valid K/V read once
     + rows written) over the measured copy bandwidth;
 (f) peak resident memory of a donated 32k rollout in a fresh process
@@ -56,6 +58,7 @@ from jax import lax
 
 import jax_session_state as jss
 from benchmarks._common import cli, interleaved
+from jax_session_state import _native
 
 torch: Any = None  # PyTorch, an optional benchmark dependency: imported by main(), not by the memory child
 
@@ -63,6 +66,7 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 64
 CAPACITY, NNX_CAPACITY = 32768, 8192
 FLOAT = 4  # bytes
 BARS = {"capacity": 1.5, "step": 2.0, "nnx": 0.1, "memory": 1.25}
+NATIVE_CALL = "native kernel (one FFI call)"
 NO_TORCH = "skipped: PyTorch is not installed (pip install torch==2.13.0)"
 RNG = np.random.default_rng(0)
 
@@ -110,6 +114,17 @@ def _step_in_place(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array)
 
 step_in_place = jax.jit(_step_in_place, donate_argnums=0)
 step = jax.jit(_step, donate_argnums=0)
+pure_step_in_place = jax.jit(lambda *args: _step_in_place(*args), donate_argnums=0)  # its own trace cache
+
+
+def pure_kernel(fn):
+    """``fn`` traced (at its first call) without the native kernel: the pure-JAX loop."""
+
+    def run(*args):
+        with _native.use(False):
+            return fn(*args)
+
+    return run
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -211,6 +226,14 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
             return out.block_until_ready()
 
         candidates = {"jax": jax_call}
+        if _native.enabled():
+
+            def pure_call():
+                state.cache, out = pure_kernel(pure_step_in_place)(state.cache, qj, kj, vj)
+                return out.block_until_ready()
+
+            candidates["jax pure"] = pure_call
+            assert _relative_error(pure_call(), jax_call()) < 1e-5
         if torch is not None:
             qt, kt, vt = map(torch.from_numpy, (q, k, v))
 
@@ -223,6 +246,9 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
             assert error < 1e-4, error
         t = _timed(candidates, rounds)
         case = f"step T={T}, valid {length} -> {length + T}"
+        if "jax pure" in t:
+            rows.append(_row("b", f"{case}: native kernel vs pure-JAX loop", t["jax"] * 1e6, t["jax pure"] * 1e6,
+                             "us"))
         if torch is None:
             rows.append(_row("b", case, t["jax"] * 1e6, None, "us", note=NO_TORCH))
             continue
@@ -390,6 +416,8 @@ def _hlo_categories(hlo: str) -> dict[str, str]:
                     categories[op_name] = "softmax and state update"
             elif op == "while":
                 categories[op_name] = "while"
+            elif op == "custom-call" and _native.TARGET in line:
+                categories[op_name] = NATIVE_CALL
             elif any(write in inner or op == write for write in ("dynamic-update-slice", "scatter")):
                 categories[op_name] = "write (append)"
             else:
@@ -442,31 +470,52 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * a.nbytes / min(times)
 
 
-def breakdown_rows(T: int, length: int, rounds: int, bandwidth: float) -> list[dict]:
-    """Where a step at ``length`` valid tokens spends its time, each piece against its ceiling."""
+def breakdown_rows(T: int, length: int, rounds: int, bandwidth: float, kernel: str) -> list[dict]:
+    """Where a step at ``length`` valid tokens spends its time, each piece against its ceiling.
+
+    ``kernel``: "native" (the step as ``jss.attend`` runs it here) or "pure"
+    (the pure-JAX loop, traced without the native kernel).
+    """
     state = _Rollout(length + T)
     state.at(length)
     q, k, v = (jnp.asarray(_randn(BATCH, T, HEADS, HEAD_DIM)) for _ in range(3))
+    fn = step_in_place if kernel == "native" else pure_kernel(pure_step_in_place)
 
     def call(fn):
         state.cache, out = fn(state.cache, q, k, v)
         out.block_until_ready()
 
-    hlo = step_in_place.lower(state.cache, q, k, v).compile().as_text()
-    categories = _hlo_categories(hlo)
-    profiled = _profile(functools.partial(call, step_in_place))
+    with _native.use(kernel == "native"):
+        hlo = (step_in_place if kernel == "native" else pure_step_in_place).lower(state.cache, q, k, v)
+        categories = _hlo_categories(hlo.compile().as_text())
+    profiled = _profile(functools.partial(call, fn))
     by_category: dict[str, float] = defaultdict(float)
     for name, us in profiled.items():
         if name in categories:
             by_category[categories[name]] += us
-    inside = sum(us for c, us in by_category.items() if c not in ("while", "write (append)")
+    inside = sum(us for c, us in by_category.items() if c not in ("while", "write (append)", NATIVE_CALL)
                  and not c.startswith("outside"))
-    by_category["loop overhead"] += by_category.pop("while", 0.0) - inside  # the while's time between its ops
-    t = _timed({"step": functools.partial(call, step_in_place), "empty": functools.partial(call, empty_step)},
-               rounds)
+    if "while" in by_category:
+        by_category["loop overhead"] += by_category.pop("while") - inside  # the while's time between its ops
+    t = _timed({"step": functools.partial(call, fn), "empty": functools.partial(call, empty_step)}, rounds)
     # Tracing slows every op down; scale the profiled times to the step's untraced wall clock time.
     profiled_total = sum(by_category.values())
     scale = t["step"] * 1e6 / profiled_total
+    label = f"T={T} {kernel}"
+    rows = [_row("d", f"{label} valid {length + T}: whole step (wall clock)", t["step"] * 1e6, None, "us"),
+            _row("d", f"{label}: an empty jitted step with the same arguments", t["empty"] * 1e6, None, "us",
+                 note="dispatch cost, not subtracted"),
+            _row("d", f"{label}: all ops, profiled (traced)", profiled_total, None, "us",
+                 note=f"the rows below are profiled times x {scale:.2f}, to add up to the untraced step")]
+    if kernel == "native":
+        us = by_category.get(NATIVE_CALL, 0.0) * scale
+        flops = 4 * BATCH * HEADS * T * (length + T) * HEAD_DIM
+        moved = 2 * BATCH * HEADS * (length + T) * HEAD_DIM * FLOAT
+        rows.append(_row("d", f"{label}: {NATIVE_CALL}", us, moved / bandwidth * 1e6, "us",
+                         note=f"{flops / us / 1e3:.0f} GFLOP/s; ceiling: K/V read once at the copy bandwidth"))
+        for category in ("write (append)", "outside the loop (q layout, normalise)"):
+            rows.append(_row("d", f"{label}: {category}", by_category.get(category, 0.0) * scale, None, "us"))
+        return rows
 
     block = jss.attention.BLOCK_SIZE
     blocks = -(-(length + T) // block)
@@ -477,11 +526,6 @@ def breakdown_rows(T: int, length: int, rounds: int, bandwidth: float) -> list[d
         "matmul Q@K^T": ("bhmd,bhnd->bhmn", (BATCH, HEADS, M, HEAD_DIM), (BATCH, HEADS, block, HEAD_DIM)),
         "matmul P@V": ("bhmn,bhnd->bhmd", (BATCH, HEADS, M, block), (BATCH, HEADS, block, HEAD_DIM)),
     }
-    rows = [_row("d", f"T={T} valid {length + T}: whole step (wall clock)", t["step"] * 1e6, None, "us"),
-            _row("d", f"T={T}: an empty jitted step with the same arguments", t["empty"] * 1e6, None, "us",
-                 note="dispatch cost, not subtracted"),
-            _row("d", f"T={T}: all ops, profiled (traced)", profiled_total, None, "us",
-                 note=f"the rows below are profiled times x {scale:.2f}, to add up to the untraced step")]
     for category in ("K/V block copy", "matmul Q@K^T", "matmul P@V", "softmax and state update", "loop overhead",
                      "write (append)", "outside the loop (q layout, normalise)"):
         us = by_category.get(category, 0.0) * scale
@@ -501,7 +545,7 @@ def breakdown_rows(T: int, length: int, rounds: int, bandwidth: float) -> list[d
             note = "ceiling: one fused pass over all the scores"
         elif category == "loop overhead":
             note = f"{us / blocks:.1f} us per iteration, {blocks} iterations"
-        rows.append(_row("d", f"T={T}: {category}", us, ceiling, "us", note=note))
+        rows.append(_row("d", f"{label}: {category}", us, ceiling, "us", note=note))
     if torch is not None:
         qt, kt, vt = (torch.from_numpy(_randn(BATCH, HEADS, n, HEAD_DIM)) for n in (T, length + T, length + T))
         mask = None if T == 1 else torch.ones(T, length + T, dtype=torch.bool).tril(length)
@@ -619,8 +663,10 @@ def run(*, full: bool) -> list[dict]:
     rows += nnx_rows([256, 1024, 4096], rounds)
     dram = copy_bandwidth(1 << 30 if full else 256 << 20)
     cached = copy_bandwidth(16 << 20)
+    kernels = ["native", "pure"] if _native.enabled() else ["pure"]
     for T in (16, 1):
-        rows += breakdown_rows(T, 4096 - T, rounds, cached)
+        for kernel in kernels:
+            rows += breakdown_rows(T, 4096 - T, rounds, cached, kernel)
     rows += limit_rows(steps, dram)
     cases = [("donated", 1), ("scan", 1), ("copied", 1)] + ([("donated", 4)] if full else [])
     return rows + memory_rows(cases)

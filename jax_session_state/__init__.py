@@ -1,6 +1,6 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, errors, offload, planner
+from jax_session_state import accounting, checkpoint, errors, offload, planner, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
@@ -8,6 +8,7 @@ from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
     BudgetExceededError,
     CapacityError,
+    CheckpointError,
     NotEvictableError,
     NotResidentError,
     RecomputeGraphError,
@@ -33,6 +34,7 @@ from jax_session_state.objects import (
 )
 from jax_session_state.offload import Parked
 from jax_session_state.session import Session
+from jax_session_state.sharding import ShardingRules, shard
 from jax_session_state.summary import Summary, summary
 
 __version__ = "0.1.0"
@@ -42,6 +44,7 @@ __all__ = [
     "Branches",
     "BudgetExceededError",
     "CapacityError",
+    "CheckpointError",
     "EncodeOnceKV",
     "FixedState",
     "Held",
@@ -67,12 +70,14 @@ __all__ = [
     "SessionStateError",
     "SessionStateLostError",
     "SessionStateManager",
+    "ShardingRules",
     "StateObject",
     "Summary",
     "accounting",
     "attend",
     "attend_with_lse",
     "check",
+    "checkpoint",
     "device_bytes",
     "device_key",
     "errors",
@@ -80,5 +85,7 @@ __all__ = [
     "merge_attention",
     "offload",
     "planner",
+    "shard",
+    "sharding",
     "summary",
 ]

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_session_state.sharding import ShardingRules
+
 ShapePattern = Sequence["int | str"]
 
 
@@ -155,3 +157,47 @@ def leaf_specs(
         else:
             raise TypeError(f"{owner}: spec leaves must be shapes, ShapeDtypeStructs or arrays; got {leaf!r}.")
     return treedef, tuple(specs)
+
+
+def axis_names(owner: str, what: str, names: Any, rank: int) -> tuple[str | None, ...]:
+    """Normalises the logical axis names of one array (None: all unnamed)."""
+    if names is None:
+        return (None,) * rank
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"{owner}: {what} must be a tuple of axis names (str or None); got {names!r}.")
+    names = tuple(names)
+    if len(names) != rank or not all(n is None or (isinstance(n, str) and n) for n in names):
+        raise ValueError(
+            f"{owner}: {what} must name each of the {rank} axes (a str, or None for unnamed); got {names!r}."
+        )
+    return names
+
+
+def tree_axis_names(
+    owner: str, what: str, names: Any, treedef: jax.tree_util.PyTreeDef, specs: Sequence[jax.ShapeDtypeStruct]
+) -> tuple[tuple[str | None, ...], ...]:
+    """Normalises per-leaf axis names given as a pytree like the spec (None: all unnamed)."""
+    if names is None:
+        per_leaf: list[Any] = [None] * len(specs)
+    else:
+        try:
+            per_leaf = treedef.flatten_up_to(names)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"{owner}: {what} must have the structure of the spec {treedef}, with a tuple of axis "
+                f"names per array; got {names!r} ({error})."
+            ) from None
+    return tuple(
+        axis_names(owner, f"{what} of leaf {i}", leaf, len(spec.shape))
+        for i, (leaf, spec) in enumerate(zip(per_leaf, specs))
+    )
+
+
+def sharding_rules(owner: str, sharding: Any) -> Any:
+    """Returns ``sharding`` when it is ShardingRules or None, else raises naming the argument."""
+    if sharding is not None and not isinstance(sharding, ShardingRules):
+        raise TypeError(
+            f"{owner}: sharding must be jax_session_state.ShardingRules (logical axes -> mesh axes) "
+            f"or None; got {type(sharding).__name__}."
+        )
+    return sharding

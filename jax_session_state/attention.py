@@ -6,7 +6,10 @@
   row's length with an online softmax (flash-decoding style) in a
   ``lax.fori_loop`` whose trip count is computed at run time, so a
   32k-capacity cache holding 1k tokens attends like a 1k cache;
-  ``positions`` is not read.
+  ``positions`` is not read.  On CPU, float32, where the native kernel was
+  built (``jax_session_state._native``), the same algorithm runs as one XLA
+  FFI call that reads the cache in place, fused, on both cores; other
+  platforms lower the pure loop (``lax.platform_dependent``).
 - :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
   one dense, masked pass over its slots using ``positions``.
 - :class:`BranchKVView` (a speculative lane): cascade attention — the shared
@@ -28,7 +31,15 @@ returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity (measured: 263 ms at 32k capacity against
 3.3 ms here for 1k valid tokens).
 
-Measured on XLA:CPU (notes for whoever tunes this next;
+The native kernel (``csrc/decode_attention.cc``): under ``jax.vmap`` over
+lanes sharing a cache its batching rule folds the lanes into query rows (one
+call reads the prefix once for every lane), and a ``jax.custom_vjp`` gives
+it a flash-attention backward in pure JAX, blockwise like the forward; so
+with the native kernel ``jax.grad`` also works under ``jit`` with traced
+lengths (the pure loop's own autodiff needs concrete lengths, which make it
+a scan), while forward-mode ``jax.jvp`` of append-mode attention does not.
+
+The pure loop, measured on XLA:CPU (notes for whoever tunes this next;
 ``benchmarks/attention.py`` prints where a step's time goes): XLA copies
 every K/V block out of the cache before a dot, and a bare slice copy
 compiles to scalar code; fusing a multiply into the copy vectorises it, so
@@ -52,9 +63,10 @@ lanes, XLA's YNNPACK fusions turned off, and reductions in place of dots
 the online-softmax state is lane-major while the dots are head-major, so
 XLA adds about four transposing copies of the state per block; a batching
 rule folding lanes into query rows would avoid them, but
-``jax.custom_batching.custom_vmap`` cannot be differentiated, so it is not
-used.  ``KVView.positions`` (whole capacity) is never computed in append
-mode: nothing reads it and XLA drops it (a test checks the compiled step).
+``jax.custom_batching.custom_vmap`` cannot be differentiated, so the pure
+loop does without (the native kernel has one, under its custom VJP).
+``KVView.positions`` (whole capacity) is never computed in append mode:
+nothing reads it and XLA drops it (a test checks the compiled step).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -69,12 +81,16 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from jax_session_state import _native
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
@@ -175,10 +191,10 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
     return q_positions.astype(jnp.int32)
 
 
-def _grouped(q: Array, view: KVView, scale: float | None) -> tuple[Array, int, float]:
-    """Checks q against the view; returns q as ``[B, kv_heads, T*G, D]`` float32, G, scale."""
+def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float]:
+    """Checks q against the view's ``k``; returns q as ``[B, kv_heads, T*G, D]`` float32, G, scale."""
     B, T, q_heads, D = q.shape
-    view_batch, kv_heads, _, view_dim = view.k.shape
+    view_batch, kv_heads, _, view_dim = k.shape
     if B != view_batch:
         raise ValueError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
     if D != view_dim:
@@ -186,23 +202,36 @@ def _grouped(q: Array, view: KVView, scale: float | None) -> tuple[Array, int, f
     if q_heads % kv_heads:
         raise ValueError(f"attend(): q_heads={q_heads} is not a multiple of the view's kv_heads={kv_heads}.")
     groups = q_heads // kv_heads
-    # Only q (small) is transposed: [B, T, Hk, G, D] -> [B, Hk, T*G, D], rows ordered (t, g).
-    grouped = q.astype(_F32).reshape(B, T, kv_heads, groups, D).transpose(0, 2, 1, 3, 4)
-    return grouped.reshape(B, kv_heads, T * groups, D), groups, 1.0 / math.sqrt(D) if scale is None else scale
+    return _to_rows(q, kv_heads), groups, 1.0 / math.sqrt(D) if scale is None else scale
 
 
-def _finish(q: Array, state: tuple[Array, Array, Array], groups: int) -> tuple[Array, Array]:
+def _to_rows(x: Array, kv_heads: int) -> Array:
+    """``[B, T, q_heads, ...]`` -> float32 ``[B, kv_heads, T*G, ...]``, rows ordered (t, g).
+
+    Only per-query arrays (small) are transposed, never the cache.
+    """
+    B, T, q_heads = x.shape[:3]
+    groups = q_heads // kv_heads
+    rows = x.astype(_F32).reshape(B, T, kv_heads, groups, *x.shape[3:])
+    return jnp.moveaxis(rows, 2, 1).reshape(B, kv_heads, T * groups, *x.shape[3:])
+
+
+def _from_rows(x: Array, T: int) -> Array:
+    """The inverse of :func:`_to_rows` (float32 kept)."""
+    B, kv_heads, M = x.shape[:3]
+    rows = x.reshape(B, kv_heads, T, M // T, *x.shape[3:])
+    return jnp.moveaxis(rows, 1, 2).reshape(B, T, kv_heads * (M // T), *x.shape[3:])
+
+
+def _finish(q: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
     """Normalises the online-softmax state into ``(out, lse)`` in q's layout."""
     top, total, acc = state
-    B, T, q_heads, D = q.shape
-    kv_heads = q_heads // groups
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
     out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
     lse = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
-    out = out.reshape(B, kv_heads, T, groups, D).transpose(0, 2, 1, 3, 4).reshape(q.shape)
-    lse = lse.reshape(B, kv_heads, T, groups).transpose(0, 2, 1, 3).reshape(B, T, q_heads)
-    return out.astype(q.dtype), lse
+    T = q.shape[1]
+    return _from_rows(out, T).astype(q.dtype), _from_rows(lse, T)
 
 
 def _empty_state(qh: Array) -> tuple[Array, Array, Array]:
@@ -229,33 +258,112 @@ def _scores(keys: Array, qh: Array) -> Array:
 def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
     if view.window is not None:
         return _dense_with_lse(q, view, causal, scale, q_positions)
-    qh, groups, scale = _grouped(q, view, scale)
-    capacity = view.k.shape[2]
-    n = min(BLOCK_SIZE, capacity)
-    # The trip count depends on lengths only (not on queries), so under vmap over
-    # lanes sharing one prefix the loop, and every block read, stays unbatched.
-    n_blocks = (jnp.clip(jnp.max(view.lengths), 0, capacity) + n - 1) // n
-    last = jnp.broadcast_to(view.lengths[:, None] - 1, q_positions.shape)  # last visible key per query
+    _, _, scale = _grouped(q, view.k, scale)
+    if _native.enabled() and _native.supports(q, view.k, view.v) and isinstance(scale, numbers.Real):
+        return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale))
+    return _blockwise(q, view.k, view.v, view.lengths, q_positions, causal=causal, scale=scale)
+
+
+def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int) -> Array:
+    """The last key each query row sees, ``[B, 1, T*G, 1]`` (rows ordered (t, g))."""
+    last = jnp.broadcast_to(lengths[:, None] - 1, q_positions.shape)
     if causal:
         last = jnp.minimum(last, q_positions)
-    last = jnp.repeat(last, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1], rows (t, g)
+    return jnp.repeat(last, groups, axis=1)[:, None, :, None]
+
+
+def _block_count(lengths: Array, capacity: int, n: int) -> Array:
+    # The trip count depends on lengths only (not on queries), so under vmap over
+    # lanes sharing one prefix the loop, and every block read, stays unbatched.
+    return (jnp.clip(jnp.max(lengths), 0, capacity) + n - 1) // n
+
+
+def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
+    """Block ``i`` of ``n`` keys: its start, key positions and first new position.
+
+    The last block is shifted back to stay inside the cache; the keys it
+    repeats are masked by ``position >= first``.
+    """
+    first = i * n
+    start = jnp.minimum(first, cache.shape[2] - n)
+    return start, start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3), first
+
+
+def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
+               scale: float) -> tuple[Array, Array]:
+    """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax."""
+    qh, groups, scale = _grouped(q, k, scale)
+    n = min(BLOCK_SIZE, k.shape[2])
+    last = _last_visible(lengths, q_positions, causal, groups)
     one = lax.optimization_barrier(jnp.ones((), _F32))  # see the module notes
 
     def body(i: Array, state: Any) -> Any:
-        first = i * n
-        start = jnp.minimum(first, capacity - n)  # the last block is shifted back...
-        keys = lax.dynamic_slice_in_dim(view.k, start, n, axis=2).astype(_F32) * scale
-        values = lax.dynamic_slice_in_dim(view.v, start, n, axis=2).astype(_F32) * one
-        key_position = start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
-        visible = (key_position >= first) & (key_position <= last)  # ...and its overlap masked
+        start, key_position, first = _block(k, i, n)
+        keys = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(_F32) * scale
+        values = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(_F32) * one
+        visible = (key_position >= first) & (key_position <= last)
         return _online_update(state, _scores(keys, qh), visible, values)
 
-    return _finish(q, lax.fori_loop(0, n_blocks, body, _empty_state(qh)), groups)
+    return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
+                         scale: float) -> tuple[Array, Array]:
+    """Append-mode attention: the native kernel on CPU, :func:`_blockwise` elsewhere."""
+    blockwise = functools.partial(_blockwise, causal=causal, scale=scale)
+    native = _native.kernel(causal, scale, blockwise)
+    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=blockwise)
+
+
+def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale):
+    out, lse = _native_or_blockwise(q, k, v, lengths, q_positions, causal, scale)
+    return (out, lse), (q, k, v, lengths, q_positions, out, lse)
+
+
+def _native_or_blockwise_bwd(causal: bool, scale: float, residuals: Any, cotangents: Any) -> tuple:
+    """Flash-attention backward, blockwise up to the longest row like the forward.
+
+    With ``P = exp(S - lse)`` over the visible keys: ``dV = P^T dO``,
+    ``dS = P * (dO V^T - rowsum(dO * O) + dlse)``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q``.  Works under ``jit`` with traced lengths (no
+    reverse-mode through a loop of traced length is needed).
+    """
+    q, k, v, lengths, q_positions, out, lse = residuals
+    d_out, d_lse = cotangents
+    kv_heads, capacity = k.shape[1], k.shape[2]
+    groups, n = q.shape[2] // kv_heads, min(BLOCK_SIZE, capacity)
+    qh, d_rows = _to_rows(q, kv_heads), _to_rows(d_out, kv_heads)
+    lse_rows = _to_rows(lse, kv_heads)
+    lse_rows = jnp.where(jnp.isneginf(lse_rows), jnp.inf, lse_rows)[..., None]  # sees nothing: P = 0
+    delta = (jnp.sum(d_rows * _to_rows(out, kv_heads), -1) - _to_rows(d_lse, kv_heads))[..., None]
+    last = _last_visible(lengths, q_positions, causal, groups)
+
+    def body(i: Array, grads: Any) -> Any:
+        dq, dk, dv = grads
+        start, key_position, first = _block(k, i, n)
+        keys = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(_F32)
+        values = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(_F32)
+        visible = (key_position >= first) & (key_position <= last)
+        p = jnp.where(visible, jnp.exp(_scores(keys, qh) * scale - lse_rows), 0.0)
+        ds = p * (jnp.einsum("bhmd,bhnd->bhmn", d_rows, values) - delta) * scale
+        add = lambda grad, block: lax.dynamic_update_slice_in_dim(  # noqa: E731
+            grad, lax.dynamic_slice_in_dim(grad, start, n, axis=2) + block, start, axis=2)
+        dk = add(dk, jnp.einsum("bhmn,bhmd->bhnd", ds, qh))
+        dv = add(dv, jnp.einsum("bhmn,bhmd->bhnd", p, d_rows))
+        return dq + jnp.einsum("bhmn,bhnd->bhmd", ds, keys), dk, dv
+
+    zeros = (jnp.zeros_like(qh), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+    dq, dk, dv = lax.fori_loop(0, _block_count(lengths, capacity, n), body, zeros)
+    return _from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
 
 
 def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
     """One masked pass over every slot of a small view, using ``positions``."""
-    qh, groups, scale = _grouped(q, view, scale)
+    qh, groups, scale = _grouped(q, view.k, scale)
     key_position = view.positions[:, None, None, :]  # [B, 1, 1, C]
     query_position = jnp.repeat(q_positions, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1]
     visible = (key_position >= 0) & (key_position < view.lengths[:, None, None, None])
@@ -264,4 +372,4 @@ def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q
     if view.window is not None:
         visible &= (key_position < view.sink) | (query_position - key_position < view.window)
     scores = _scores(view.k.astype(_F32) * scale, qh)
-    return _finish(q, _online_update(_empty_state(qh), scores, visible, view.v.astype(_F32)), groups)
+    return _finish(q, _online_update(_empty_state(qh), scores, visible, view.v.astype(_F32)))

@@ -28,7 +28,7 @@ import abc
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,9 @@ from flax import struct
 
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.errors import CapacityError, NotEvictableError, NotResidentError
+
+if TYPE_CHECKING:
+    from jax_session_state.sharding import ShardingRules
 
 __all__ = ["StateObject", "check", "is_state_object", "overwrite"]
 
@@ -49,18 +52,25 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     Subclasses declare their storage as pytree fields and their spec as static
     fields (``struct.field(pytree_node=False)``), and implement ``allocate``,
     ``_empty_storage``, ``_stage``, ``_commit_staged``, ``discard`` and
-    ``view``.  A non-resident object (after ``evict`` or ``reset``) keeps its
-    static spec and holds None in every storage field.
+    ``view``; writes return :meth:`with_storage`, and :meth:`storage_axes`
+    names the storage axes for sharding.  A non-resident object (after
+    ``evict`` or ``reset``) keeps its static spec and holds None in every
+    storage field.
 
     Attributes:
       recompute_source: names of sibling objects in the same session this
         object can be rebuilt from (empty when it cannot be rebuilt).
       recompute_cost: estimated work to rebuild it (any unit, compared across
         objects by the eviction planner).
+      sharding: where the storage lives on a mesh
+        (:class:`~jax_session_state.ShardingRules` over the logical axes of
+        :meth:`storage_axes`), or None for the default device.  Kept when
+        the object is evicted or reset, so ``empty()`` allocates the same way.
     """
 
     recompute_source: tuple[str, ...] = struct.field(pytree_node=False, default=())
     recompute_cost: float = struct.field(pytree_node=False, default=0.0)
+    sharding: ShardingRules | None = struct.field(pytree_node=False, default=None)
 
     # Whether a write can overflow; kinds that can carry an ``overflowed`` flag.
     can_overflow: ClassVar[bool] = False
@@ -76,8 +86,46 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         """The storage fields of an empty object of this spec, freshly allocated."""
 
     def empty(self: Self) -> Self:
-        """A new empty, resident object with this object's spec (new buffers)."""
-        return self.replace(**self._empty_storage())
+        """A new empty, resident object with this object's spec (new buffers).
+
+        A sharded object allocates each shard on its own device (nothing is
+        built whole on one device first).
+        """
+        if self.sharding is None:
+            return self.replace(**self._empty_storage())
+        shardings = self.sharding.shardings(
+            self.storage_axes(), jax.eval_shape(self._empty_storage), owner=self.describe()
+        )
+        return self.replace(**jax.jit(self._empty_storage, out_shardings=shardings)())
+
+    def storage_axes(self) -> dict[str, Any]:
+        """The logical name of each axis of each storage leaf.
+
+        Returns:
+          A dict like the storage (field name -> pytree) holding, where the
+          storage has an array, a tuple with one name (or None: never
+          sharded) per axis.  Kinds name their axes after the ``allocate``
+          argument that sizes them (``"batch"``, ``"kv_heads"``, ...); this
+          default names none, so an object of a kind that does not override
+          it is replicated on a mesh.
+        """
+        shapes = jax.eval_shape(self._empty_storage)
+        return jax.tree_util.tree_map(lambda leaf: (None,) * leaf.ndim, shapes)
+
+    def with_storage(self: Self, **storage: Any) -> Self:
+        """A copy holding this new storage; what every write returns.
+
+        On a sharded object the storage is placed by ``sharding`` (a sharding
+        constraint under ``jit``), so every lifecycle method returns storage
+        sharded exactly like its input and donation aliases each shard.
+        Kinds return their writes through here rather than ``replace``.
+        """
+        if self.sharding is not None:
+            axes = self.storage_axes()
+            storage = self.sharding.constrain(
+                {name: axes[name] for name in storage}, storage, owner=self.describe()
+            )
+        return self.replace(**storage)
 
     @classmethod
     @functools.cache
@@ -92,12 +140,16 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     @classmethod
     @functools.cache
     def spec_fields(cls) -> tuple[str, ...]:
-        """Names of the static fields (the spec), without the recompute edge."""
+        """Names of the static fields that size the storage (the spec).
+
+        Without the recompute edge and the placement (``sharding``), which
+        say how the object is managed, not what it holds.
+        """
         return tuple(
             f.name
             for f in dataclasses.fields(cls)
             if not f.metadata.get("pytree_node", True)
-            and f.name not in ("recompute_source", "recompute_cost")
+            and f.name not in ("recompute_source", "recompute_cost", "sharding")
         )
 
     def describe(self) -> str:

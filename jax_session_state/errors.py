@@ -17,6 +17,7 @@ __all__ = [
       "BudgetExceededError",
       "SessionAdmissionError",
       "SessionStateLostError",
+      "CheckpointError",
 ]
 
 
@@ -56,4 +57,13 @@ class SessionStateLostError(SessionStateError, LookupError):
     """The session is unknown, was dropped, or was preempted.
 
     Raised instead of silently handing back an empty session.
+    """
+
+
+class CheckpointError(SessionStateError, ValueError):
+    """A checkpoint could not be restored, or a state could not be saved.
+
+    Restoring raises it when there is no checkpoint, when it has another
+    format version, when its files are damaged, or when it does not match the
+    target; nothing is half-restored.
     """

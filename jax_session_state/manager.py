@@ -488,6 +488,49 @@ class SessionStateManager:
                 for session_id, entry in self._by_recency()
             }
 
+    def config(self) -> dict[str, Any]:
+        """The constructor's settings a checkpoint records (not the lock, callbacks or rebuilds)."""
+        return {
+            "max_sessions": self.max_sessions,
+            "byte_budget": dict(self.byte_budget),
+            "evict_when_full": self.evict_when_full,
+            "park_memory_kind": self.park_memory_kind,
+            "host_budget": self.host_budget,
+        }
+
+    def _load(self, sessions: Iterable[tuple[Hashable, Session, frozenset[str]]]) -> None:
+        """Fills an empty manager from a checkpoint, least recently used first; counters start at 0.
+
+        Objects named in each ``frozenset`` were dropped when saved: those with
+        a registered rebuild are rebuilt before the session is admitted, the
+        others stay non-resident.  Admission follows ``create``'s rules.  No
+        other thread may use the manager meanwhile.  If a session cannot be
+        admitted, every session loaded so far is dropped again and the error
+        raised: nothing is half-restored.
+        """
+        with self._lock:
+            if self._entries:
+                raise ValueError(
+                    f"restoring a manager checkpoint needs an empty manager; this one holds {len(self)} sessions."
+                )
+        loaded = []
+        try:
+            for session_id, session, dropped in sessions:
+                objects = dict(session.objects)
+                for name in sorted(dropped & self._rebuilds.keys()):
+                    objects[name] = self._rebuild(session_id, name, session, None)
+                self.create(session_id, session.replace(objects=objects))
+                loaded.append(session_id)
+        except Exception:
+            for session_id in loaded:
+                self.drop(session_id)
+            with self._lock:
+                self._lost.clear()
+            raise
+        with self._lock:
+            self._hits = self._misses = 0
+            self._counts = dict.fromkeys(_COUNTERS, 0)
+
     # --------------------------------------------------------- internals
     def _store(self, session_id: Hashable, entry: Entry) -> None:
         """Holds ``entry`` for the id (a new id is the most recently used)."""
@@ -717,7 +760,7 @@ class SessionStateManager:
         return new
 
     def _rebuild(
-        self, session_id: Hashable, name: str, session: Session, placement: offload.Placement
+        self, session_id: Hashable, name: str, session: Session, placement: offload.Placement | None
     ) -> StateObject:
         original = session[name]
         where = f"rebuilding {name!r} of session {session_id!r}"
@@ -743,7 +786,7 @@ class SessionStateManager:
         rebuilt = rebuilt.replace(
             recompute_source=original.recompute_source, recompute_cost=original.recompute_cost
         )
-        return placement.apply(rebuilt)
+        return rebuilt if placement is None else placement.apply(rebuilt)
 
 
 def _checked_session(session: Any, operation: str, session_id: Hashable) -> Session:

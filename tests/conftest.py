@@ -1,4 +1,11 @@
-"""Test configuration: hypothesis profiles sized for CI."""
+"""Test configuration: hypothesis profiles sized for CI, and where multi-device tests run.
+
+Tests under ``tests/multidevice`` need 8 (fake) devices, which XLA only makes
+when ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` is set before jax
+is imported.  A normal run skips collecting them and ``test_multidevice.py``
+runs them in a subprocess with the flag; a run with the flag set collects
+them directly instead.
+"""
 
 import os
 
@@ -12,3 +19,8 @@ settings.register_profile(
 )
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=20)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+collect_ignore = (
+    ["test_multidevice.py"] if MULTIDEVICE_FLAG in os.environ.get("XLA_FLAGS", "") else ["multidevice"]
+)

@@ -1,8 +1,9 @@
 """attend() against a naive float64 numpy reference, on every kind of view.
 
-Error metric: ``max|a - b| / max|b|`` over the whole output (``b`` the
-reference), at most 1e-5 in float32; ``lse`` the same on finite entries and
-``-inf`` exactly where the reference has it.
+The reference and the error metric are in ``attention_reference.py``.
+
+Every test runs twice: with the native CPU kernel of append mode (where it
+was built) and with the pure-JAX kernels only.
 """
 
 import functools
@@ -15,59 +16,22 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
+from attention_reference import append_view, assert_close, randn, reference
+from jax_session_state import _native
 
-TOL = 1e-5
 EXAMPLES = settings(max_examples=25)
 
 
-def reference(q, k, v, lengths, key_positions, *, window=None, sink=0, causal=True, scale=None, q_positions=None):
-    """Naive float64 attention: (out, lse), zeros / -inf where nothing is visible."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, T, q_heads, D = q.shape
-    groups = q_heads // k.shape[1]
-    scale = 1 / np.sqrt(D) if scale is None else scale
-    lengths = np.asarray(lengths)
-    if q_positions is None:
-        q_positions = lengths[:, None] - T + np.arange(T)
-    qp = np.asarray(q_positions)[:, :, None]
-    kp = np.asarray(key_positions)[:, None, :]
-    visible = (kp >= 0) & (kp < lengths[:, None, None])
-    if causal:
-        visible = visible & (kp <= qp)
-    if window is not None:
-        visible = visible & ((kp < sink) | (qp - kp < window))
-    kr, vr = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
-    s = np.einsum("bthd,bhcd->bthc", q, kr) * scale
-    s = np.where(visible[:, :, None, :], s, -np.inf)
-    top = s.max(-1, keepdims=True)
-    seen = np.isfinite(top)
-    p = np.exp(s - np.where(seen, top, 0.0))
-    total = p.sum(-1, keepdims=True)
-    out = np.einsum("bthc,bhcd->bthd", p / np.where(seen, total, 1.0), vr)
-    lse = np.where(seen, top + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
-    return out, lse
-
-
-def assert_close(out, lse, ref_out, ref_lse):
-    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-    assert not np.isnan(out).any()
-    assert np.max(np.abs(out - ref_out)) <= TOL * max(np.max(np.abs(ref_out)), 1e-30)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    finite = np.isfinite(ref_lse)
-    if finite.any():
-        assert np.max(np.abs(lse[finite] - ref_lse[finite])) <= TOL * max(1.0, np.max(np.abs(ref_lse[finite])))
-    assert np.all(out[np.isneginf(ref_lse)] == 0)  # a query that sees nothing gives exact zeros
-
-
-def randn(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def append_view(k, v, lengths):
-    capacity = k.shape[2]
-    positions = np.where(np.arange(capacity) < np.asarray(lengths)[:, None], np.arange(capacity), -1)
-    return jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32),
-                      positions=jnp.asarray(positions, jnp.int32))
+@pytest.fixture(scope="module", autouse=True, params=["native", "pure"])
+def kernel(request):
+    """Runs the module with the native kernel, then without it (jit caches cleared in between)."""
+    native = request.param == "native"
+    if native and not _native.AVAILABLE:
+        pytest.skip(f"the native kernel is not available here ({_native.STATUS}); the pure run covers attend()")
+    jax.clear_caches()
+    jitted.cache_clear()
+    with _native.use(native):
+        yield request.param
 
 
 def ring_positions(length, capacity, sink):
@@ -297,7 +261,8 @@ def test_append_step_does_no_work_over_the_whole_capacity():
 
 
 def test_branch_lanes_read_the_prefix_once():
-    """Under vmap over lanes, every read of the shared prefix is one unbatched block (no per-lane gather)."""
+    """Under vmap over lanes, the shared prefix is read once for all lanes: in place by one native call
+    with every lane's queries as rows, or (pure) in unbatched blocks (no per-lane gather)."""
     lanes, capacity = 5, 203
     session = jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=capacity)})
     session = session.append(kv=(jnp.ones((1, 100, 2, 8)), jnp.ones((1, 100, 2, 8))))
@@ -310,6 +275,14 @@ def test_branch_lanes_read_the_prefix_once():
     q = jnp.asarray(randn(np.random.default_rng(7), lanes, 1, 3, 4, 8))
     hlo = step.lower(session.branch(lanes, window=6), q).compile().as_text()
     shapes = dict(re.findall(r"(%[\w.-]+) = (\S+?)\{", hlo))
+    prefix = f"f32[1,2,{capacity},8]"
     reads = [(op, shape) for shape, op, operand in re.findall(r"= (\S+?)\{\S* (dynamic-slice|gather)\((%[\w.-]+)", hlo)
-             if shapes.get(operand) == f"f32[1,2,{capacity},8]"]
-    assert reads and all(op == "dynamic-slice" and re.fullmatch(r"f32\[1,2,\d+,8\]", s) for op, s in reads), reads
+             if shapes.get(operand) == prefix]
+    calls = re.findall(rf"= \(f32\[([\d,]+)\][^)]*\) custom-call\(([^)]*)\), custom_call_target=\"{_native.TARGET}\"", hlo)
+    if _native.enabled():
+        assert not reads, reads
+        assert len(calls) == 1 and calls[0][0] == f"1,{lanes * 3},4,8", calls  # every lane's queries, one call
+        assert [shapes.get(x) for x in calls[0][1].split(", ")[1:3]] == [prefix, prefix]  # k, v: the parameters
+    else:
+        assert not calls
+        assert reads and all(op == "dynamic-slice" and re.fullmatch(r"f32\[1,2,\d+,8\]", s) for op, s in reads), reads

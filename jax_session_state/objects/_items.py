@@ -67,6 +67,9 @@ class ItemBuffer(StateObject, kw_only=True):
     def _bookkeeping(self) -> dict[str, Array]:
         return {"count": jnp.zeros((), jnp.int32), "staged": jnp.zeros((), jnp.int32), "overflowed": jnp.zeros((), bool)}
 
+    def _bookkeeping_axes(self) -> dict[str, tuple[()]]:
+        return {"count": (), "staged": (), "overflowed": ()}
+
     def _items(self, payload: Any, operation: str) -> tuple[list[Array], int]:
         """Checks one item or a batch of items; returns leaves ``[n, ...]`` and n."""
         owner = f"{self.describe()}.{operation}"
@@ -115,7 +118,7 @@ class ItemBuffer(StateObject, kw_only=True):
         buffers = self.item_treedef.unflatten(
             [b.at[slots].set(x, mode="drop") for b, x in zip(jax.tree_util.tree_leaves(self._buffers()), leaves)]
         )
-        new = self._with_buffers(buffers).replace(
+        new = self._with_buffers(buffers).with_storage(
             staged=self.staged + jnp.where(refused, 0, take),
             overflowed=self.overflowed | refused,
         )
@@ -133,12 +136,12 @@ class ItemBuffer(StateObject, kw_only=True):
 
     def _commit_staged(self, when: Array | bool = True) -> ItemBuffer:
         promoted = jnp.where(when, self.staged, 0)
-        return self.replace(count=self.count + promoted, staged=self.staged - promoted)
+        return self.with_storage(count=self.count + promoted, staged=self.staged - promoted)
 
     def discard(self) -> ItemBuffer:
         """Forgets staged items (O(1)); committed items are untouched."""
         self._require_resident("discard")
-        return self.replace(staged=overwrite(self.staged, 0))
+        return self.with_storage(staged=overwrite(self.staged, 0))
 
     def holds_staged(self) -> Array:
         return self.staged > 0 if self.resident else jnp.zeros((), bool)

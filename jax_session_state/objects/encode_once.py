@@ -13,6 +13,7 @@ from jax_session_state import _validation as v
 from jax_session_state.base import StateObject, overwrite
 from jax_session_state.objects import _ring
 from jax_session_state.objects.kv import KVChunk, KVView
+from jax_session_state.sharding import ShardingRules
 
 __all__ = ["EncodeOnceKV"]
 
@@ -69,6 +70,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
         dtype: Any = jnp.float32,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> EncodeOnceKV:
         """An empty, unwritten conditioning cache.
 
@@ -80,6 +82,10 @@ class EncodeOnceKV(StateObject, kw_only=True):
           dtype: storage dtype; payloads must match it exactly.
           recompute_source: sibling object(s) it is rebuilt from.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the storage lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
+            Its storage axes are ``("batch", "kv_heads", "length",
+            "head_dim")`` for k and v and ``("batch",)`` for the lengths.
         """
         owner = "EncodeOnceKV.allocate"
         spec = cls(
@@ -90,8 +96,13 @@ class EncodeOnceKV(StateObject, kw_only=True):
             dtype=np.dtype(dtype),
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        kv = ("batch", "kv_heads", "length", "head_dim")
+        return {"k": kv, "v": kv, "lengths": ("batch",), "written": (), "staged": (), "overflowed": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.length, self.head_dim)
@@ -135,7 +146,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
         skip = self.written | refused  # written: a no-op; refused: nothing written, flagged
         # Out-of-range slot indices make the scatter write nothing.
         slots = jnp.where(skip, self.length, jnp.arange(T, dtype=jnp.int32))
-        new = self.replace(
+        new = self.with_storage(
             k=self.k.at[:, :, slots].set(chunk.k.transpose(0, 2, 1, 3), mode="drop"),
             v=self.v.at[:, :, slots].set(chunk.v.transpose(0, 2, 1, 3), mode="drop"),
             lengths=jnp.where(skip, self.lengths, counts),
@@ -146,12 +157,12 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
     def _commit_staged(self, when: Array | bool = True) -> EncodeOnceKV:
         promoted = self.staged & when
-        return self.replace(written=self.written | promoted, staged=self.staged & ~promoted)
+        return self.with_storage(written=self.written | promoted, staged=self.staged & ~promoted)
 
     def discard(self) -> EncodeOnceKV:
         """Drops staged conditioning; written conditioning is never touched."""
         self._require_resident("discard")
-        return self.replace(staged=overwrite(self.staged, False))
+        return self.with_storage(staged=overwrite(self.staged, False))
 
     def holds_staged(self) -> Array:
         return self.staged if self.resident else jnp.zeros((), bool)

@@ -12,6 +12,7 @@ from flax import struct
 from jax_session_state import _validation as v
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import StateObject, overwrite
+from jax_session_state.sharding import LogicalAxes, ShardingRules
 
 __all__ = ["FixedState"]
 
@@ -38,6 +39,7 @@ class FixedState(StateObject, kw_only=True):
 
     treedef: jax.tree_util.PyTreeDef = struct.field(pytree_node=False)
     leaf_specs: tuple[jax.ShapeDtypeStruct, ...] = struct.field(pytree_node=False)
+    leaf_axes: tuple[LogicalAxes, ...] = struct.field(pytree_node=False)
 
     value: Any = None
     """The committed value: a pytree of the spec's shapes and dtypes."""
@@ -52,8 +54,10 @@ class FixedState(StateObject, kw_only=True):
         *,
         shapes: Any,
         dtype: Any = jnp.float32,
+        axes: Any = None,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> FixedState:
         """A zero-filled state of the given spec.
 
@@ -61,19 +65,31 @@ class FixedState(StateObject, kw_only=True):
           shapes: a pytree whose leaves are shape tuples (of ``dtype``),
             :class:`jax.ShapeDtypeStruct` or arrays (their shape and dtype).
           dtype: the dtype of leaves given as shape tuples.
+          axes: logical names of each leaf's axes, for sharding: a pytree
+            like ``shapes`` with a tuple per leaf (a name, or None for an
+            axis never sharded), e.g. ``{"h": ("batch", "hidden")}``.  None
+            leaves every axis unnamed.
           recompute_source: sibling object(s) it can be rebuilt from; without
             one it is never evictable.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the storage lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
         """
         owner = "FixedState.allocate"
         treedef, specs = v.leaf_specs(owner, shapes, dtype)
         spec = cls(
             treedef=treedef,
             leaf_specs=specs,
+            leaf_axes=v.tree_axis_names(owner, "axes", axes, treedef, specs),
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        value = self.treedef.unflatten(self.leaf_axes)
+        return {"value": value, "staged_value": value, "has_staged": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         def zeros() -> Any:
@@ -99,7 +115,7 @@ class FixedState(StateObject, kw_only=True):
 
     def _stage(self, payload: Any, operation: str) -> tuple[FixedState, bool]:
         """Holds ``payload`` (same spec exactly) beside the committed value; never refused."""
-        new = self.replace(
+        new = self.with_storage(
             staged_value=overwrite(self.staged_value, self._checked(payload, operation)),
             has_staged=overwrite(self.has_staged, True),
         )
@@ -110,7 +126,7 @@ class FixedState(StateObject, kw_only=True):
         self._require_resident("commit")
         if payload is None:
             return self._commit_staged()
-        return self.replace(
+        return self.with_storage(
             value=overwrite(self.value, self._checked(payload, "commit")),
             has_staged=overwrite(self.has_staged, False),
         )
@@ -122,12 +138,12 @@ class FixedState(StateObject, kw_only=True):
             self.staged_value,
             self.value,
         )
-        return self.replace(value=value, has_staged=self.has_staged & ~promoted)
+        return self.with_storage(value=value, has_staged=self.has_staged & ~promoted)
 
     def discard(self) -> FixedState:
         """Drops the staged value."""
         self._require_resident("discard")
-        return self.replace(has_staged=overwrite(self.has_staged, False))
+        return self.with_storage(has_staged=overwrite(self.has_staged, False))
 
     def holds_staged(self) -> jax.Array:
         return self.has_staged if self.resident else jnp.zeros((), bool)
@@ -166,4 +182,4 @@ class FixedState(StateObject, kw_only=True):
         value = jax.tree_util.tree_map(
             lambda lane, committed: jnp.where(window.has_staged, lane, committed), window.staged_value, self.value
         )
-        return self.replace(value=value)
+        return self.with_storage(value=value)

@@ -14,6 +14,7 @@ from jax_session_state import _validation as v
 from jax_session_state.base import StateObject, overwrite
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
+from jax_session_state.sharding import ShardingRules
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
 
@@ -225,6 +226,7 @@ class KVCache(StateObject, kw_only=True):
         max_chunk: int | None = None,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> KVCache:
         """An empty cache.
 
@@ -240,6 +242,10 @@ class KVCache(StateObject, kw_only=True):
             commits; the ring keeps this many slots beyond the window.
           recompute_source: sibling object(s) this cache can be rebuilt from.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the cache lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
+            Its storage axes are ``("batch", "kv_heads", "capacity",
+            "head_dim")`` for k and v and ``("batch",)`` for the lengths.
 
         Returns:
           An empty, resident cache.
@@ -277,8 +283,14 @@ class KVCache(StateObject, kw_only=True):
             max_chunk=max_chunk,
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        kv = ("batch", "kv_heads", "capacity", "head_dim")
+        rows = ("batch",)
+        return {"k": kv, "v": kv, "lengths": rows, "staged": rows, "high_water": rows, "overflowed": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
@@ -337,11 +349,10 @@ class KVCache(StateObject, kw_only=True):
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
         keep = (jnp.arange(T) < counts[:, None]) & ~refused
         slots = jnp.where(keep, slots, self.capacity)  # out of range: dropped
-        rows = jnp.arange(self.batch)[:, None]
         written = jnp.where(refused, 0, counts)
-        new = self.replace(
-            k=self.k.at[rows, :, slots].set(chunk.k, mode="drop"),
-            v=self.v.at[rows, :, slots].set(chunk.v, mode="drop"),
+        new = self.with_storage(
+            k=_write_rows(self.k, slots, chunk.k),
+            v=_write_rows(self.v, slots, chunk.v),
             staged=self.staged + written,
             high_water=jnp.maximum(self.high_water, start + written),
             overflowed=self.overflowed | refused,
@@ -350,12 +361,12 @@ class KVCache(StateObject, kw_only=True):
 
     def _commit_staged(self, when: Array | bool = True) -> KVCache:
         promoted = jnp.where(when, self.staged, 0)
-        return self.replace(lengths=self.lengths + promoted, staged=self.staged - promoted)
+        return self.with_storage(lengths=self.lengths + promoted, staged=self.staged - promoted)
 
     def discard(self) -> KVCache:
         """Forgets staged rows (O(1)); committed rows are untouched."""
         self._require_resident("discard")
-        return self.replace(staged=overwrite(self.staged, 0))
+        return self.with_storage(staged=overwrite(self.staged, 0))
 
     def holds_staged(self) -> Array:
         return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
@@ -396,7 +407,8 @@ class KVCache(StateObject, kw_only=True):
         if size is None:
             raise TypeError(f"{self.describe()}: lanes need a window size (rows per lane).")
         return KVCache.allocate(
-            batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=size, dtype=self.dtype
+            batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=size, dtype=self.dtype,
+            sharding=self.sharding,
         )
 
     def branch_view(self, window: KVCache) -> BranchKVView:
@@ -426,3 +438,15 @@ class KVCache(StateObject, kw_only=True):
             taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)
             cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
         return cache
+
+def _write_rows(cache: Array, slots: Array, rows: Array) -> Array:
+    """``cache`` with ``rows[b, t]`` written into slot ``slots[b, t]`` of batch row ``b``.
+
+    ``cache: [batch, kv_heads, capacity, head_dim]``, ``slots: [batch, T]``
+    (out of range: dropped), ``rows: [batch, T, kv_heads, head_dim]``.  The
+    batch row is a vmapped (batching) dimension of the scatter rather than an
+    index, so on a mesh each device writes its own batch rows and heads with
+    no communication (an index would make XLA gather the rows across the
+    batch's devices first).
+    """
+    return jax.vmap(lambda c, s, r: c.at[:, s].set(r.swapaxes(0, 1), mode="drop"))(cache, slots, rows)

@@ -12,6 +12,7 @@ from jax import Array
 
 from jax_session_state import _validation as v
 from jax_session_state.objects._items import ItemBuffer
+from jax_session_state.sharding import LogicalAxes, ShardingRules
 
 __all__ = ["LatentBuffer", "LatentView"]
 
@@ -56,6 +57,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
     maxlen: int = struct.field(pytree_node=False)
     item_shape: tuple[int, ...] = struct.field(pytree_node=False)
     dtype: np.dtype = struct.field(pytree_node=False)
+    item_axes: LogicalAxes = struct.field(pytree_node=False)
     ring: bool = struct.field(pytree_node=False, default=False)
     max_staged: int = struct.field(pytree_node=False, default=0)
 
@@ -71,8 +73,10 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         dtype: Any = jnp.float32,
         ring: bool = False,
         max_staged: int = 0,
+        item_axes: tuple[str | None, ...] | None = None,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> LatentBuffer:
         """An empty buffer.
 
@@ -82,22 +86,33 @@ class LatentBuffer(ItemBuffer, kw_only=True):
           dtype: storage dtype; payloads must match it exactly.
           ring: overwrite the oldest items instead of refusing writes.
           max_staged: ring mode: the most items staged between commits.
+          item_axes: logical names of the item axes, for sharding (a name,
+            or None for an axis never sharded); None leaves them unnamed.
+            The storage axes are ``("slots", *item_axes)``.
           recompute_source: sibling object(s) it can be rebuilt from.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the storage lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
         """
         owner = "LatentBuffer.allocate"
         if not ring and max_staged:
             raise TypeError(f"{owner}: max_staged applies only to ring=True (append mode stages in place).")
+        item_shape = tuple(v.positive_int(owner, "item_shape", d, minimum=0) for d in item_shape)
         spec = cls(
             maxlen=v.positive_int(owner, "maxlen", maxlen),
-            item_shape=tuple(v.positive_int(owner, "item_shape", d, minimum=0) for d in item_shape),
+            item_shape=item_shape,
             dtype=np.dtype(dtype),
+            item_axes=v.axis_names(owner, "item_axes", item_axes, len(item_shape)),
             ring=bool(ring),
             max_staged=v.positive_int(owner, "max_staged", max_staged, minimum=0),
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        return {"items": ("slots", *self.item_axes), **self._bookkeeping_axes()}
 
     def _empty_storage(self) -> dict[str, Any]:
         return {"items": jnp.zeros((self.slots, *self.item_shape), self.dtype), **self._bookkeeping()}
@@ -114,7 +129,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         return self.items
 
     def _with_buffers(self, buffers: Array) -> LatentBuffer:
-        return self.replace(items=buffers)
+        return self.with_storage(items=buffers)
 
     def view(self, *, include_staged: bool = True) -> LatentView:
         """The visible items oldest to newest (a gather of ``maxlen`` items in ring mode)."""
@@ -132,7 +147,9 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             raise TypeError(f"{self.describe()}: lanes need a window size (items per lane).")
         if self.ring and size > self.slots:
             raise ValueError(f"{self.describe()}: a lane window of {size} items exceeds the ring's {self.slots} slots.")
-        return LatentBuffer.allocate(maxlen=size, item_shape=self.item_shape, dtype=self.dtype)
+        return LatentBuffer.allocate(
+            maxlen=size, item_shape=self.item_shape, dtype=self.dtype, item_axes=self.item_axes, sharding=self.sharding
+        )
 
     def branch_view(self, window: LatentBuffer) -> LatentView:
         """The last ``maxlen`` of the committed items followed by the lane's items."""

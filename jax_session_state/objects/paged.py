@@ -26,6 +26,7 @@ from jax_session_state import _validation as v
 from jax_session_state.base import StateObject, overwrite
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects.kv import KVChunk, KVView, read_chunk
+from jax_session_state.sharding import ShardingRules
 
 __all__ = ["PagedKVCache", "PagedView"]
 
@@ -182,6 +183,7 @@ class PagedKVCache(StateObject, kw_only=True):
         dtype: Any = jnp.float32,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> PagedKVCache:
         """An empty cache: every slot free, every page on the free list.
 
@@ -197,6 +199,12 @@ class PagedKVCache(StateObject, kw_only=True):
           dtype: storage dtype; payloads must match it exactly.
           recompute_source: sibling object(s) this cache can be rebuilt from.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the cache lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
+            Its storage axes are ``("num_pages", "page_size", "kv_heads",
+            "head_dim")`` for the pools, ``("max_slots",
+            "max_pages_per_slot")`` for the page table, ``("max_slots",)``
+            for the lengths and ``("num_pages",)`` for the free list.
 
         Returns:
           An empty, resident cache.
@@ -221,8 +229,18 @@ class PagedKVCache(StateObject, kw_only=True):
             dtype=np.dtype(dtype),
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        pool = ("num_pages", "page_size", "kv_heads", "head_dim")
+        slots, pages = ("max_slots",), ("num_pages",)
+        return {
+            "k_pages": pool, "v_pages": pool, "page_table": ("max_slots", "max_pages_per_slot"),
+            "lengths": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
+            "free_count": (), "overflowed": (),
+        }
 
     def _empty_storage(self) -> dict[str, Any]:
         pool = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
@@ -293,7 +311,7 @@ class PagedKVCache(StateObject, kw_only=True):
         written = (jnp.arange(T) < counts[:, None]) & ~refused
         pages = jnp.where(written, pages, self.num_pages)  # out of range: dropped
         offsets = positions % self.page_size
-        new = taken.replace(
+        new = taken.with_storage(
             k_pages=self.k_pages.at[pages, offsets].set(chunk.k, mode="drop"),
             v_pages=self.v_pages.at[pages, offsets].set(chunk.v, mode="drop"),
             staged=self.staged + counts,
@@ -305,7 +323,7 @@ class PagedKVCache(StateObject, kw_only=True):
         rank = jnp.cumsum(need.ravel()).reshape(need.shape) - 1
         top = jnp.clip(self.free_count - 1 - rank, 0, self.num_pages - 1)
         ids = self.free_pages[top]
-        return self.replace(
+        return self.with_storage(
             page_table=jnp.where(need, ids, self.page_table),
             refcounts=self.refcounts.at[jnp.where(need, ids, self.num_pages)].set(1, mode="drop"),
             free_count=self.free_count - need.sum(dtype=jnp.int32),
@@ -317,16 +335,16 @@ class PagedKVCache(StateObject, kw_only=True):
         ``new``'s pools must already drop a refused write.
         """
         kept = {name: jnp.where(refused, getattr(self, name), getattr(new, name)) for name in _BOOKKEEPING}
-        return new.replace(**kept, overflowed=self.overflowed | refused)
+        return new.with_storage(**kept, overflowed=self.overflowed | refused)
 
     def _commit_staged(self, when: Array | bool = True) -> PagedKVCache:
         promoted = jnp.where(when, self.staged, 0)
-        return self.replace(lengths=self.lengths + promoted, staged=self.staged - promoted)
+        return self.with_storage(lengths=self.lengths + promoted, staged=self.staged - promoted)
 
     def discard(self) -> PagedKVCache:
         """Forgets staged rows (O(1)); their pages stay with the slot for its next rows."""
         self._require_resident("discard")
-        return self.replace(staged=overwrite(self.staged, 0))
+        return self.with_storage(staged=overwrite(self.staged, 0))
 
     def holds_staged(self) -> Array:
         return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
@@ -403,7 +421,7 @@ class PagedKVCache(StateObject, kw_only=True):
         refcounts = released.refcounts.at[jnp.where(shared, row, self.num_pages)].add(1, mode="drop")
         target = jnp.where(copy >= 0, copy, self.num_pages)  # out of range: nothing copied
         source = jnp.maximum(row[jnp.minimum(full, self.max_pages_per_slot - 1)], 0)
-        new = released.replace(
+        new = released.with_storage(
             k_pages=self.k_pages.at[target].set(self.k_pages[source], mode="drop"),
             v_pages=self.v_pages.at[target].set(self.v_pages[source], mode="drop"),
             page_table=released.page_table.at[dst].set(new_row),
@@ -464,7 +482,7 @@ class PagedKVCache(StateObject, kw_only=True):
         refcounts = self.refcounts.at[jnp.where(held, row, self.num_pages)].add(-1, mode="drop")
         freed = held & (refcounts[jnp.maximum(row, 0)] == 0)
         top = self.free_count + jnp.cumsum(freed) - 1
-        return self.replace(
+        return self.with_storage(
             page_table=self.page_table.at[slot].set(-1),
             lengths=self.lengths.at[slot].set(0),
             staged=self.staged.at[slot].set(0),

@@ -13,6 +13,7 @@ from jax import Array
 from jax_session_state import _validation as v
 from jax_session_state.objects import _ring
 from jax_session_state.objects._items import ItemBuffer
+from jax_session_state.sharding import LogicalAxes, ShardingRules
 
 __all__ = ["RetrievalStore", "RetrievalView", "Retrieved"]
 
@@ -83,6 +84,7 @@ class RetrievalStore(ItemBuffer, kw_only=True):
     dtype: np.dtype = struct.field(pytree_node=False)
     value_treedef: jax.tree_util.PyTreeDef = struct.field(pytree_node=False)
     value_specs: tuple[jax.ShapeDtypeStruct, ...] = struct.field(pytree_node=False)
+    value_axes: tuple[LogicalAxes, ...] = struct.field(pytree_node=False)
     max_staged: int = struct.field(pytree_node=False, default=0)
 
     keys: Array | None = None
@@ -101,8 +103,10 @@ class RetrievalStore(ItemBuffer, kw_only=True):
         value_shapes: Any,
         dtype: Any = jnp.float32,
         max_staged: int = 0,
+        value_axes: Any = None,
         recompute_source: str | tuple[str, ...] = (),
         recompute_cost: float = 0.0,
+        sharding: ShardingRules | None = None,
     ) -> RetrievalStore:
         """An empty bank.
 
@@ -113,8 +117,15 @@ class RetrievalStore(ItemBuffer, kw_only=True):
             shape tuples / :class:`jax.ShapeDtypeStruct`.
           dtype: dtype of keys and of values given as shape tuples.
           max_staged: the most entries staged between commits.
+          value_axes: logical names of each value leaf's axes, for sharding:
+            a pytree like ``value_shapes`` with a tuple per leaf (a name, or
+            None for an axis never sharded); None leaves them unnamed.  The
+            storage axes are ``("slots", "key_dim")`` for keys and
+            ``("slots", *value_axes)`` for each value leaf.
           recompute_source: sibling object(s) it can be rebuilt from.
           recompute_cost: estimated work to rebuild it.
+          sharding: where the storage lives on a mesh (see
+            :mod:`jax_session_state.sharding`), or None for the default device.
         """
         owner = "RetrievalStore.allocate"
         value_treedef, value_specs = v.leaf_specs(owner, value_shapes, dtype)
@@ -124,11 +135,17 @@ class RetrievalStore(ItemBuffer, kw_only=True):
             dtype=np.dtype(dtype),
             value_treedef=value_treedef,
             value_specs=value_specs,
+            value_axes=v.tree_axis_names(owner, "value_axes", value_axes, value_treedef, value_specs),
             max_staged=v.positive_int(owner, "max_staged", max_staged, minimum=0),
             recompute_source=v.source_names(owner, recompute_source),
             recompute_cost=float(recompute_cost),
+            sharding=v.sharding_rules(owner, sharding),
         )
         return spec.empty()
+
+    def storage_axes(self) -> dict[str, Any]:
+        values = self.value_treedef.unflatten([("slots", *axes) for axes in self.value_axes])
+        return {"keys": ("slots", "key_dim"), "values": values, **self._bookkeeping_axes()}
 
     @property
     def maxlen(self) -> int:
@@ -153,7 +170,7 @@ class RetrievalStore(ItemBuffer, kw_only=True):
 
     def _with_buffers(self, buffers: Any) -> RetrievalStore:
         keys, values = buffers
-        return self.replace(keys=keys, values=values)
+        return self.with_storage(keys=keys, values=values)
 
     def view(self, *, include_staged: bool = True) -> RetrievalView:
         """The bank in slot order with validity and age (no copy of the bank)."""

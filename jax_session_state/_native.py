@@ -1,0 +1,134 @@
+"""The native CPU kernel of append-mode attention, called through the XLA FFI.
+
+``csrc/decode_attention.cc`` is compiled at install time into the shared
+library ``_decode_attention`` next to this module.  The build is optional:
+without a C++ compiler the install still succeeds and attention stays pure
+JAX.  At import the library, when present, is loaded and its handler is
+registered as an XLA FFI target for the ``"cpu"`` platform; attention then
+calls it through ``lax.platform_dependent``, so GPU and TPU lowering never see
+it.  ``JSS_NATIVE_ATTENTION=0`` in the environment leaves it unregistered.
+
+Example:
+  >>> from jax_session_state import _native
+  >>> isinstance(_native.AVAILABLE, bool) and isinstance(_native.STATUS, str)
+  True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.machinery
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+__all__ = ["AVAILABLE", "STATUS", "enabled", "kernel", "supports", "use"]
+
+TARGET = "jax_session_state_decode_attention_f32"
+ENV_SWITCH = "JSS_NATIVE_ATTENTION"
+
+Kernel = Callable[[Array, Array, Array, Array, Array], tuple[Array, Array]]
+
+
+def _load() -> tuple[bool, str]:
+    """Registers the FFI target; returns whether it is available and why (not)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False, f"disabled by {ENV_SWITCH}=0"
+    here = Path(__file__).parent
+    found = [here / f"_decode_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
+    library = next((path for path in found if path.exists()), None)
+    if library is None:
+        return False, "the extension _decode_attention was not built (no C++ compiler at install time?)"
+    try:
+        handler = ctypes.cdll.LoadLibrary(str(library)).JssDecodeAttentionF32
+    except (OSError, AttributeError) as error:
+        return False, f"{library.name} could not be loaded: {error}"
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return True, f"{library.name} registered as the cpu target {TARGET}"
+
+
+AVAILABLE, STATUS = _load()
+"""Whether the native kernel is registered, and a line saying why (not)."""
+
+_use_native = AVAILABLE
+
+
+def enabled() -> bool:
+    """Whether ``attend`` calls the native kernel on CPU (read when a function is traced)."""
+    return _use_native
+
+
+@contextlib.contextmanager
+def use(native: bool) -> Iterator[None]:
+    """Within the block, functions traced call the native kernel on CPU or not.
+
+    Functions jitted before keep what they were traced with (clear them, e.g.
+    ``jax.clear_caches()``, to retrace).
+
+    Raises:
+      RuntimeError: ``native`` is True but the kernel is not available.
+    """
+    global _use_native
+    if native and not AVAILABLE:
+        raise RuntimeError(f"the native attention kernel is not available: {STATUS}")
+    before, _use_native = _use_native, native
+    try:
+        yield
+    finally:
+        _use_native = before
+
+
+def supports(q: Array, k: Array, v: Array) -> bool:
+    """Whether the kernel takes these operands (float32; other dtypes stay pure JAX)."""
+    return all(x.dtype == jnp.float32 for x in (q, k, v))
+
+
+def _call(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
+          scale: float) -> tuple[Array, Array]:
+    result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, result)
+    return call(q, k, v, lengths.astype(jnp.int32), q_positions.astype(jnp.int32), scale=np.float32(scale),
+                causal=bool(causal))
+
+
+def kernel(causal: bool, scale: float, fallback: Kernel) -> Kernel:
+    """The native kernel ``(q, k, v, lengths, q_positions) -> (out, lse)``, with its batching rule.
+
+    Under ``jax.vmap`` over speculative lanes that share one cache (k, v and
+    lengths not batched), the lanes are folded into the query rows, so the
+    cache is read once for all lanes; when k, v and lengths are all batched
+    the lanes are folded into the batch (reshapes, no copies).  Anything else
+    runs ``fallback`` (the pure-JAX kernel) under ``vmap``.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def native(q, k, v, lengths, q_positions):
+        return _call(q, k, v, lengths, q_positions, causal=causal, scale=scale)
+
+    @native.def_vmap
+    def native_vmap(lanes, batched, q, k, v, lengths, q_positions):
+        q_batched, k_batched, v_batched, lengths_batched, positions_batched = batched
+        if not (k_batched and v_batched and lengths_batched) and (k_batched or v_batched or lengths_batched):
+            axes = [0 if b else None for b in batched]
+            return jax.vmap(fallback, in_axes=axes)(q, k, v, lengths, q_positions), (True, True)
+        q = q if q_batched else jnp.broadcast_to(q, (lanes, *q.shape))
+        q_positions = q_positions if positions_batched else jnp.broadcast_to(q_positions, (lanes, *q_positions.shape))
+        _, batch, T, heads, dim = q.shape
+        if k_batched:  # lanes x batch rows, each its own cache
+            out, lse = native(q.reshape(lanes * batch, T, heads, dim), k.reshape(lanes * batch, *k.shape[2:]),
+                              v.reshape(lanes * batch, *v.shape[2:]), lengths.reshape(lanes * batch),
+                              q_positions.reshape(lanes * batch, T))
+            return (out.reshape(q.shape), lse.reshape(q.shape[:4])), (True, True)
+        # One shared cache: every lane's queries are more query rows of each batch row.
+        rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, lanes * T, *x.shape[3:])  # noqa: E731
+        out, lse = native(rows(q), k, v, lengths, rows(q_positions))
+        lanes_back = lambda x: jnp.moveaxis(x.reshape(batch, lanes, T, *x.shape[2:]), 1, 0)  # noqa: E731
+        return (lanes_back(out), lanes_back(lse)), (True, True)
+
+    return native

@@ -1,0 +1,36 @@
+"""Builds the optional native CPU attention kernel; the package's metadata is in setup.cfg.
+
+The kernel (``csrc/decode_attention.cc``) includes the XLA FFI headers that
+jaxlib ships (``jax.ffi.include_dir()``).  The build is optional: without a
+C++17 compiler (or where it fails) the install goes on and attention runs in
+pure JAX.
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+UNIX_FLAGS = ["-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi"]
+
+
+class BuildWithFfiHeaders(build_ext):
+    """Adds jaxlib's FFI headers and the compiler's flags, or skips the optional kernel."""
+
+    def build_extensions(self) -> None:
+        try:
+            import jax.ffi
+        except ImportError as error:
+            print(f"warning: not building the native attention kernel ({error}); attention stays pure JAX")
+            self.extensions = []
+            return
+        for extension in self.extensions:
+            extension.include_dirs.append(jax.ffi.include_dir())
+            if self.compiler.compiler_type == "unix":
+                extension.extra_compile_args += UNIX_FLAGS
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[Extension("jax_session_state._decode_attention", ["csrc/decode_attention.cc"], language="c++",
+                           optional=True)],
+    cmdclass={"build_ext": BuildWithFfiHeaders},
+)

@@ -1,0 +1,63 @@
+"""A naive float64 numpy reference of attention, and the checks the attention tests share.
+
+Error metric: ``max|a - b| / max|b|`` over the whole output (``b`` the
+reference), at most 1e-5 in float32; ``lse`` the same on finite entries and
+``-inf`` exactly where the reference has it.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+import jax_session_state as jss
+
+TOL = 1e-5
+
+
+def reference(q, k, v, lengths, key_positions, *, window=None, sink=0, causal=True, scale=None, q_positions=None):
+    """Naive float64 attention: (out, lse), zeros / -inf where nothing is visible."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, q_heads, D = q.shape
+    groups = q_heads // k.shape[1]
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    lengths = np.asarray(lengths)
+    if q_positions is None:
+        q_positions = lengths[:, None] - T + np.arange(T)
+    qp = np.asarray(q_positions)[:, :, None]
+    kp = np.asarray(key_positions)[:, None, :]
+    visible = (kp >= 0) & (kp < lengths[:, None, None])
+    if causal:
+        visible = visible & (kp <= qp)
+    if window is not None:
+        visible = visible & ((kp < sink) | (qp - kp < window))
+    kr, vr = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    s = np.einsum("bthd,bhcd->bthc", q, kr) * scale
+    s = np.where(visible[:, :, None, :], s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    seen = np.isfinite(top)
+    p = np.exp(s - np.where(seen, top, 0.0))
+    total = p.sum(-1, keepdims=True)
+    out = np.einsum("bthc,bhcd->bthd", p / np.where(seen, total, 1.0), vr)
+    lse = np.where(seen, top + np.log(np.where(seen, total, 1.0)), -np.inf)[..., 0]
+    return out, lse
+
+
+def assert_close(out, lse, ref_out, ref_lse):
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert not np.isnan(out).any()
+    assert np.max(np.abs(out - ref_out)) <= TOL * max(np.max(np.abs(ref_out)), 1e-30)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    if finite.any():
+        assert np.max(np.abs(lse[finite] - ref_lse[finite])) <= TOL * max(1.0, np.max(np.abs(ref_lse[finite])))
+    assert np.all(out[np.isneginf(ref_lse)] == 0)  # a query that sees nothing gives exact zeros
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def append_view(k, v, lengths):
+    capacity = k.shape[2]
+    positions = np.where(np.arange(capacity) < np.asarray(lengths)[:, None], np.arange(capacity), -1)
+    return jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32),
+                      positions=jnp.asarray(positions, jnp.int32))

@@ -1,0 +1,243 @@
+"""The native CPU kernel of append-mode attention: against float64, under vmap and grad, in a compiled step.
+
+Tests of the kernel itself skip, saying why, where it was not built; without
+it the library runs the pure-JAX kernels, which the "pure" run of
+``test_attention.py`` covers, and the switch tests at the end always run.
+"""
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jax_session_state as jss
+from attention_reference import append_view, assert_close, randn, reference
+from jax_session_state import _native
+
+needs_native = pytest.mark.skipif(not _native.AVAILABLE, reason=f"no native kernel here: {_native.STATUS}")
+
+
+@functools.lru_cache(maxsize=None)
+def native_attend(causal):
+    """attend_with_lse jitted with the native kernel; q_positions may be None."""
+    with _native.use(True):
+        f = jax.jit(lambda q, view, q_positions: jss.attend_with_lse(q, view, causal=causal, q_positions=q_positions))
+        return lambda *args: _traced_with(True, f, *args)
+
+
+def _traced_with(native, f, *args):
+    with _native.use(native):  # a first call traces: with the switch as asked
+        return f(*args)
+
+
+def calls_native(hlo):
+    return hlo.count(f'custom_call_target="{_native.TARGET}"')
+
+
+@needs_native
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2, 4]),
+    T=st.sampled_from([1, 3, 16]),
+    head_dim=st.sampled_from([8, 16, 32, 64]),
+    capacity=st.sampled_from([16, 77, 300]),
+    causal=st.booleans(),
+    explicit_positions=st.booleans(),
+)
+def test_native_matches_float64(seed, batch, kv_heads, groups, T, head_dim, capacity, causal, explicit_positions):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, batch, T, kv_heads * groups, head_dim)
+    k, v = randn(rng, batch, kv_heads, capacity, head_dim), randn(rng, batch, kv_heads, capacity, head_dim)
+    lengths = rng.integers(0, capacity + 1, batch).astype(np.int32)
+    lengths[0] = 0 if seed % 3 == 0 else lengths[0]  # empty rows
+    q_positions = jnp.asarray(rng.integers(-3, capacity + 3, (batch, T)), jnp.int32) if explicit_positions else None
+    view = append_view(k, v, lengths)
+    out, lse = native_attend(causal)(q, view, q_positions)
+    ref = reference(q, k, v, lengths, view.positions, causal=causal, q_positions=q_positions)
+    assert_close(out, lse, *ref)
+
+
+@needs_native
+@pytest.mark.parametrize("T, groups", [(16, 2), (1, 1)], ids=["rows-in-lanes", "dot-per-row"])
+def test_long_rows_split_over_threads_merge_exactly(T, groups):
+    """Enough keys that the kernel splits each (row, kv head) over threads and merges by log-sum-exp."""
+    rng = np.random.default_rng(11)
+    capacity = 20000 if T == 1 else 2304
+    q = randn(rng, 1, T, 2 * groups, 64)
+    k, v = randn(rng, 1, 2, capacity, 64), randn(rng, 1, 2, capacity, 64)
+    lengths = np.asarray([capacity - 37], np.int32)
+    view = append_view(k, v, lengths)
+    for causal in (True, False):
+        assert_close(*native_attend(causal)(q, view, None), *reference(q, k, v, lengths, view.positions, causal=causal))
+
+
+def lane_inputs(rng, lanes=3, T=4):
+    q = randn(rng, lanes, 2, T, 4, 32)
+    k, v = randn(rng, 2, 2, 90, 32), randn(rng, 2, 2, 90, 32)
+    lengths = np.asarray([70, 0], np.int32)
+    q_positions = rng.integers(-2, 90, (lanes, 2, T)).astype(np.int32)
+    return q, k, v, lengths, q_positions
+
+
+@needs_native
+def test_vmap_over_lanes_sharing_a_cache_is_one_call_with_every_lane_as_rows():
+    rng = np.random.default_rng(12)
+    q, k, v, lengths, q_positions = lane_inputs(rng)
+    view = append_view(k, v, lengths)
+    f = jax.jit(jax.vmap(lambda q, p: jss.attend_with_lse(q, view, q_positions=p)))
+    hlo = _traced_with(True, lambda: f.lower(q, q_positions).compile().as_text())
+    assert calls_native(hlo) == 1
+    out, lse = _traced_with(True, f, q, q_positions)
+    for lane in range(q.shape[0]):
+        ref = reference(q[lane], k, v, lengths, view.positions, q_positions=q_positions[lane])
+        assert_close(out[lane], lse[lane], *ref)
+
+
+@needs_native
+def test_vmap_with_only_some_cache_operands_batched_falls_back_to_the_pure_kernel():
+    rng = np.random.default_rng(13)
+    q, k, v, lengths, q_positions = lane_inputs(rng)
+    ks = np.stack([k, 2 * k, -k])  # one K per lane, V and lengths shared
+
+    def attend_one(q, k, p):
+        return jss.attend_with_lse(q, jss.KVView(k=k, v=jnp.asarray(v), lengths=jnp.asarray(lengths),
+                                                 positions=jnp.zeros((2, 90), jnp.int32)), q_positions=p)
+
+    out, lse = _traced_with(True, jax.jit(jax.vmap(attend_one)), q, ks, q_positions)
+    positions = append_view(k, v, lengths).positions
+    for lane in range(3):
+        assert_close(out[lane], lse[lane], *reference(q[lane], ks[lane], v, lengths, positions,
+                                                      q_positions=q_positions[lane]))
+
+
+def loss(q, k, v, lengths, q_positions, weights):
+    """A scalar of both outputs, so the gradient flows through out and lse."""
+    view = jss.KVView(k=k, v=v, lengths=lengths, positions=jnp.zeros(lengths.shape + (1,), jnp.int32))
+    out, lse = jss.attend_with_lse(q, view, q_positions=q_positions)
+    return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), 0.3 * lse, 0.0))
+
+
+def grad_inputs(seed, T=5):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, 2, T, 4, 8)
+    k, v = randn(rng, 2, 2, 70, 8), randn(rng, 2, 2, 70, 8)
+    lengths = np.asarray([57, 0], np.int32)  # one row sees nothing
+    q_positions = np.asarray([[60, 3, 20, -1, 56], [1, 2, 3, 4, 5]], np.int32)[:, :T]
+    return q, k, v, lengths, q_positions, randn(rng, 2, T, 4, 8)
+
+
+def pure_grad(*args):
+    """The pure kernel's own autodiff (eager, concrete lengths: its loop is then a scan)."""
+    with _native.use(False):
+        return jax.grad(loss, argnums=(0, 1, 2))(*map(jnp.asarray, args))
+
+
+@needs_native
+def test_grad_through_native_attend_equals_the_pure_kernels_autodiff_even_jitted():
+    args = grad_inputs(14)
+    expected = pure_grad(*args)
+    native_grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))  # lengths traced: the pure kernel could not
+    for got, want in zip(_traced_with(True, native_grad, *args), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert float(jnp.max(jnp.abs(expected[1]))) > 0  # the comparison is not of zeros
+
+
+@needs_native
+def test_grad_and_vmap_compose_both_ways():
+    q, k, v, lengths, q_positions, weights = grad_inputs(15, T=3)
+    lanes = np.stack([q, -q, 0.5 * q])
+    lane_positions = np.stack([q_positions, q_positions + 1, q_positions - 4])
+
+    def lanes_loss(k, lanes, lane_positions):
+        per_lane = jax.vmap(lambda q, p: loss(q, k, v, lengths, p, weights))(lanes, lane_positions)
+        return jnp.sum(per_lane)
+
+    # grad of a vmap over lanes that share the cache: into the shared K and into each lane's queries
+    native = _traced_with(True, jax.jit(jax.grad(lanes_loss, argnums=(0, 1))), k, lanes, lane_positions)
+    with _native.use(False):
+        expected = jax.grad(lanes_loss, argnums=(0, 1))(*map(jnp.asarray, (k, lanes, lane_positions)))
+    for got, want in zip(native, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # vmap of a grad: per-lane gradients of the queries
+    per_lane = jax.vmap(jax.grad(loss), in_axes=(0, None, None, None, 0, None))
+    native = _traced_with(True, jax.jit(per_lane), lanes, k, v, lengths, lane_positions, weights)
+    for lane in range(3):
+        want = pure_grad(lanes[lane], k, v, lengths, lane_positions[lane], weights)[0]
+        np.testing.assert_allclose(native[lane], want, rtol=1e-4, atol=1e-5)
+
+
+def rollout_step(cache, q, rows):
+    cache = cache.append((rows, rows))
+    return cache, jss.attend(q, cache.view())
+
+
+@needs_native
+def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once():
+    traces = []
+
+    def step(cache, q, rows):
+        traces.append(None)
+        return rollout_step(cache, q, rows)
+
+    capacity = 4093  # a size no other array of the step has
+    cache = jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=8, capacity=capacity)
+    jitted = jax.jit(step, donate_argnums=0)
+    hlo = _traced_with(True, lambda: jitted.lower(cache, jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))).compile().as_text())
+    assert calls_native(hlo) == 1 and " while(" not in hlo  # no pure loop left on CPU
+    assert not re.search(rf"copy\S*\(f32\[2,2,{capacity},8\]", hlo) and f"f32[2,2,{capacity},8]" in hlo
+    rng = np.random.default_rng(16)
+    history = []
+    for T in (3, 3, 3, 3):
+        q, rows = randn(rng, 2, T, 4, 8), randn(rng, 2, T, 2, 8)
+        cache, out = _traced_with(True, jitted, cache, jnp.asarray(q), jnp.asarray(rows))
+        history.append(rows)
+        keys = np.concatenate(history, 1).transpose(0, 2, 1, 3)
+        n = keys.shape[2]
+        ref_out, _ = reference(q, keys, keys, [n, n], np.broadcast_to(np.arange(n), (2, n)))
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert len(traces) == 1
+
+
+@needs_native
+def test_bfloat16_and_ring_views_stay_on_the_pure_path():
+    bf16 = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64, dtype=jnp.bfloat16)
+    ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_chunk=4)
+    for cache, q in ((bf16, jnp.ones((1, 3, 4, 8), jnp.bfloat16)), (ring, jnp.ones((1, 3, 4, 8)))):
+        rows = jnp.ones((1, 3, 2, 8), cache.k.dtype)
+        hlo = _traced_with(True, lambda: jax.jit(rollout_step).lower(cache, q, rows).compile().as_text())
+        assert calls_native(hlo) == 0
+
+
+SWITCHED_OFF = textwrap.dedent("""
+    import jax, jax.numpy as jnp, re
+    import jax_session_state as jss
+    from jax_session_state import _native
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64)
+    step = lambda cache, q: jss.attend(q, cache.append((q[:, :, :2], q[:, :, :2])).view())
+    hlo = jax.jit(step).lower(cache, jnp.ones((1, 3, 4, 8))).compile().as_text()
+    try:
+        with _native.use(True):
+            pass
+    except RuntimeError as error:
+        refused = str(error)
+    print(_native.AVAILABLE, "|", _native.STATUS, "|", hlo.count(_native.TARGET), "|", refused)
+""")
+
+
+def test_environment_switch_leaves_the_kernel_unregistered():
+    env = {**os.environ, _native.ENV_SWITCH: "0"}
+    done = subprocess.run([sys.executable, "-c", SWITCHED_OFF], capture_output=True, text=True, env=env, check=True)
+    available, status, calls, refused = done.stdout.strip().splitlines()[-1].split(" | ")
+    assert available == "False" and status == f"disabled by {_native.ENV_SWITCH}=0" and calls == "0"
+    assert refused == f"the native attention kernel is not available: {status}"
