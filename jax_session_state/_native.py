@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import ctypes
 import importlib.machinery
 import os
@@ -60,8 +61,18 @@ _use_native = AVAILABLE
 
 
 def enabled() -> bool:
-    """Whether ``attend`` calls the native kernel on CPU (read when a function is traced)."""
-    return _use_native
+    """Whether ``attend`` calls the native kernel on CPU (read when a function is traced).
+
+    Never where the CPU backend has several devices: the FFI call has no
+    partitioning rule, so XLA would gather a sharded cache onto every device
+    to call it; there the pure loop runs, which partitions like any XLA op.
+    """
+    return _use_native and _one_cpu_device()
+
+
+@functools.cache
+def _one_cpu_device() -> bool:
+    return len(jax.devices("cpu")) == 1
 
 
 @contextlib.contextmanager

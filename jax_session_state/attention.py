@@ -6,10 +6,11 @@
   row's length with an online softmax (flash-decoding style) in a
   ``lax.fori_loop`` whose trip count is computed at run time, so a
   32k-capacity cache holding 1k tokens attends like a 1k cache;
-  ``positions`` is not read.  On CPU, float32, where the native kernel was
-  built (``jax_session_state._native``), the same algorithm runs as one XLA
-  FFI call that reads the cache in place, fused, on both cores; other
-  platforms lower the pure loop (``lax.platform_dependent``).
+  ``positions`` is not read.  On a single CPU device, float32, where the
+  native kernel was built (``jax_session_state._native``), the same
+  algorithm runs as one XLA FFI call that reads the cache in place, fused,
+  on every core; other platforms, and several CPU devices, run the pure
+  loop (``lax.platform_dependent``).
 - :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
   one dense, masked pass over its slots using ``positions``.
 - :class:`BranchKVView` (a speculative lane): cascade attention — the shared

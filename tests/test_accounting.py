@@ -12,18 +12,20 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
+from devices import DEVICE
 
 
 def test_default_memory_device_key():
-    x = jnp.zeros((3, 5), jnp.float32)
-    assert device_bytes(x) == {"cpu:0": 60}
-    assert device_key(jax.devices()[0]) == "cpu:0"
+    cpu = jax.devices("cpu")[0]  # present on every backend
+    assert device_key(cpu) == "cpu:0"
+    assert device_bytes(jax.device_put(jnp.zeros((3, 5), jnp.float32), cpu)) == {"cpu:0": 60}
+    assert device_bytes(jnp.zeros((3, 5), jnp.float32)) == {DEVICE: 60}  # the default device
 
 
 def test_memory_kind_is_part_of_the_key():
     device = jax.devices()[0]
     pinned = jax.device_put(jnp.zeros((8,), jnp.float32), jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
-    assert device_bytes(pinned) == {"cpu:0/pinned_host": 32}
+    assert device_bytes(pinned) == {f"{device_key(device)}/pinned_host": 32}
 
 
 def test_numpy_counts_as_host_and_deduplicates():
@@ -50,7 +52,7 @@ def test_one_seen_set_across_objects():
     kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=8)
     seen = SeenStorages()
     first = kv.nbytes_by_device(seen)
-    assert first == {"cpu:0": kv.nbytes} and kv.nbytes_by_device(seen) == {}
+    assert first == {DEVICE: kv.nbytes} and kv.nbytes_by_device(seen) == {}
 
 
 SHARDED = textwrap.dedent(

@@ -22,6 +22,7 @@ from jax.sharding import AxisType
 
 import jax_session_state as jss
 from jax_session_state import _fingerprint, checkpoint
+from devices import DEVICE
 
 B, H, D = 2, 2, 4
 
@@ -367,7 +368,7 @@ def _served_session(i):
 
 
 def _manager(budget_sessions=3, **kwargs):
-    manager = jss.SessionStateManager(byte_budget={"cpu:0": budget_sessions * _served_session(0).nbytes}, **kwargs)
+    manager = jss.SessionStateManager(byte_budget={DEVICE: budget_sessions * _served_session(0).nbytes}, **kwargs)
     manager.register_rebuild("cond", lambda s: s["cond"].empty().commit(2 * s["prompt"].view()))
     return manager
 
@@ -416,7 +417,7 @@ def test_a_manager_restore_that_does_not_fit_leaves_the_target_empty(tmp_path):
         manager.create(i, _served_session(i))
     checkpoint.save(tmp_path, manager)
     small = jss.SessionStateManager(
-        byte_budget={"cpu:0": _served_session(0).nbytes}, evict_when_full=False, park_memory_kind=None
+        byte_budget={DEVICE: _served_session(0).nbytes}, evict_when_full=False, park_memory_kind=None
     )
     with pytest.raises(jss.BudgetExceededError):
         checkpoint.restore(tmp_path, target=small)

@@ -9,6 +9,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+from devices import DEVICE
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SESSION_OBJECTS = ["kv_0", "kv_1", "kv_2", "kv_3", "cond", "prompt", "carry", "frames"]
 
@@ -91,7 +93,7 @@ def test_speculative_planning(tmp_path):
     assert plan["best_score"] == best[-1] >= max(it["iteration_best"] for it in plan["iterations"])
     assert np.asarray(plan["best_plan"]).shape == (2, 1, 2)
     assert plan["tokens_committed"] == (4 + 2) * 16  # the history, then the adopted lane's two frames
-    assert "session before branching: cpu:0:" in done.stdout and "during branching (8 lanes x 2 frames)" in done.stdout
+    assert f"session before branching: {DEVICE}:" in done.stdout and "during branching (8 lanes x 2 frames)" in done.stdout
     assert f"best score {plan['best_score']:.4f}" in done.stdout
 
 

@@ -9,6 +9,7 @@ import pytest
 from world import TRACES, assert_same, contents, make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
+from devices import DEVICE, PINNED
 
 SIZES = session_bytes()
 ONE = SIZES["session"]
@@ -60,11 +61,11 @@ def test_count_cap_of_three_with_five_sessions():
         m.create(sid, session)
     assert len(m) == 3 and [sid for sid in sessions if sid in m] == ["s2", "s3", "s4"]
     assert kinds(events) == [("preempt", "s0", None), ("preempt", "s1", None)]
-    assert "count cap" in events[0].reason and events[0].bytes_by_device == {"cpu:0": ONE}
+    assert "count cap" in events[0].reason and events[0].bytes_by_device == {DEVICE: ONE}
     with pytest.raises(jss.SessionStateLostError, match=r"'s0' is gone: preempted at the count cap"):
         m.get("s0")
     assert_same(m.get("s2"), sessions["s2"])
-    assert m.stats()["preemptions"] == 2 and m.nbytes_by_device() == {"cpu:0": 3 * ONE}
+    assert m.stats()["preemptions"] == 2 and m.nbytes_by_device() == {DEVICE: 3 * ONE}
 
 
 def test_refusal_when_not_evicting_then_resident_sessions_still_served_then_admission_after_drop():
@@ -102,12 +103,12 @@ def test_continuing_an_unknown_session_fails_and_creates_nothing():
             jss.SessionStateLostError, match=r"'ghost' is unknown.*Nothing was created.*create\('ghost'"
         ):
             call()
-    assert "ghost" not in m and len(m) == 1 and m.nbytes_by_device() == {"cpu:0": ONE}
+    assert "ghost" not in m and len(m) == 1 and m.nbytes_by_device() == {DEVICE: ONE}
     assert m.stats()["misses"] == 3 and m.stats()["lookups"] == 3  # get, update and pin look up
 
 
 def test_a_hundred_create_drop_cycles_leak_nothing():
-    m, _ = manager(byte_budget={"cpu:0": 2 * ONE})
+    m, _ = manager(byte_budget={DEVICE: 2 * ONE})
     gc.collect()
     live = len(jax.live_arrays())
     for i in range(100):
@@ -135,12 +136,12 @@ def test_create_of_a_held_id_and_puts_of_other_things_are_refused():
     for call in (lambda: m.put("a", dead), lambda: m.create("b", dead)):
         with pytest.raises(ValueError, match="arrays were deleted.*Pass the step's output instead"):
             call()
-    assert "b" not in m and m.nbytes_by_device() == {"cpu:0": ONE}
+    assert "b" not in m and m.nbytes_by_device() == {DEVICE: ONE}
 
 
 # ------------------------------------------------------------------ budgets, drops and parks
 def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bit():
-    m, events = manager(byte_budget={"cpu:0": ONE + 10})
+    m, events = manager(byte_budget={DEVICE: ONE + 10})
     a = step(make_session(0))  # compiled by now
     traces = TRACES[16]
     original = contents(a)
@@ -153,13 +154,13 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
         ("park", "a", "prompt"),
         ("park", "a", "carry"),
     ]
-    assert events[0].bytes_by_device == {"cpu:0": SIZES["cond"]}
-    assert "cpu:0 over its budget" in events[0].reason and "creating session 'b'" in events[0].reason
+    assert events[0].bytes_by_device == {DEVICE: SIZES["cond"]}
+    assert f"{DEVICE} over its budget" in events[0].reason and "creating session 'b'" in events[0].reason
     held = m.held()["a"]
     assert held.dropped == {"cond"} and set(held.parked) == {"kv", "prompt", "carry"}
     assert not any(held.session[name].resident for name in ("cond", "kv", "prompt", "carry"))
     parked_bytes = SIZES["kv"] + SIZES["prompt"] + SIZES["carry"]
-    assert m.nbytes_by_device() == {"cpu:0": ONE + 4, "cpu:0/pinned_host": parked_bytes}
+    assert m.nbytes_by_device() == {DEVICE: ONE + 4, PINNED: parked_bytes}
     for name in held.parked:
         leaf = jax.tree_util.tree_leaves(held.parked[name].obj)[0]
         assert leaf.sharding.memory_kind == "pinned_host"
@@ -189,13 +190,13 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
         )
     stats = m.stats()
     assert (stats["evictions"], stats["parks"], stats["restores"], stats["rebuilds"]) == (2, 6, 3, 1)
-    assert stats["bytes"] == {"cpu:0": ONE + 4, "cpu:0/pinned_host": parked_bytes}
+    assert stats["bytes"] == {DEVICE: ONE + 4, PINNED: parked_bytes}
     m.put("a", step(restored))
     assert TRACES[16] == traces == 1  # the restored session is the same to jit: no retrace
 
 
 def test_put_within_budget_plans_nothing_and_over_budget_refusal_changes_nothing():
-    m, events = manager(byte_budget={"cpu:0": 2 * ONE + 600}, park_memory_kind=None)
+    m, events = manager(byte_budget={DEVICE: 2 * ONE + 600}, park_memory_kind=None)
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     m.put("a", step(m.get("a")))
@@ -212,33 +213,33 @@ def test_put_within_budget_plans_nothing_and_over_budget_refusal_changes_nothing
 
 
 def test_preemption_when_parking_is_off_and_lost_reason_names_the_budget():
-    m, events = manager(byte_budget={"cpu:0": 2 * ONE}, park_memory_kind=None)
+    m, events = manager(byte_budget={DEVICE: 2 * ONE}, park_memory_kind=None)
     for sid in "abc":
         m.create(sid, make_session(ord(sid)))
     # Greedy drops (a's cond, then b's) come before preemption; a's drop is superseded by its preemption.
     assert kinds(events) == [("drop", "b", "cond"), ("preempt", "a", None)]
     with pytest.raises(
         jss.SessionStateLostError,
-        match=r"preempted \(cpu:0 over its budget of \d+ bytes by \d+ while creating session 'c'\)",
+        match=rf"preempted \({DEVICE} over its budget of \d+ bytes by \d+ while creating session 'c'\)",
     ):
         m.get("a")
 
 
 def test_host_budget_limits_parking():
-    m, events = manager(byte_budget={"cpu:0": ONE + 10}, host_budget=SIZES["kv"] - 1, evict_when_full=False)
+    m, events = manager(byte_budget={DEVICE: ONE + 10}, host_budget=SIZES["kv"] - 1, evict_when_full=False)
     m.create("a", make_session(0))
     with pytest.raises(jss.BudgetExceededError):  # a's kv must be parked too, and does not fit
         m.create("b", make_session(1))
-    m, events = manager(byte_budget={"cpu:0": ONE + 10}, host_budget=SIZES["kv"] + 500)
+    m, events = manager(byte_budget={DEVICE: ONE + 10}, host_budget=SIZES["kv"] + 500)
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     m.create("c", make_session(2))  # no host room left for b's objects: b is preempted instead
-    assert m.nbytes_by_device()["cpu:0/pinned_host"] == SIZES["kv"] + SIZES["prompt"] + SIZES["carry"]
+    assert m.nbytes_by_device()[PINNED] == SIZES["kv"] + SIZES["prompt"] + SIZES["carry"]
     assert kinds(events)[-1] == ("preempt", "b", None)
 
 
 def test_restore_that_does_not_fit_is_refused_and_leaves_the_session_parked():
-    m, events = manager(byte_budget={"cpu:0": ONE + 10})
+    m, events = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     with m.pin("b"):
@@ -252,7 +253,7 @@ def test_restore_that_does_not_fit_is_refused_and_leaves_the_session_parked():
 
 
 def test_pinned_sessions_are_never_touched_and_pins_nest():
-    m, events = manager(byte_budget={"cpu:0": 2 * ONE})
+    m, events = manager(byte_budget={DEVICE: 2 * ONE})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     with m.pin("a") as session, m.pin("a"):
@@ -268,7 +269,7 @@ def test_pinned_sessions_are_never_touched_and_pins_nest():
 
 
 def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorable():
-    m, events = manager(byte_budget={"cpu:0": ONE + 10})
+    m, events = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     m.drop("b")
@@ -289,7 +290,7 @@ def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorab
 
 
 def test_objects_without_a_rebuild_or_a_recompute_source_are_never_dropped():
-    m, events = manager(byte_budget={"cpu:0": ONE + 10}, park_memory_kind=None, evict_when_full=False)
+    m, events = manager(byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False)
     m._rebuilds.clear()  # no rebuild registered: cond may not be dropped either
     m.register_rebuild("carry", lambda session: session["carry"])  # carry declares no source: never dropped
     m.create("a", make_session(0))
@@ -306,7 +307,7 @@ def test_register_rebuild_checks_its_arguments():
         m.register_rebuild("cond", rebuild_cond, cost=-1)
     for bad in (
         dict(max_sessions=0),
-        dict(byte_budget={"cpu:0": -1}),
+        dict(byte_budget={DEVICE: -1}),
         dict(park_memory_kind="device"),
         dict(host_budget=-5),
     ):
@@ -334,7 +335,7 @@ def test_an_empty_manager_is_truthy_and_contains_nothing():
 
 # -------------------------------------------------------------------------- donation hazard
 def test_a_donated_session_between_get_and_put_is_left_alone():
-    m, events = manager(byte_budget={"cpu:0": 2 * ONE})
+    m, events = manager(byte_budget={DEVICE: 2 * ONE})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     session = m.get("a")
@@ -354,7 +355,7 @@ def test_a_donated_session_between_get_and_put_is_left_alone():
 
 
 def test_sessions_donated_after_planning_are_skipped_when_the_plan_is_prepared():
-    m, events = manager(byte_budget={"cpu:0": 2 * ONE})
+    m, events = manager(byte_budget={DEVICE: 2 * ONE})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     session = m.get("a")
@@ -392,7 +393,7 @@ def test_update_inside_its_own_fn_is_an_error_and_the_session_survives():
 
 
 def test_update_that_does_not_fit_carries_its_result():
-    m, _ = manager(byte_budget={"cpu:0": ONE + 10}, evict_when_full=False, park_memory_kind=None)
+    m, _ = manager(byte_budget={DEVICE: ONE + 10}, evict_when_full=False, park_memory_kind=None)
     m.create("a", make_session(0))
     bigger = make_session(1, capacity=64)
     with pytest.raises(jss.BudgetExceededError) as error:
@@ -403,18 +404,18 @@ def test_update_that_does_not_fit_carries_its_result():
 
 # ------------------------------------------------------------------------------- summary
 def test_summary_of_a_manager_shows_every_session_and_how_it_is_held():
-    m, _ = manager(byte_budget={"cpu:0": ONE + 10})
+    m, _ = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     table = jss.summary(m)
     rows = {(row["session"], row["name"]): row for row in table.rows}
     assert {sid for sid, _ in rows} == {"a", "b"} and table.columns[:2] == ["session", "held"]
     assert rows["a", "cond"]["held"] == "dropped" and rows["a", "cond"]["resident"] is False
-    assert rows["a", "kv"]["held"] == "parked" and rows["a", "kv"]["cpu:0/pinned_host"] == SIZES["kv"]
-    assert rows["b", "kv"]["held"] == "resident" and rows["b", "kv"]["cpu:0"] == SIZES["kv"]
+    assert rows["a", "kv"]["held"] == "parked" and rows["a", "kv"][PINNED] == SIZES["kv"]
+    assert rows["b", "kv"]["held"] == "resident" and rows["b", "kv"][DEVICE] == SIZES["kv"]
     totals = {}
     for row in table.rows:
-        for key in ("cpu:0", "cpu:0/pinned_host"):
+        for key in (DEVICE, PINNED):
             totals[key] = totals.get(key, 0) + row.get(key, 0)
     assert totals == m.nbytes_by_device()
     assert "parked" in str(table) and "dropped" in str(table)
@@ -433,7 +434,7 @@ def test_the_lock_comes_from_lock_factory():
         made.append(kind())
         return made[-1]
 
-    m = jss.SessionStateManager(lock_factory=factory, byte_budget={"cpu:0": ONE + 10})
+    m = jss.SessionStateManager(lock_factory=factory, byte_budget={DEVICE: ONE + 10})
     held_while_rebuilding = []
 
     def rebuild(session):
@@ -455,7 +456,7 @@ def test_an_event_callback_that_raises_reaches_the_caller_after_the_operation():
     def fail(event):
         raise RuntimeError(f"callback saw {event.kind}")
 
-    m = jss.SessionStateManager(byte_budget={"cpu:0": ONE + 10}, on_event=fail)
+    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, on_event=fail)
     m.create("a", make_session(0))
     with pytest.raises(RuntimeError, match="callback saw park"):
         m.create("b", make_session(1))

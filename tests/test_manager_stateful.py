@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from world import contents, make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
+from devices import DEVICE, PINNED
 
 IDS = st.sampled_from("abcd")
 CAPACITIES = st.sampled_from([8, 16, 32])
@@ -49,7 +50,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.budget = budget
         self.manager = jss.SessionStateManager(
             max_sessions=max_sessions,
-            byte_budget={"cpu:0": budget},
+            byte_budget={DEVICE: budget},
             evict_when_full=evict,
             park_memory_kind="pinned_host" if park else None,
             host_budget=host_budget,
@@ -224,10 +225,10 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "manager"):
             return
         totals = self.manager.nbytes_by_device()
-        assert totals.get("cpu:0", 0) <= self.budget
+        assert totals.get(DEVICE, 0) <= self.budget
         recount = {}
         for row in jss.summary(self.manager).rows:
-            for key in ("cpu:0", "cpu:0/pinned_host"):
+            for key in (DEVICE, PINNED):
                 recount[key] = recount.get(key, 0) + row.get(key, 0)
         assert {k: v for k, v in recount.items() if v} == totals
 

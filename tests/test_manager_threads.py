@@ -7,6 +7,7 @@ import threading
 from world import make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
+from devices import DEVICE, PINNED
 
 THREADS, OPERATIONS, SESSIONS = 8, 2000, 100
 ONE = session_bytes(capacity=8)["session"]
@@ -14,7 +15,7 @@ DOCUMENTED = (jss.SessionStateLostError, jss.SessionAdmissionError, jss.BudgetEx
 
 
 def test_eight_threads_of_random_operations():
-    budget = {"cpu:0": 40 * ONE}
+    budget = {DEVICE: 40 * ONE}
     events = []
     manager = jss.SessionStateManager(
         max_sessions=80, byte_budget=budget, host_budget=30 * ONE, on_event=events.append
@@ -76,9 +77,9 @@ def test_eight_threads_of_random_operations():
     # Final bytes: the running totals equal a recount over every session held, within budget.
     recount = collections.Counter()
     for row in jss.summary(manager).rows:
-        recount.update({key: row.get(key, 0) for key in ("cpu:0", "cpu:0/pinned_host")})
+        recount.update({key: row.get(key, 0) for key in (DEVICE, PINNED)})
     assert {k: v for k, v in recount.items() if v} == manager.nbytes_by_device() == stats["bytes"]
-    assert stats["bytes"]["cpu:0"] <= budget["cpu:0"] and stats["sessions"] == len(manager) <= 80
+    assert stats["bytes"][DEVICE] <= budget[DEVICE] and stats["sessions"] == len(manager) <= 80
     for sid in range(SESSIONS):  # every session held is whole again after a lookup
         if sid in manager:
             session = manager.get(sid)

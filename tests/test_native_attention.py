@@ -22,7 +22,10 @@ import jax_session_state as jss
 from attention_reference import append_view, assert_close, randn, reference
 from jax_session_state import _native
 
-needs_native = pytest.mark.skipif(not _native.AVAILABLE, reason=f"no native kernel here: {_native.STATUS}")
+needs_native = pytest.mark.skipif(
+    not _native.AVAILABLE or jax.default_backend() != "cpu",
+    reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_native.STATUS}",
+)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ from world import assert_same
 
 import jax_session_state as jss
 from jax_session_state import offload
+from devices import DEVICE, PINNED
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -23,11 +24,11 @@ def test_park_and_restore_every_kind_bit_for_bit(kind):
     obj = factory().append(payload(rng)).stage(payload(rng))
     nbytes = obj.nbytes
     parked = offload.park(obj)
-    assert obj.nbytes_by_device() == {"cpu:0": nbytes}  # the original is untouched
-    assert parked.nbytes_by_device() == {"cpu:0/pinned_host": nbytes}
+    assert obj.nbytes_by_device() == {DEVICE: nbytes}  # the original is untouched
+    assert parked.nbytes_by_device() == {PINNED: nbytes}
     assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(parked.obj)} == {"pinned_host"}
     restored = offload.restore(parked)
-    assert restored.nbytes_by_device() == {"cpu:0": nbytes}
+    assert restored.nbytes_by_device() == {DEVICE: nbytes}
     assert_same(restored, obj)
     assert type(restored) is type(obj) and restored.describe() == obj.describe()
 

@@ -7,6 +7,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state.testing import assert_logically_equal
+from devices import DEVICE
 
 
 def make_session(**extra):
@@ -106,7 +107,7 @@ def test_nbytes_deduplicates_aliases_across_objects_and_attrs():
     shared = session.with_attrs(alias=session["kv"].k)  # the same buffer, a second reference
     assert shared.nbytes_by_device() == alone
     copied = session.with_attrs(copy=session["kv"].k.copy())
-    assert copied.nbytes_by_device()["cpu:0"] == alone["cpu:0"] + session["kv"].k.nbytes
+    assert copied.nbytes_by_device()[DEVICE] == alone[DEVICE] + session["kv"].k.nbytes
     expected = sum(obj.nbytes for obj in session.objects.values()) + 8 + 4  # rng key, step
     assert session.nbytes == expected
 

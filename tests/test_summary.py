@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 import jax_session_state as jss
+from devices import DEVICE
 
 
 def make_session():
@@ -34,12 +35,12 @@ def test_rows_describe_every_object():
     assert by_name["kv"]["staged"] == [1, 1] and "window 8" in by_name["kv"]["capacity"]
     assert by_name["frames"]["committed"] == 2 and by_name["cond"]["recompute"] == "prompt"
     for name, obj in session.objects.items():
-        assert by_name[name]["cpu:0"] == obj.nbytes
-    assert sum(row.get("cpu:0", 0) for row in table.rows) == session.nbytes
+        assert by_name[name][DEVICE] == obj.nbytes
+    assert sum(row.get(DEVICE, 0) for row in table.rows) == session.nbytes
     text = str(table)
     for name in session.objects:
         assert name in text
-    assert "k, v: [2, 2, 14, 4]" in text and "cpu:0" in text.splitlines()[0]
+    assert "k, v: [2, 2, 14, 4]" in text and DEVICE in text.splitlines()[0]
     assert by_name["frames"]["shapes"] == "[4, 5]" and by_name["bank"]["shapes"].startswith("[6, 4]")
 
 
@@ -47,14 +48,14 @@ def test_non_resident_objects_are_shown():
     session = make_session()
     session = session.with_objects(cond=session["cond"].evict()[0])
     row = next(r for r in jss.summary(session).rows if r["name"] == "cond")
-    assert row["resident"] is False and "cpu:0" not in row
+    assert row["resident"] is False and DEVICE not in row
 
 
 def test_many_sessions_share_one_byte_count():
     session = make_session()
     table = jss.summary({"a": session, "b": session})  # the same buffers twice: counted once
     assert table.columns[0] == "session"
-    assert sum(row.get("cpu:0", 0) for row in table.rows) == session.nbytes
+    assert sum(row.get(DEVICE, 0) for row in table.rows) == session.nbytes
 
 
 def test_rich_and_html():

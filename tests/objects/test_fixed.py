@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 
 import jax_session_state as jss
 from models import OK, Op, drive
+from devices import DEVICE
 
 SPEC = {"h": (2, 5), "conv": jax.ShapeDtypeStruct((2, 3), jnp.int32)}
 
@@ -91,5 +92,5 @@ def test_not_evictable_without_a_recompute_source():
 
 def test_staged_bytes_are_reported():
     state = jss.FixedState.allocate(shapes=(4, 4))
-    assert state.staged_nbytes_by_device() == {"cpu:0": 64}
+    assert state.staged_nbytes_by_device() == {DEVICE: 64}
     assert state.nbytes == 2 * 64 + 1  # committed value, staged slot, flag

@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import jax_session_state as jss
 from jax_session_state.testing import logical
+from devices import DEVICE
 
 H, D = 1, 2
 
@@ -484,7 +485,7 @@ def test_summary_reports_slots_and_free_pages():
     cache = _cache().append(_chunk(rng, [5, 0, 0])).stage(_chunk(rng, [0, 2, 0]))
     (row,) = jss.summary(cache).rows
     assert row["committed"] == [5, 0, 0] and row["staged"] == [0, 2, 0]
-    assert row["capacity"] == "8 pages x 4 rows, 5 free" and row["cpu:0"] == cache.nbytes
+    assert row["capacity"] == "8 pages x 4 rows, 5 free" and row[DEVICE] == cache.nbytes
     assert jss.summary(cache.reset()).rows[0]["capacity"] == "8 pages x 4 rows"
 
 
