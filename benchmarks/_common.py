@@ -75,7 +75,9 @@ def timed_rounds(
 
     Args:
       candidates: name -> ``(setup, run)``: ``setup()`` makes the input (not
-        timed), ``run(input)`` runs once and blocks until done (timed).
+        timed, and waited for: under asynchronous dispatch a copy made there
+        would otherwise still be running when the clock starts),
+        ``run(input)`` runs once and blocks until done (timed).
       rounds: rounds of the round-robin.
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
@@ -83,7 +85,7 @@ def timed_rounds(
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:  # no candidate always runs after another
             setup, run = candidates[name]
-            given = setup()
+            given = jax.block_until_ready(setup())
             start = time.perf_counter()
             run(given)
             samples[name].append(time.perf_counter() - start)
