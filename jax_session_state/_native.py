@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["AVAILABLE", "STATUS", "enabled", "kernel", "supports", "use"]
+__all__ = ["AVAILABLE", "STATUS", "enabled", "kernel", "status", "supports", "use"]
 
 TARGET = "jax_session_state_decode_attention_f32"
 ENV_SWITCH = "JSS_NATIVE_ATTENTION"
@@ -73,6 +73,17 @@ def enabled() -> bool:
 @functools.cache
 def _one_cpu_device() -> bool:
     return len(jax.devices("cpu")) == 1
+
+
+def status() -> str:
+    """Whether functions traced now call the native kernel on CPU, and why (not)."""
+    if not AVAILABLE:
+        return f"pure JAX: {STATUS}"
+    if not _one_cpu_device():
+        return f"pure JAX: {len(jax.devices('cpu'))} CPU devices (the kernel has no partitioning rule)"
+    if not _use_native:
+        return "pure JAX: turned off by _native.use(False)"
+    return f"native kernel: {STATUS}"
 
 
 @contextlib.contextmanager

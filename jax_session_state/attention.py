@@ -95,12 +95,26 @@ from jax_session_state import _native
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
-__all__ = ["BLOCK_SIZE", "attend", "attend_with_lse", "merge_attention"]
+__all__ = ["BLOCK_SIZE", "attend", "attend_with_lse", "merge_attention", "native_status"]
 
 BLOCK_SIZE = 64
 """Keys per block in append mode (chosen by measurement on XLA:CPU)."""
 
 _F32 = jnp.float32
+
+
+def native_status() -> str:
+    """Whether append-mode float32 attention on CPU runs the native kernel here, and why (not).
+
+    The kernel is compiled at install when a C++17 compiler is present; it is
+    used on a single CPU device unless ``JSS_NATIVE_ATTENTION=0`` is set.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> jss.attention.native_status().startswith(("native kernel", "pure JAX"))
+      True
+    """
+    return _native.status()
 
 
 def attend(

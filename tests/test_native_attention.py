@@ -234,13 +234,22 @@ SWITCHED_OFF = textwrap.dedent("""
             pass
     except RuntimeError as error:
         refused = str(error)
-    print(_native.AVAILABLE, "|", _native.STATUS, "|", hlo.count(_native.TARGET), "|", refused)
+    print(_native.AVAILABLE, "|", _native.STATUS, "|", hlo.count(_native.TARGET), "|", refused, "|",
+          jss.attention.native_status())
 """)
 
 
 def test_environment_switch_leaves_the_kernel_unregistered():
     env = {**os.environ, _native.ENV_SWITCH: "0"}
     done = subprocess.run([sys.executable, "-c", SWITCHED_OFF], capture_output=True, text=True, env=env, check=True)
-    available, status, calls, refused = done.stdout.strip().splitlines()[-1].split(" | ")
+    available, status, calls, refused, public = done.stdout.strip().splitlines()[-1].split(" | ")
     assert available == "False" and status == f"disabled by {_native.ENV_SWITCH}=0" and calls == "0"
     assert refused == f"the native attention kernel is not available: {status}"
+    assert public == f"pure JAX: {status}"
+
+
+@needs_native
+def test_native_status_says_which_kernel_functions_traced_now_use():
+    assert jss.attention.native_status() == f"native kernel: {_native.STATUS}"
+    with _native.use(False):
+        assert jss.attention.native_status() == "pure JAX: turned off by _native.use(False)"

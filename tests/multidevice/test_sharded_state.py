@@ -386,3 +386,13 @@ def test_the_manager_budgets_each_device_of_a_sharded_session():
     restored = manager.get("a")["kv"]
     assert restored.sharding == rules and restored.k.sharding == written["kv"].k.sharding
     np.testing.assert_array_equal(np.asarray(restored.k), expected)
+
+
+def test_native_attention_kernel_stays_off_on_several_cpu_devices():
+    """The FFI kernel has no partitioning rule: on a CPU mesh attention runs the pure loop."""
+    from jax_session_state import _native
+
+    status = jss.attention.native_status()
+    assert status.startswith("pure JAX")
+    if _native.AVAILABLE:
+        assert status == f"pure JAX: {len(jax.devices('cpu'))} CPU devices (the kernel has no partitioning rule)"
