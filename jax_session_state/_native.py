@@ -71,8 +71,15 @@ def enabled() -> bool:
 
 
 @functools.cache
+def _cpu_devices() -> int:
+    try:
+        return len(jax.devices("cpu"))
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out: nothing runs there
+        return 0
+
+
 def _one_cpu_device() -> bool:
-    return len(jax.devices("cpu")) == 1
+    return _cpu_devices() == 1
 
 
 def status() -> str:
@@ -80,7 +87,7 @@ def status() -> str:
     if not AVAILABLE:
         return f"pure JAX: {STATUS}"
     if not _one_cpu_device():
-        return f"pure JAX: {len(jax.devices('cpu'))} CPU devices (the kernel has no partitioning rule)"
+        return f"pure JAX: {_cpu_devices()} CPU devices (the kernel has no partitioning rule)"
     if not _use_native:
         return "pure JAX: turned off by _native.use(False)"
     return f"native kernel: {STATUS}"
