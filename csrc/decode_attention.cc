@@ -72,6 +72,11 @@ JSS_INLINE Floats load(const float* p) {
   return x;
 }
 JSS_INLINE void store(float* p, Floats x) { std::memcpy(p, &x, sizeof x); }
+JSS_INLINE Ints load_ints(const int32_t* p) {
+  Ints x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
 JSS_INLINE Floats vmax(Floats a, Floats b) { return a > b ? a : b; }
 
 JSS_INLINE int32_t to_int(float x) { return static_cast<int32_t>(x); }
@@ -230,24 +235,42 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
 
 // Many query rows: kLanes rows at a time with the rows in the vector lanes, so
 // a score needs no horizontal sum; the softmax is vectorised over rows too.
+// Keys are the outer loop: each tile of keys is scored against every block
+// of rows while it is in cache, so the keys and values are read from memory
+// once however many rows there are (speculative lanes folded into rows read
+// their shared prefix once).
 template <int64_t kDim>
 JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
   const int64_t D = kDim > 0 ? kDim : dim;
   const Floats neg_inf = Floats{} + kNegInf, floor = Floats{} + kExpFloor;
-  std::vector<float> qt(D * kLanes);  // [D, kLanes]: a block's rows transposed
-  Floats s[kTile];                    // a tile's scores (one vector of rows per key), then its weights
-  for (int64_t m0 = 0; m0 < M; m0 += kLanes) {
-    const int64_t rows = std::min(kLanes, M - m0);
-    Ints last;
-    int64_t end = in.first_key;
+  const int64_t blocks = (M + kLanes - 1) / kLanes;
+  std::vector<float> qt(blocks * D * kLanes);  // per block of rows: [D, kLanes], the rows transposed
+  // Per block, kLanes values each, read and written with load/store (memcpy:
+  // a std::vector of vector types would not be aligned for them).
+  std::vector<float> tops(blocks * kLanes, kNegInf), totals(blocks * kLanes, 0.0f);  // running max and sum
+  std::vector<int32_t> lasts(blocks * kLanes);  // each row's last visible key
+  std::vector<int64_t> ends(blocks);          // the keys each block reads: [first_key, end)
+  int64_t end_all = in.first_key;
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t m0 = block * kLanes, rows = std::min(kLanes, M - m0);
+    float* q_block = qt.data() + block * D * kLanes;
+    ends[block] = in.first_key;
     for (int64_t r = 0; r < kLanes; ++r) {
-      last[r] = static_cast<int32_t>(r < rows ? in.last[m0 + r] : -1);
-      end = std::max(end, std::min<int64_t>(in.end_key, last[r] + 1));
-      for (int64_t d = 0; d < D; ++d) qt[d * kLanes + r] = r < rows ? in.q[(m0 + r) * D + d] : 0.0f;
+      lasts[block * kLanes + r] = static_cast<int32_t>(r < rows ? in.last[m0 + r] : -1);
+      ends[block] = std::max(ends[block], std::min<int64_t>(in.end_key, lasts[block * kLanes + r] + int64_t{1}));
+      for (int64_t d = 0; d < D; ++d) q_block[d * kLanes + r] = r < rows ? in.q[(m0 + r) * D + d] : 0.0f;
     }
-    Floats top = neg_inf, total{};
-    for (int64_t start = in.first_key; start < end; start += kTile) {
+    end_all = std::max(end_all, ends[block]);
+  }
+  Floats s[kTile];  // a tile's scores (one vector of rows per key), then its weights
+  for (int64_t start = in.first_key; start < end_all; start += kTile) {
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t end = ends[block];
+      if (start >= end) continue;
+      const int64_t m0 = block * kLanes, rows = std::min(kLanes, M - m0);
       const int64_t n = std::min(kTile, end - start);
+      const float* q_block = qt.data() + block * D * kLanes;
+      const Ints last = load_ints(lasts.data() + block * kLanes);
       // Scores of kKeys keys at once (independent chains); past the end the
       // last key is read again and masked by its position.
       for (int64_t j = 0; j < n; j += kKeys) {
@@ -255,12 +278,13 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
         for (int64_t u = 0; u < kKeys; ++u) key[u] = in.keys + std::min(start + j + u, end - 1) * D;
         Floats acc[kKeys] = {};
         for (int64_t d = 0; d < D; ++d) {
-          const Floats x = load(qt.data() + d * kLanes);
+          const Floats x = load(q_block + d * kLanes);
           for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * key[u][d];
         }
         for (int64_t u = 0; u < kKeys; ++u)
           s[j + u] = static_cast<int32_t>(start + j + u) <= last ? acc[u] : neg_inf;
       }
+      const Floats top = load(tops.data() + block * kLanes);
       Floats new_top = top, tile_total{};
       for (int64_t j = 0; j < n; ++j) new_top = vmax(new_top, s[j]);
       const Floats shift = new_top == neg_inf ? Floats{} : new_top;  // rows that saw nothing: exp(-inf) = 0
@@ -269,8 +293,8 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
         s[j] = exp_clamped(vmax(s[j] - shift, floor));
         tile_total += s[j];
       }
-      total = total * decay + tile_total;
-      top = new_top;
+      store(totals.data() + block * kLanes, load(totals.data() + block * kLanes) * decay + tile_total);
+      store(tops.data() + block * kLanes, new_top);
       // Weights past a row's last key are exactly 0, so rows go two by two over the tile's n keys.
       const float* weights = reinterpret_cast<const float*>(s);
       for (int64_t r = 0; r < rows; r += 2) {
@@ -284,7 +308,13 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
         }
       }
     }
-    for (int64_t r = 0; r < rows; ++r) chunk.top[m0 + r] = top[r], chunk.total[m0 + r] = total[r];
+  }
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t m0 = block * kLanes, rows = std::min(kLanes, M - m0);
+    for (int64_t r = 0; r < rows; ++r) {
+      chunk.top[m0 + r] = tops[block * kLanes + r];
+      chunk.total[m0 + r] = totals[block * kLanes + r];
+    }
   }
 }
 
