@@ -206,8 +206,8 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
     return q_positions.astype(jnp.int32)
 
 
-def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float]:
-    """Checks q against the view's ``k``; returns q as ``[B, kv_heads, T*G, D]`` float32, G, scale."""
+def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]:
+    """Checks q against the view's ``k``; returns the query heads per kv head and the scale."""
     B, T, q_heads, D = q.shape
     view_batch, kv_heads, _, view_dim = k.shape
     if B != view_batch:
@@ -216,8 +216,13 @@ def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float
         raise ValueError(f"attend(): q has head_dim {D} but the view has head_dim {view_dim}.")
     if q_heads % kv_heads:
         raise ValueError(f"attend(): q_heads={q_heads} is not a multiple of the view's kv_heads={kv_heads}.")
-    groups = q_heads // kv_heads
-    return _to_rows(q, kv_heads), groups, 1.0 / math.sqrt(D) if scale is None else scale
+    return q_heads // kv_heads, 1.0 / math.sqrt(D) if scale is None else scale
+
+
+def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float]:
+    """:func:`_checked_scale`, and q as ``[B, kv_heads, T*G, D]`` float32."""
+    groups, scale = _checked_scale(q, k, scale)
+    return _to_rows(q, k.shape[1]), groups, scale
 
 
 def _to_rows(x: Array, kv_heads: int) -> Array:
@@ -273,7 +278,7 @@ def _scores(keys: Array, qh: Array) -> Array:
 def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
     if view.window is not None:
         return _dense_with_lse(q, view, causal, scale, q_positions)
-    _, _, scale = _grouped(q, view.k, scale)
+    _, scale = _checked_scale(q, view.k, scale)
     if _native.enabled() and _native.supports(q, view.k, view.v) and isinstance(scale, numbers.Real):
         return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale))
     return _blockwise(q, view.k, view.v, view.lengths, q_positions, causal=causal, scale=scale)
