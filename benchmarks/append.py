@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
-from benchmarks._common import cli, interleaved
+from benchmarks._common import cli, interleaved, with_lengths
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "library_over_raw_rollout": 1.10}
@@ -57,7 +57,7 @@ def append_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[st
 
     def append_then_forget(cache: jss.KVCache, chunk: jss.KVChunk) -> jss.KVCache:
         cache = cache.append(chunk)
-        return cache.replace(lengths=cache.lengths - CHUNK)
+        return with_lengths(cache, cache.lengths - CHUNK)
 
     steps = {"donated": jax.jit(append_then_forget, donate_argnums=0), "copied": jax.jit(append_then_forget)}
     prefix = jnp.zeros((1, PREFIX, HEADS, HEAD_DIM), jnp.float32)

@@ -57,7 +57,7 @@ import numpy as np
 from jax import lax
 
 import jax_session_state as jss
-from benchmarks._common import cli, interleaved
+from benchmarks._common import cli, interleaved, with_lengths
 from jax_session_state import _native
 
 torch: Any = None  # PyTorch, an optional benchmark dependency: imported by main(), not by the memory child
@@ -109,7 +109,7 @@ def _step(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple
 def _step_in_place(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array):
     """:func:`_step`, then the length rewound: every call writes the same rows."""
     cache, out = _step(cache, q, k, v)
-    return cache.replace(lengths=cache.lengths - q.shape[1]), out
+    return with_lengths(cache, cache.lengths - q.shape[1]), out
 
 
 step_in_place = jax.jit(_step_in_place, donate_argnums=0)
@@ -210,7 +210,7 @@ class _Rollout:
                 cache[:, :, :filled] = torch.from_numpy(r).transpose(1, 2)
 
     def at(self, length: int) -> None:
-        self.cache = self.cache.replace(lengths=jnp.full((BATCH,), length, jnp.int32))
+        self.cache = with_lengths(self.cache, length)
 
 
 def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
@@ -338,7 +338,7 @@ def nnx_rows(fills: list[int], rounds: int) -> list[dict]:
 
     @functools.partial(jax.jit, donate_argnums=0)
     def our_step(cache, x, fill):
-        cache = cache.replace(lengths=jnp.full_like(cache.lengths, fill))
+        cache = with_lengths(cache, fill)
         cache, out = _step(cache, project("query", x), project("key", x), project("value", x))
         kernel, bias = weights["out"]
         return cache, jnp.einsum("bthd,hde->bte", out, kernel) + bias

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import jax_session_state as jss  # noqa: E402
-from benchmarks._common import cli, interleaved  # noqa: E402
+from benchmarks._common import cli, interleaved, with_lengths  # noqa: E402
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 MIB = 1 << 20
@@ -59,7 +59,7 @@ def step_benchmark(capacity: int, *, rounds: int) -> tuple[list[dict], jss.Sessi
         traces.append(None)
         kv = kv.append(chunk)
         out = jss.attend(q, kv.view())
-        return kv.with_storage(lengths=kv.lengths - CHUNK), out  # rewind: every call writes the same rows
+        return with_lengths(kv, kv.lengths - CHUNK), out  # rewind: every call writes the same rows
 
     jitted = jax.jit(step, donate_argnums=0)
     states = {}
@@ -118,7 +118,7 @@ def gib_session() -> tuple[jss.Session, jss.ShardingRules]:
     kv = jss.KVCache.allocate(batch=4, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=1 << 16, sharding=rules)
     normal = jax.jit(lambda key: jax.random.normal(key, kv.k.shape), out_shardings=kv.k.sharding)
     keys = jax.random.split(jax.random.key(1), 2)
-    kv = kv.with_storage(k=normal(keys[0]), v=normal(keys[1]), lengths=kv.lengths + kv.capacity)
+    kv = with_lengths(kv.with_storage(k=normal(keys[0]), v=normal(keys[1])), kv.capacity)
     return jss.shard(jss.Session(objects={"kv": kv}, attrs={"rng": jax.random.key(2)}), rules), rules
 
 

@@ -8,14 +8,14 @@ maps logical names to mesh axes for a whole session:
 kind               logical axes of its storage
 =================  ==========================================================
 ``KVCache``        k, v ``("batch", "kv_heads", "capacity", "head_dim")``;
-                   lengths, staged ``("batch",)``; overflowed ``()``
+                   bookkeeping ``(None, "batch")``
 ``EncodeOnceKV``   k, v ``("batch", "kv_heads", "length", "head_dim")``;
                    lengths ``("batch",)``; written, staged ``()``
 ``FixedState``     each leaf: the names given as ``axes=`` at allocate
                    (unnamed, so never sharded, by default)
-``LatentBuffer``   items ``("slots", *item_axes)``; count, staged, overflowed ``()``
+``LatentBuffer``   items ``("slots", *item_axes)``; bookkeeping ``(None,)``
 ``RetrievalStore`` keys ``("slots", "key_dim")``; each value leaf
-                   ``("slots", *value_axes)``; count, staged, overflowed ``()``
+                   ``("slots", *value_axes)``; bookkeeping ``(None,)``
 ``PagedKVCache``   pools ``("num_pages", "page_size", "kv_heads", "head_dim")``;
                    page table ``("max_slots", "max_pages_per_slot")``; lengths,
                    staged ``("max_slots",)``; refcounts, free list ``("num_pages",)``

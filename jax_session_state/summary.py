@@ -97,6 +97,8 @@ def _shapes(obj: StateObject) -> str:
     if hasattr(obj, "k") and hasattr(obj, "v") and obj.resident:
         return f"k, v: {list(obj.k.shape)}"
     for field in obj.storage_fields():  # the first that holds data, not a count or a flag
+        if field == "bookkeeping":
+            continue
         leaves = jax.tree_util.tree_leaves(getattr(obj, field))
         if any(leaf.ndim for leaf in leaves):
             return ", ".join(str(list(leaf.shape)) for leaf in leaves)

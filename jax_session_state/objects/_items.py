@@ -11,6 +11,9 @@ from __future__ import annotations
 
 __all__ = ["ItemBuffer"]
 
+# Entries of ``ItemBuffer.bookkeeping``.
+_COMMITTED, _STAGED, _REFUSED = range(3)
+
 import abc
 from typing import Any
 
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, overwrite
+from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
 
@@ -32,14 +35,28 @@ class ItemBuffer(StateObject, kw_only=True):
     (``item_treedef`` / ``item_specs``).
     """
 
-    count: Array | None = None
-    """``Int[Array, ""]`` items ever committed."""
-    staged: Array | None = None
-    """``Int[Array, ""]`` items staged after them."""
-    overflowed: Array | None = None
-    """``Bool[Array, ""]`` a write was refused under jit."""
+    bookkeeping: Array | None = None
+    """``Int[Array, "3"]``: items ever committed, items staged after them, and
+    the writes refused under jit.  One array, so a step updates all of it in
+    one operation; read it through :attr:`count`, :attr:`staged` and
+    :attr:`overflowed`."""
 
     can_overflow = True
+
+    @property
+    def count(self) -> Array | None:
+        """``Int[Array, ""]`` items ever committed."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _COMMITTED]
+
+    @property
+    def staged(self) -> Array | None:
+        """``Int[Array, ""]`` items staged after them."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _STAGED]
+
+    @property
+    def overflowed(self) -> Array | None:
+        """``Bool[Array, ""]`` a write was refused under jit."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _REFUSED] > 0
 
     @property
     def slots(self) -> int:
@@ -65,10 +82,13 @@ class ItemBuffer(StateObject, kw_only=True):
         """The shape and dtype of each leaf of one item."""
 
     def _bookkeeping(self) -> dict[str, Array]:
-        return {"count": jnp.zeros((), jnp.int32), "staged": jnp.zeros((), jnp.int32), "overflowed": jnp.zeros((), bool)}
+        return {"bookkeeping": jnp.zeros((3,), jnp.int32)}
 
-    def _bookkeeping_axes(self) -> dict[str, tuple[()]]:
-        return {"count": (), "staged": (), "overflowed": ()}
+    def _bookkeeping_axes(self) -> dict[str, tuple[None]]:
+        return {"bookkeeping": (None,)}
+
+    def _with_bookkeeping(self, *, count: Array, staged: Array, refused: Array) -> ItemBuffer:
+        return self.with_storage(bookkeeping=jnp.stack([count, staged, refused], axis=-1).astype(jnp.int32))
 
     def _items(self, payload: Any, operation: str) -> tuple[list[Array], int]:
         """Checks one item or a batch of items; returns leaves ``[n, ...]`` and n."""
@@ -118,9 +138,10 @@ class ItemBuffer(StateObject, kw_only=True):
         buffers = self.item_treedef.unflatten(
             [b.at[slots].set(x, mode="drop") for b, x in zip(jax.tree_util.tree_leaves(self._buffers()), leaves)]
         )
-        new = self._with_buffers(buffers).with_storage(
+        new = self._with_buffers(buffers)._with_bookkeeping(
+            count=self.count,
             staged=self.staged + jnp.where(refused, 0, take),
-            overflowed=self.overflowed | refused,
+            refused=self.bookkeeping[..., _REFUSED] + refused,
         )
         return new, refused
 
@@ -136,12 +157,14 @@ class ItemBuffer(StateObject, kw_only=True):
 
     def _commit_staged(self, when: Array | bool = True) -> ItemBuffer:
         promoted = jnp.where(when, self.staged, 0)
-        return self.with_storage(count=self.count + promoted, staged=self.staged - promoted)
+        return self._with_bookkeeping(
+            count=self.count + promoted, staged=self.staged - promoted, refused=self.bookkeeping[..., _REFUSED]
+        )
 
     def discard(self) -> ItemBuffer:
         """Forgets staged items (O(1)); committed items are untouched."""
         self._require_resident("discard")
-        return self.with_storage(staged=overwrite(self.staged, 0))
+        return self.with_storage(bookkeeping=self.bookkeeping.at[..., _STAGED].set(0))
 
     def holds_staged(self) -> Array:
         return self.staged > 0 if self.resident else jnp.zeros((), bool)

@@ -11,12 +11,15 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, overwrite
+from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
 from jax_session_state.sharding import ShardingRules
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
+
+# Rows of ``KVCache.bookkeeping``.
+_COMMITTED, _STAGED, _HIGH_WATER, _REFUSED = range(4)
 
 
 class KVChunk(NamedTuple):
@@ -200,17 +203,41 @@ class KVCache(StateObject, kw_only=True):
     """``Float[Array, "batch kv_heads capacity head_dim"]``."""
     v: Array | None = None
     """``Float[Array, "batch kv_heads capacity head_dim"]``."""
-    lengths: Array | None = None
-    """``Int[Array, "batch"]`` committed tokens per row."""
-    staged: Array | None = None
-    """``Int[Array, "batch"]`` staged tokens per row, after the committed ones."""
-    high_water: Array | None = None
-    """``Int[Array, "batch"]`` one past the largest position ever written (a ring
-    slot holds the largest position below it that maps to the slot)."""
-    overflowed: Array | None = None
-    """``Bool[Array, ""]`` a write was refused under jit."""
+    bookkeeping: Array | None = None
+    """``Int[Array, "4 batch"]``, per batch row: committed tokens, staged
+    tokens after them, the high-water mark (one past the largest position
+    ever written; a ring slot holds the largest position below it that maps
+    to the slot) and the writes refused under jit (the same in every row).
+    One array, so a step updates all of it in one operation; read it
+    through :attr:`lengths`, :attr:`staged`, :attr:`high_water` and
+    :attr:`overflowed`."""
 
     can_overflow = True
+
+    @property
+    def lengths(self) -> Array | None:
+        """``Int[Array, "batch"]`` committed tokens per row."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _COMMITTED, :]
+
+    @property
+    def staged(self) -> Array | None:
+        """``Int[Array, "batch"]`` staged tokens per row, after the committed ones."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _STAGED, :]
+
+    @property
+    def high_water(self) -> Array | None:
+        """``Int[Array, "batch"]`` one past the largest position ever written."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _HIGH_WATER, :]
+
+    @property
+    def overflowed(self) -> Array | None:
+        """``Bool[Array, ""]`` a write was refused under jit."""
+        return None if self.bookkeeping is None else self.bookkeeping[..., _REFUSED, 0] > 0
+
+    def _with_bookkeeping(self, *, committed: Array, staged: Array, high_water: Array, refused: Array,
+                          **storage: Array) -> KVCache:
+        rows = [committed, staged, high_water, jnp.broadcast_to(refused, committed.shape)]
+        return self.with_storage(bookkeeping=jnp.stack(rows, axis=-2).astype(jnp.int32), **storage)
 
     @classmethod
     def allocate(
@@ -290,18 +317,14 @@ class KVCache(StateObject, kw_only=True):
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "capacity", "head_dim")
         rows = ("batch",)
-        return {"k": kv, "v": kv, "lengths": rows, "staged": rows, "high_water": rows, "overflowed": ()}
+        return {"k": kv, "v": kv, "bookkeeping": (None, "batch")}
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
-        rows = jnp.zeros((self.batch,), jnp.int32)
         return {
             "k": jnp.zeros(shape, self.dtype),
             "v": jnp.zeros(shape, self.dtype),
-            "lengths": rows,
-            "staged": jnp.zeros_like(rows),
-            "high_water": jnp.zeros_like(rows),
-            "overflowed": jnp.zeros((), bool),
+            "bookkeeping": jnp.zeros((4, self.batch), jnp.int32),
         }
 
     @property
@@ -345,28 +368,30 @@ class KVCache(StateObject, kw_only=True):
             ),
         )
         refused = bad_counts | too_long
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
-        slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
-        keep = (jnp.arange(T) < counts[:, None]) & ~refused
-        slots = jnp.where(keep, slots, self.capacity)  # out of range: dropped
         written = jnp.where(refused, 0, counts)
-        new = self.with_storage(
-            k=_write_rows(self.k, slots, chunk.k),
-            v=_write_rows(self.v, slots, chunk.v),
+        new = self._with_bookkeeping(
+            k=self._write_rows(self.k, chunk.k, start, written),
+            v=self._write_rows(self.v, chunk.v, start, written),
+            committed=self.lengths,
             staged=self.staged + written,
             high_water=jnp.maximum(self.high_water, start + written),
-            overflowed=self.overflowed | refused,
+            refused=self.bookkeeping[..., _REFUSED, :] + refused,
         )
         return new, refused
 
     def _commit_staged(self, when: Array | bool = True) -> KVCache:
         promoted = jnp.where(when, self.staged, 0)
-        return self.with_storage(lengths=self.lengths + promoted, staged=self.staged - promoted)
+        return self._with_bookkeeping(
+            committed=self.lengths + promoted,
+            staged=self.staged - promoted,
+            high_water=self.high_water,
+            refused=self.bookkeeping[..., _REFUSED, :],
+        )
 
     def discard(self) -> KVCache:
         """Forgets staged rows (O(1)); committed rows are untouched."""
         self._require_resident("discard")
-        return self.with_storage(staged=overwrite(self.staged, 0))
+        return self.with_storage(bookkeeping=self.bookkeeping.at[..., _STAGED, :].set(0))
 
     def holds_staged(self) -> Array:
         return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
@@ -400,6 +425,16 @@ class KVCache(StateObject, kw_only=True):
             window=self.window,
             sink=self.sink,
         )
+
+    def _write_rows(self, cache: Array, rows: Array, start: Array, written: Array) -> Array:
+        """``cache`` with ``rows[b, :written[b]]`` written at positions from ``start[b]``; nothing else changes."""
+        T = rows.shape[1]
+        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.capacity:
+            return _write_row_slice(cache, rows, start[0], written[0])
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
+        slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.capacity)  # out of range: dropped
+        return _scatter_rows(cache, slots, rows)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> KVCache:
@@ -439,7 +474,28 @@ class KVCache(StateObject, kw_only=True):
             cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
         return cache
 
-def _write_rows(cache: Array, slots: Array, rows: Array) -> Array:
+def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array) -> Array:
+    """``cache`` with ``rows[0, :count]`` written at slots ``start..start+count-1`` of its one batch row.
+
+    ``cache: [1, kv_heads, capacity, head_dim]``, ``rows: [1, T, kv_heads,
+    head_dim]`` with ``T <= capacity``; ``start + count <= capacity``.  One
+    in-place ``dynamic_update_slice`` of ``T`` rows: the window starts at
+    ``start`` clamped so it fits, each of its rows takes the chunk's row
+    that lands there or keeps what the cache holds, so nothing outside the
+    ``count`` rows changes.  XLA fuses the shift, the mask and the transpose
+    into the update, one operation where a scatter takes several.
+    """
+    T = rows.shape[1]
+    window_start = jnp.minimum(start, cache.shape[2] - T)
+    shift = start - window_start
+    index = jnp.arange(T, dtype=jnp.int32)
+    shifted = jnp.take(rows, jnp.clip(index - shift, 0, T - 1), axis=1).transpose(0, 2, 1, 3)
+    kept = jax.lax.dynamic_slice_in_dim(cache, window_start, T, axis=2)
+    lands = ((index >= shift) & (index < shift + count))[None, None, :, None]
+    return jax.lax.dynamic_update_slice_in_dim(cache, jnp.where(lands, shifted, kept), window_start, axis=2)
+
+
+def _scatter_rows(cache: Array, slots: Array, rows: Array) -> Array:
     """``cache`` with ``rows[b, t]`` written into slot ``slots[b, t]`` of batch row ``b``.
 
     ``cache: [batch, kv_heads, capacity, head_dim]``, ``slots: [batch, T]``

@@ -27,18 +27,12 @@ KINDS = {
     "kv_append": (
         lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=16, **kw),
         kv_chunk,
-        {
-            "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"), "staged": P("data"),
-            "high_water": P("data"), "overflowed": P(),
-        },
+        {"k": P("data", "model"), "v": P("data", "model"), "bookkeeping": P(None, "data")},
     ),
     "kv_ring": (
         lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=8, **kw),
         kv_chunk,
-        {
-            "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"), "staged": P("data"),
-            "high_water": P("data"), "overflowed": P(),
-        },
+        {"k": P("data", "model"), "v": P("data", "model"), "bookkeeping": P(None, "data")},
     ),
     "encode_once": (
         lambda **kw: jss.EncodeOnceKV.allocate(batch=B, kv_heads=4, head_dim=D, length=8, **kw),
@@ -67,7 +61,7 @@ KINDS = {
             maxlen=6, item_shape=(4,), ring=True, max_staged=4, item_axes=("hidden",), **kw
         ),
         lambda rng: jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
-        {"items": P("data", "model"), "count": P(), "staged": P(), "overflowed": P()},
+        {"items": P("data", "model"), "bookkeeping": P()},
     ),
     "paged": (
         lambda **kw: jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=16, **kw),
@@ -85,7 +79,7 @@ KINDS = {
             jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
             {"a": jnp.asarray(rng.normal(size=(2, 4)), jnp.float32)},
         ),
-        {"keys": P("data"), "values": {"a": P("data", "model")}, "count": P(), "staged": P(), "overflowed": P()},
+        {"keys": P("data"), "values": {"a": P("data", "model")}, "bookkeeping": P()},
     ),
 }
 
@@ -209,7 +203,7 @@ def test_bytes_per_device_are_an_eighth_of_a_head_sharded_cache_and_replicas_cou
     )
     session = jss.shard(jss.Session(objects={"kv": kv}, attrs={"rng": jax.random.key(0)}), kv.sharding)
     cache_bytes = 2 * B * 8 * 64 * 16 * 4  # k and v, float32
-    replicated = 3 * B * 4 + 1  # lengths, staged, high_water (int32 [batch]) and overflowed, whole on every device
+    replicated = 4 * B * 4  # the bookkeeping (int32 [4, batch]), whole on every device
     key_bytes = 8  # a threefry key: uint32[2], replicated
     by_device = session.nbytes_by_device()
     assert sorted(by_device) == sorted(f"cpu:{d.id}" for d in jax.devices())

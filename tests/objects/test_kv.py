@@ -14,7 +14,7 @@ CHUNKS = (1, 3, 4)  # few distinct T: few compiles
 
 
 @st.composite
-def kv_ops(draw, *, allow_bad_counts=True):
+def kv_ops(draw, *, batch=B, allow_bad_counts=True):
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     ops = []
     for _ in range(draw(st.integers(1, 14))):
@@ -23,15 +23,15 @@ def kv_ops(draw, *, allow_bad_counts=True):
             ops.append(Op(name))
             continue
         T = draw(st.sampled_from(CHUNKS))
-        k = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-        v = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+        k = jnp.asarray(rng.normal(size=(batch, T, H, D)), jnp.float32)
+        v = jnp.asarray(rng.normal(size=(batch, T, H, D)), jnp.float32)
         kind = draw(st.sampled_from(["full", "ragged", "ragged", "bad"] if allow_bad_counts else ["full", "ragged"]))
         if kind == "full":
             counts = None
         elif kind == "ragged":
-            counts = jnp.asarray([draw(st.integers(0, T)) for _ in range(B)], jnp.int32)
+            counts = jnp.asarray([draw(st.integers(0, T)) for _ in range(batch)], jnp.int32)
         else:
-            counts = jnp.asarray([draw(st.sampled_from([-1, T + 1])), T], jnp.int32)
+            counts = jnp.asarray([draw(st.sampled_from([-1, T + 1]))] + [T] * (batch - 1), jnp.int32)
         ops.append(Op(name, jss.KVChunk(k, v, counts)))
     return ops
 
@@ -44,12 +44,51 @@ def test_append_mode_matches_model(jit, ops):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@given(ops=kv_ops(batch=1))
+def test_append_mode_with_one_row_matches_model(jit, ops):
+    # One batch row writes through one in-place slice update instead of a scatter.
+    cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=12)
+    drive(cache, KVModel(1, capacity=12, heads=H, head_dim=D), ops, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @given(ops=kv_ops(), sink=st.sampled_from([0, 2]))
 def test_ring_mode_matches_model(jit, ops, sink):
     # Long sequences wrap the ring many times; staged rows must never clobber the window.
     cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=5, sink=sink, max_chunk=4)
     model = KVModel(B, window=5, sink=sink, max_chunk=4, heads=H, head_dim=D)
     drive(cache, model, ops * 3, jit=jit)
+
+
+@pytest.mark.parametrize("start, count", [(0, 4), (3, 2), (6, 2), (7, 1), (5, 0)])
+def test_one_row_write_near_capacity_changes_only_its_rows(start, count):
+    # The slice write's window is clamped to fit the capacity (8 rows, chunks of 4):
+    # rows before ``start`` and after ``start + count`` must keep what they held.
+    rng = np.random.default_rng(start)
+    held = rng.normal(size=(1, 8, H, D)).astype(np.float32)
+    cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=8)
+    cache = cache.append(jss.KVChunk(jnp.asarray(held), jnp.asarray(-held)))
+    rows = rng.normal(size=(1, 4, H, D)).astype(np.float32)
+    write = jax.jit(lambda c, n: c.append(jss.KVChunk(jnp.asarray(rows), jnp.asarray(-rows), n)),
+                    donate_argnums=0)
+    cache = cache.replace(bookkeeping=cache.bookkeeping.at[0].set(start))  # rewind to ``start`` committed rows
+    cache = write(cache, jnp.asarray([count], jnp.int32))
+    expected = held.copy()
+    expected[:, start:start + count] = rows[:, :count]
+    np.testing.assert_array_equal(np.asarray(cache.k).transpose(0, 2, 1, 3), expected)
+    np.testing.assert_array_equal(np.asarray(cache.v).transpose(0, 2, 1, 3), -expected)
+    assert cache.lengths.tolist() == [start + count] and not bool(cache.overflowed)
+
+
+def test_one_row_append_is_one_in_place_slice_update_per_array():
+    cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=64)
+    rows = jnp.ones((1, 4, H, D))
+    step = jax.jit(lambda c, r: c.append((r, r)), donate_argnums=0)
+    hlo = step.lower(cache, rows).compile().as_text()
+    assert "scatter" not in hlo and hlo.count("dynamic-update-slice") >= 2
+    pointers = (cache.k.unsafe_buffer_pointer(), cache.v.unsafe_buffer_pointer())
+    cache = step(cache, rows)
+    assert (cache.k.unsafe_buffer_pointer(), cache.v.unsafe_buffer_pointer()) == pointers
 
 
 def test_view_layout_and_positions():
