@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,7 +59,9 @@ class Session(struct.PyTreeNode):
         for name in self.objects:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"Session object names must be non-empty strings; got {name!r}.")
-        _validate_recompute_graph(self.objects)
+        _validate_recompute_graph(
+            tuple((name, getattr(obj, "recompute_source", ())) for name, obj in self.objects.items())
+        )
 
     # ----------------------------------------------------------- mapping
     def __getitem__(self, name: str) -> StateObject:
@@ -189,17 +192,22 @@ def _with_name(error: Exception, name: str) -> Exception:
         return error
 
 
-def _validate_recompute_graph(objects: Mapping[str, Any]) -> None:
-    """Raises RecomputeGraphError for a missing source or a cycle."""
-    sources = {
-        name: obj.recompute_source for name, obj in objects.items() if isinstance(obj, StateObject)
-    }
+@functools.lru_cache(maxsize=256)
+def _validate_recompute_graph(edges: tuple[tuple[str, tuple[str, ...]], ...]) -> None:
+    """Raises RecomputeGraphError for a missing source or a cycle.
+
+    Args:
+      edges: each object's name and the names it can be rebuilt from.  The
+        graph is static, so a session rebuilt with the same structure (every
+        jitted step's output) is checked once; errors are not cached.
+    """
+    sources = dict(edges)
     for name, names in sources.items():
         for source in names:
-            if source not in objects:
+            if source not in sources:
                 raise RecomputeGraphError(
                     f"recompute source {source!r} of {name!r} is not in this session; "
-                    f"it holds {sorted(objects)}. Add it, or allocate {name!r} without it."
+                    f"it holds {sorted(sources)}. Add it, or allocate {name!r} without it."
                 )
     done: set[str] = set()
 
