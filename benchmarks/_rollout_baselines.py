@@ -6,7 +6,9 @@ the same frames with the same weights, float32 throughout:
 - :func:`raw_rollout`: JAX on raw arrays, hand-written: a tuple of head-major
   K/V arrays written with ``lax.dynamic_update_slice``, the length an int,
   the carry and the recent frames plain arrays; the same projections and the
-  same attention function (``jss.attend`` over a view of those arrays).
+  same attention function (``jss.attend`` over a view of those arrays).  It
+  takes the weights and the conditioning as arguments, as the library's
+  rollout does, so the two differ only in how the session is held.
 - :func:`nnx_decode_rollout`: the blocks' ``nnx.MultiHeadAttention`` called
   with ``decode=True`` on flax's own cache, one token at a time (its only
   mode); flax attends over the whole cache with a mask.
@@ -88,8 +90,10 @@ def raw_state(snapshot: Snapshot, capacity: int) -> tuple[Any, ...]:
     return tuple(ks), tuple(vs), jnp.int32(snapshot.length), jnp.asarray(snapshot.h), jnp.asarray(snapshot.frames)
 
 
-def raw_rollout(model: WorldModel, cond: jss.KVView, state: tuple[Any, ...], actions: jax.Array):
+def raw_rollout(graphdef: nnx.GraphDef, params: nnx.State, cond: jss.KVView, state: tuple[Any, ...],
+                actions: jax.Array):
     """The rollout hand-written on raw arrays; jit it with ``state`` donated."""
+    model = nnx.merge(graphdef, params)
     tokens = model.config.tokens
 
     def one(state, action):

@@ -15,8 +15,10 @@ ratio of two bests:
   session (the demo's rollout), and 16 frames after prefixes of 1k and 4k
   tokens (and 16k with ``--full``);
 - raw JAX: the same scan hand-written on raw arrays (K/V written with
-  ``lax.dynamic_update_slice``, the same projections and ``jss.attend``);
-  bar: library <= 1.05 x raw (the abstraction costs nothing);
+  ``lax.dynamic_update_slice``, the same projections and ``jss.attend``),
+  jitted the same way: the weights and the conditioning are arguments, as
+  they are to the library's rollout; bar: library <= 1.05 x raw (the
+  abstraction costs nothing);
 - PyTorch eager: a preallocated head-major cache per block written in place
   with ``copy_``, ``scaled_dot_product_attention`` over the valid prefix
   (grouped-query heads, a causal mask for the chunk), under
@@ -102,9 +104,9 @@ def step_times(prefix: int, frames: int, *, rounds: int) -> tuple[dict[str, floa
     """
     s = Setup(prefix, frames)
     cond = baselines.cond_view(s.snapshot)
-    raw = jax.jit(functools.partial(baselines.raw_rollout, s.model, cond), donate_argnums=0)
+    raw = jax.jit(functools.partial(baselines.raw_rollout, s.graphdef), donate_argnums=2)
     library = _blocking(lambda session: s.rollout(s.params, session, s.actions))
-    raw_run = _blocking(lambda state: raw(state, s.actions))
+    raw_run = _blocking(lambda state: raw(s.params, cond, state, s.actions))
     outputs = {"library": library(s.session.fork())[1], "raw JAX": raw_run(baselines.raw_state(s.snapshot, CAPACITY))[1]}
     candidates = {
         "library": (s.session.fork, library),

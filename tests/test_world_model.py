@@ -34,7 +34,8 @@ def test_rollout_matches_flax_decode_cache_and_raw_arrays():
     cond = baselines.cond_view(snapshot)
     ours = np.asarray(jax.jit(functools.partial(rollout, model))(session, actions)[1])
 
-    raw = jax.jit(functools.partial(baselines.raw_rollout, model, cond))(baselines.raw_state(snapshot, 256), actions)[1]
+    graphdef, params = nnx.split(model)
+    raw = jax.jit(functools.partial(baselines.raw_rollout, graphdef))(params, cond, baselines.raw_state(snapshot, 256), actions)[1]
     np.testing.assert_allclose(np.asarray(raw), ours, rtol=1e-5, atol=1e-5)
 
     # flax's MultiHeadAttention on its own cache, one token per call: an independent attention.
