@@ -28,7 +28,12 @@ Measures, in one run (batch 1, 8 query heads over 8 kv-heads x 64, float32):
 
 Steps timed at a fixed valid length append after it and then rewind the
 length (one integer, inside the same jitted call), so every call writes the
-same rows; PyTorch's step writes the same rows in place.  Timings interleave
+same rows; PyTorch's step writes the same rows in place.  JAX dispatches
+synchronously here (``jax_cpu_enable_async_dispatch=False``, set before the
+CPU backend starts), as PyTorch eager runs: a step loop that waits for each
+step's output gains nothing from asynchronous dispatch, whose hand-off to the
+runtime's thread and back cost 20-40 us per call on 2 cores, as much as
+PyTorch's whole step over an empty cache.  Timings interleave
 the candidates round by round with a pause between them (so one runtime's
 worker threads are idle while the other runs), take the fastest of a few
 calls per round and the median over rounds.  PyTorch is optional
@@ -657,7 +662,8 @@ def run(*, full: bool) -> list[dict]:
     if torch is None:
         print(NO_TORCH)
     rows = capacity_rows(rounds)
-    steps = step_rows(16, lengths, rounds) + step_rows(1, [n if n < 4000 else 4095 for n in lengths], rounds)
+    step_rounds = 40 if full else 25  # one step is short: more rounds, a steadier median
+    steps = step_rows(16, lengths, step_rounds) + step_rows(1, [n if n < 4000 else 4095 for n in lengths], step_rounds)
     rows += steps
     rows += rollout_rows(16, 4096, 5 if full else 3) + rollout_rows(1, 4096 if full else 1024, 3)
     rows += nnx_rows([256, 1024, 4096], rounds)
@@ -676,5 +682,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--memory-child"]:
         memory_child(sys.argv[2], int(sys.argv[3]))
     else:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # before the CPU backend starts (see above)
         cli("attention", run, __doc__,
             columns=["part", "case", "measured", "reference", "unit", "ratio", "bar", "holds", "note"])
