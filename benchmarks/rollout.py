@@ -168,7 +168,7 @@ def peak_memory(capacity: int, steps: int) -> dict[str, int]:
 def run(*, full: bool) -> list[dict[str, Any]]:
     """Rows of step times, ratios against the bars, and the memory figures."""
     print(__doc__.split("\n\n", 1)[1].split("Run:")[0])
-    rounds = 80 if full else 40  # for 16-frame rollouts; fewer for longer ones
+    rounds = 160 if full else 80  # for 16-frame rollouts (a time is the best of its rounds); fewer for longer ones
     rows: list[dict[str, Any]] = []
     cases = [(0, 256), (1024, 16), (4096, 16)] + ([(16384, 16)] if full else [])
     for prefix, frames in cases:
@@ -180,7 +180,7 @@ def run(*, full: bool) -> list[dict[str, Any]]:
         for name, ratio in ratios.items():
             bar = "library_over_raw" if name == "raw JAX" else "library_over_torch"
             rows.append(_ratio(f"library / {name}, {case}", ratio, bar))
-    nnx_token, library_token = nnx_token_time(rounds=max(3, rounds // 2))
+    nnx_token, library_token = nnx_token_time(rounds=max(3, rounds // 4))
     tokens = WorldModelConfig().tokens
     rows += [
         {"measure": "flax nnx decode cache, one token per call (ms/token)", "value": nnx_token * 1e3},
