@@ -73,8 +73,10 @@ from jax_session_state.sharding import ShardingRules
 __all__ = ["FORMAT", "VERSION", "restore", "save"]
 
 FORMAT = "jax_session_state.checkpoint"
-VERSION = 1
-"""The on-disk format version this library writes and reads."""
+VERSION = 2
+"""The on-disk format version this library writes and reads (2: ``KVCache``,
+``LatentBuffer`` and ``RetrievalStore`` keep their counts in one
+``bookkeeping`` array)."""
 
 _COMPLETE = re.compile(r"ckpt-(\d+)")
 _PARTIAL = ".partial-"

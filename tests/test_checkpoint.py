@@ -22,6 +22,7 @@ from jax.sharding import AxisType
 
 import jax_session_state as jss
 from jax_session_state import _fingerprint, checkpoint
+from jax_session_state.checkpoint import VERSION
 from devices import DEVICE
 
 B, H, D = 2, 2, 4
@@ -230,7 +231,10 @@ def flip_bytes(path):
 @pytest.mark.parametrize(
     "damage, match",
     [
-        (lambda root: edit_manifest(root, lambda m: m.update(version=2)), "format version 2; this library reads version 1"),
+        (
+            lambda root: edit_manifest(root, lambda m: m.update(version=VERSION + 1)),
+            f"format version {VERSION + 1}; this library reads version {VERSION}",
+        ),
         (lambda root: edit_manifest(root, lambda m: m.update(format="other")), "is not a jax_session_state.checkpoint"),
         (lambda root: edit_manifest(root, lambda m: m.update(content="queue")), "holds 'queue'"),
         (lambda root: edit_manifest(root, lambda m: m.pop("record")), "manifest.json is malformed"),

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 __all__ = ["ItemBuffer"]
 
-# Entries of ``ItemBuffer.bookkeeping``.
-_COMMITTED, _STAGED, _REFUSED = range(3)
-
 import abc
 from typing import Any
 
@@ -25,6 +22,9 @@ from jax_session_state import _validation as v
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
+
+# Entries of ``ItemBuffer.bookkeeping``.
+_COMMITTED, _STAGED, _REFUSED = range(3)
 
 
 class ItemBuffer(StateObject, kw_only=True):
