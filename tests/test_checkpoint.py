@@ -189,15 +189,15 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable_bit_for_
     for attempt in range(5):
         root = tmp_path / f"attempt{attempt}"
         checkpoint.save(root, previous)
-        child = subprocess.Popen(
+        with subprocess.Popen(  # closes the pipe when done
             [sys.executable, "-c", CHILD_SAVE, str(root)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        assert child.stdout.readline().strip() == "saving"
-        deadline = time.monotonic() + 60
-        while partial_bytes(root) < 1 << 20 and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        ) as child:
+            assert child.stdout.readline().strip() == "saving"
+            deadline = time.monotonic() + 60
+            while partial_bytes(root) < 1 << 20 and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.002)
+            child.send_signal(signal.SIGKILL)
+            child.wait()
         if not (root / "ckpt-000002").exists():  # the kill landed mid-save
             break
     else:
