@@ -316,7 +316,6 @@ class KVCache(StateObject, kw_only=True):
 
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "capacity", "head_dim")
-        rows = ("batch",)
         return {"k": kv, "v": kv, "bookkeeping": (None, "batch")}
 
     def _empty_storage(self) -> dict[str, Any]:
@@ -473,6 +472,7 @@ class KVCache(StateObject, kw_only=True):
             taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)
             cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
         return cache
+
 
 def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array) -> Array:
     """``cache`` with ``rows[0, :count]`` written at slots ``start..start+count-1`` of its one batch row.
