@@ -10,7 +10,7 @@ Example:
   name   kind        shapes               dtype    committed  staged  capacity  resident  recompute  cpu:0
   -----  ----------  -------------------  -------  ---------  ------  --------  --------  ---------  -----
   carry  FixedState  [1, 8]               float32  value      0       -         yes       -          65
-  kv     KVCache     k, v: [1, 2, 16, 4]  float32  [0]        [0]     16        yes       -          1037
+  kv     KVCache     k, v: [1, 2, 16, 4]  float32  [0]        [0]     16        yes       -          1040
 """
 
 from __future__ import annotations
