@@ -22,7 +22,6 @@ from jax.sharding import AxisType
 
 import jax_session_state as jss
 from jax_session_state import _fingerprint, checkpoint
-from jax_session_state.checkpoint import VERSION
 from devices import DEVICE
 
 B, H, D = 2, 2, 4
@@ -232,8 +231,8 @@ def flip_bytes(path):
     "damage, match",
     [
         (
-            lambda root: edit_manifest(root, lambda m: m.update(version=VERSION + 1)),
-            f"format version {VERSION + 1}; this library reads version {VERSION}",
+            lambda root: edit_manifest(root, lambda m: m.update(version=checkpoint.VERSION + 1)),
+            f"format version {checkpoint.VERSION + 1}; this library reads version {checkpoint.VERSION}",
         ),
         (lambda root: edit_manifest(root, lambda m: m.update(format="other")), "is not a jax_session_state.checkpoint"),
         (lambda root: edit_manifest(root, lambda m: m.update(content="queue")), "holds 'queue'"),
