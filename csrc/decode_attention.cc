@@ -4,9 +4,10 @@
 // KVView with window=None: for batch row b and kv head h, the first
 // lengths[b] rows of k[b, h] and v[b, h] are one contiguous [L, D] block and
 // are read in place.  A query at position qp sees key p when p < lengths[b]
-// and, if causal, p <= qp.  Query head h * G + g reads kv head h (GQA with
-// G = q_heads / kv_heads).  A query that sees nothing gets zeros and
-// lse = -inf.
+// and, if causal, p <= qp; qp is q_positions[b, t], plus lengths[b] when the
+// attribute relative is set (offsets from the end).  Query head h * G + g
+// reads kv head h (GQA with G = q_heads / kv_heads).  A query that sees
+// nothing gets zeros and lse = -inf.
 //
 // Work: for every (batch row, kv head) pair, its T * G query rows walk the
 // keys in tiles of kTile with an online softmax (running max, sum and
@@ -384,7 +385,7 @@ using S32x2 = ffi::Buffer<ffi::S32, 2>;
 using S32x1 = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, S32x1 lengths, S32x2 q_positions,
-                           ffi::Result<F32x4> out, ffi::Result<F32x3> lse, float scale, bool causal) {
+                           ffi::Result<F32x4> out, ffi::Result<F32x3> lse, float scale, bool causal, bool relative) {
   const auto q_dims = q.dimensions(), k_dims = k.dimensions(), v_dims = v.dimensions();
   if (!std::equal(k_dims.begin(), k_dims.end(), v_dims.begin()) || q_dims[0] != k_dims[0] ||
       q_dims[3] != k_dims[3] || k_dims[1] == 0 || q_dims[2] % k_dims[1] != 0 ||
@@ -403,7 +404,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, S32x
     const int64_t length = std::clamp<int64_t>(lengths.typed_data()[b], 0, shape.capacity);
     for (int64_t t = 0; t < shape.T; ++t) {
       int64_t visible = length - 1;
-      if (causal) visible = std::min<int64_t>(visible, q_positions.typed_data()[b * shape.T + t]);
+      if (causal) {
+        const int64_t position = q_positions.typed_data()[b * shape.T + t] + (relative ? lengths.typed_data()[b] : 0);
+        visible = std::min<int64_t>(visible, position);
+      }
       last[b * shape.T + t] = std::max<int64_t>(visible, -1);
       pair_keys[b] = std::max(pair_keys[b], last[b * shape.T + t] + 1);
       work += last[b * shape.T + t] + 1;
@@ -479,4 +483,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JssDecodeAttentionF32, DecodeAttention,
                                   .Ret<F32x4>()  // out [B, T, Hq, D]
                                   .Ret<F32x3>()  // lse [B, T, Hq]
                                   .Attr<float>("scale")
-                                  .Attr<bool>("causal"));
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("relative"));

@@ -119,15 +119,19 @@ def supports(q: Array, k: Array, v: Array) -> bool:
 
 
 def _call(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
-          scale: float) -> tuple[Array, Array]:
+          scale: float, relative: bool) -> tuple[Array, Array]:
     result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
     call = jax.ffi.ffi_call(TARGET, result)
     return call(q, k, v, lengths.astype(jnp.int32), q_positions.astype(jnp.int32), scale=np.float32(scale),
-                causal=bool(causal))
+                causal=bool(causal), relative=bool(relative))
 
 
-def kernel(causal: bool, scale: float, fallback: Kernel) -> Kernel:
+def kernel(causal: bool, scale: float, relative: bool, fallback: Kernel) -> Kernel:
     """The native kernel ``(q, k, v, lengths, q_positions) -> (out, lse)``, with its batching rule.
+
+    With ``relative`` the query positions are offsets from each row's length
+    (``-T..-1`` for the last ``T`` positions, a constant), so a step need not
+    compute them; ``fallback`` takes them the same way.
 
     Under ``jax.vmap`` over speculative lanes that share one cache (k, v and
     lengths not batched), the lanes are folded into the query rows, so the
@@ -138,7 +142,7 @@ def kernel(causal: bool, scale: float, fallback: Kernel) -> Kernel:
 
     @jax.custom_batching.custom_vmap
     def native(q, k, v, lengths, q_positions):
-        return _call(q, k, v, lengths, q_positions, causal=causal, scale=scale)
+        return _call(q, k, v, lengths, q_positions, causal=causal, scale=scale, relative=relative)
 
     @native.def_vmap
     def native_vmap(lanes, batched, q, k, v, lengths, q_positions):

@@ -89,6 +89,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 
 from jax_session_state import _native
@@ -169,7 +170,7 @@ def attend_with_lse(
         view = view.to_dense()
     if not isinstance(view, KVView):
         raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
-    return _kv_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
+    return _kv_with_lse(q, view, causal, scale, q_positions)
 
 
 def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
@@ -275,13 +276,22 @@ def _scores(keys: Array, qh: Array) -> Array:
     return jnp.einsum("bhmd,bhnd->bhmn", qh, keys, preferred_element_type=_F32)
 
 
-def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
+def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None,
+                 q_positions: Array | None) -> tuple[Array, Array]:
     if view.window is not None:
-        return _dense_with_lse(q, view, causal, scale, q_positions)
+        return _dense_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
     if _native.enabled() and _native.supports(q, view.k, view.v) and isinstance(scale, numbers.Real):
-        return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale))
-    return _blockwise(q, view.k, view.v, view.lengths, q_positions, causal=causal, scale=scale)
+        if q_positions is None:
+            # The last T positions, as offsets from each row's length: a constant,
+            # so a step computes no positions (the kernel adds the lengths).
+            B, T = q.shape[:2]
+            offsets = jnp.asarray(np.broadcast_to(np.arange(-T, 0, dtype=np.int32), (B, T)))
+            return _native_or_blockwise(q, view.k, view.v, view.lengths, offsets, causal, float(scale), True)
+        q_positions = _default_positions(q, view.lengths, q_positions)
+        return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale), False)
+    return _blockwise(q, view.k, view.v, view.lengths, _default_positions(q, view.lengths, q_positions),
+                      causal=causal, scale=scale)
 
 
 def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int) -> Array:
@@ -327,21 +337,32 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
     return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
+    """Query positions, given as they are or (``relative``) as offsets from each row's length."""
+    return lengths[:, None] + q_positions if relative else q_positions
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
-                         scale: float) -> tuple[Array, Array]:
-    """Append-mode attention: the native kernel on CPU, :func:`_blockwise` elsewhere."""
-    blockwise = functools.partial(_blockwise, causal=causal, scale=scale)
-    native = _native.kernel(causal, scale, blockwise)
+                         scale: float, relative: bool) -> tuple[Array, Array]:
+    """Append-mode attention: the native kernel on CPU, :func:`_blockwise` elsewhere.
+
+    With ``relative`` the query positions are offsets from each row's length.
+    """
+
+    def blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
+        return _blockwise(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
+
+    native = _native.kernel(causal, scale, relative, blockwise)
     return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=blockwise)
 
 
-def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale):
-    out, lse = _native_or_blockwise(q, k, v, lengths, q_positions, causal, scale)
+def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relative):
+    out, lse = _native_or_blockwise(q, k, v, lengths, q_positions, causal, scale, relative)
     return (out, lse), (q, k, v, lengths, q_positions, out, lse)
 
 
-def _native_or_blockwise_bwd(causal: bool, scale: float, residuals: Any, cotangents: Any) -> tuple:
+def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
     """Flash-attention backward, blockwise up to the longest row like the forward.
 
     With ``P = exp(S - lse)`` over the visible keys: ``dV = P^T dO``,
@@ -357,7 +378,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, residuals: Any, cotange
     lse_rows = _to_rows(lse, kv_heads)
     lse_rows = jnp.where(jnp.isneginf(lse_rows), jnp.inf, lse_rows)[..., None]  # sees nothing: P = 0
     delta = (jnp.sum(d_rows * _to_rows(out, kv_heads), -1) - _to_rows(d_lse, kv_heads))[..., None]
-    last = _last_visible(lengths, q_positions, causal, groups)
+    last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, groups)
 
     def body(i: Array, grads: Any) -> Any:
         dq, dk, dv = grads

@@ -180,6 +180,47 @@ def test_grad_and_vmap_compose_both_ways():
         np.testing.assert_allclose(native[lane], want, rtol=1e-4, atol=1e-5)
 
 
+@needs_native
+def test_default_positions_reach_the_kernel_as_offsets_from_each_rows_length():
+    """Without q_positions the kernel takes the constant offsets -T..-1 and adds each row's length.
+
+    That must stay right wherever the lengths come from: lanes sharing a
+    cache (folded into query rows), lanes with their own caches (folded into
+    the batch), the pure fallback under vmap, and the backward pass.
+    """
+    rng = np.random.default_rng(17)
+    q, k, v, lengths, _ = lane_inputs(rng)
+    lane_lengths = np.asarray([[70, 0], [90, 5], [1, 33]], np.int32)
+    ks, vs = np.stack([k, 2 * k, -k]), np.stack([v, v, 0.5 * v])
+    view = append_view(k, v, lengths)
+    shared = jax.jit(jax.vmap(lambda q: jss.attend_with_lse(q, view)))
+    hlo = _traced_with(True, lambda: shared.lower(q).compile().as_text())
+    assert calls_native(hlo) == 1 and " iota(" not in hlo  # the offsets are a constant: no positions computed
+    own = jax.jit(jax.vmap(lambda q, k, v, n: jss.attend_with_lse(q, append_view_of(k, v, n))))
+    only_k = jax.jit(jax.vmap(lambda q, k: jss.attend_with_lse(q, append_view_of(k, jnp.asarray(v), lengths))))
+    got_shared = _traced_with(True, shared, q)
+    got_own = _traced_with(True, own, q, ks, vs, lane_lengths)
+    got_only_k = _traced_with(True, only_k, q, ks)
+    positions = np.broadcast_to(np.arange(90), (2, 90))
+    for lane in range(3):
+        assert_close(*(x[lane] for x in got_shared), *reference(q[lane], k, v, lengths, positions))
+        assert_close(*(x[lane] for x in got_own),
+                     *reference(q[lane], ks[lane], vs[lane], lane_lengths[lane], positions))
+        assert_close(*(x[lane] for x in got_only_k), *reference(q[lane], ks[lane], v, lengths, positions))
+    q1, k1, v1, lengths1, _, weights = grad_inputs(18)
+    with _native.use(False):
+        expected = jax.grad(loss, argnums=(0, 1, 2))(*map(jnp.asarray, (q1, k1, v1, lengths1)), None, weights)
+    native = _traced_with(True, jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q1, k1, v1, lengths1, None, weights)
+    for got, want in zip(native, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert float(jnp.max(jnp.abs(expected[1]))) > 0
+
+
+def append_view_of(k, v, lengths):
+    """An append-mode view of traced arrays (its positions are never read there)."""
+    return jss.KVView(k=k, v=v, lengths=lengths, positions=jnp.zeros(lengths.shape + (1,), jnp.int32))
+
+
 def rollout_step(cache, q, rows):
     cache = cache.append((rows, rows))
     return cache, jss.attend(q, cache.view())
