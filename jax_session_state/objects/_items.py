@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
 
 from jax_session_state import _validation as v
 from jax_session_state.base import StateObject
@@ -132,12 +132,15 @@ class ItemBuffer(StateObject, kw_only=True):
                 "nothing was written. Allocate more, or commit/discard sooner."
             ),
         )
-        index = jnp.arange(n, dtype=jnp.int32)
-        slots = _ring.slot_of(start + index, sink=0, ring=self.slots if self.ring else None)
-        slots = jnp.where(refused | (index >= take), self.slots, slots)  # out of range: dropped
-        buffers = self.item_treedef.unflatten(
-            [b.at[slots].set(x, mode="drop") for b, x in zip(jax.tree_util.tree_leaves(self._buffers()), leaves)]
-        )
+        buffers = jax.tree_util.tree_leaves(self._buffers())
+        if n == 1 and isinstance(take, int) and self.sharding is None:
+            written = [_write_one(b, x[0], start, refused, ring=self.ring) for b, x in zip(buffers, leaves)]
+        else:
+            index = jnp.arange(n, dtype=jnp.int32)
+            slots = _ring.slot_of(start + index, sink=0, ring=self.slots if self.ring else None)
+            slots = jnp.where(refused | (index >= take), self.slots, slots)  # out of range: dropped
+            written = [b.at[slots].set(x, mode="drop") for b, x in zip(buffers, leaves)]
+        buffers = self.item_treedef.unflatten(written)
         new = self._with_buffers(buffers)._with_bookkeeping(
             count=self.count,
             staged=self.staged + jnp.where(refused, 0, take),
@@ -180,3 +183,18 @@ class ItemBuffer(StateObject, kw_only=True):
         end = self.count + self.staged if include_staged else self.count
         return jnp.maximum(end - self.maxlen, 0), end
 
+
+def _write_one(buffer: Array, item: Array, position: Array, refused: Array, *, ring: bool) -> Array:
+    """``buffer`` with ``item`` in the slot of ``position``, unless ``refused``.
+
+    One in-place ``dynamic_update_slice`` whose slot arithmetic and mask XLA
+    fuses into the update; a scatter of one index takes several operations
+    (its indices, a bounds check, the update).  A refused write puts back
+    what the slot holds (the slot is clamped into range: an append-mode
+    buffer refuses a write past its last slot).
+    """
+    slots = buffer.shape[0]
+    slot = lax.rem(position, slots) if ring else jnp.minimum(position, slots - 1)
+    slot = slot.astype(jnp.uint32)  # never negative: no index wrapping, the same index for both
+    kept = lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buffer, jnp.where(refused, kept, item), slot, axis=0)

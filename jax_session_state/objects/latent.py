@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax import Array
+from jax import Array, lax
 
 from jax_session_state import _validation as v
 from jax_session_state.objects._items import ItemBuffer
@@ -137,8 +137,13 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         start, end = self._visible_range(include_staged)
         if not self.ring:
             return LatentView(items=self.items, count=end)
-        slots = (start + jnp.arange(self.maxlen, dtype=jnp.int32)) % self.slots
-        return LatentView(items=jnp.take(self.items, slots, axis=0), count=end - start)
+        # The slots of positions end - maxlen .. end - 1, from the slot of ``end``
+        # (the slot a write takes next: the step computes it once for both).
+        index = jnp.arange(self.maxlen, dtype=jnp.int32)
+        slots = jnp.where(end >= self.maxlen, lax.rem(end, self.slots) - self.maxlen + index, index)
+        slots = jnp.where(slots < 0, slots + self.slots, slots)
+        items = self.items.at[slots].get(mode="promise_in_bounds", wrap_negative_indices=False, unique_indices=True)
+        return LatentView(items=items, count=end - start)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> LatentBuffer:
