@@ -73,10 +73,12 @@ from jax_session_state.sharding import ShardingRules
 __all__ = ["FORMAT", "VERSION", "restore", "save"]
 
 FORMAT = "jax_session_state.checkpoint"
-VERSION = 2
+VERSION = 3
 """The on-disk format version this library writes and reads (2: ``KVCache``,
 ``LatentBuffer`` and ``RetrievalStore`` keep their counts in one
-``bookkeeping`` array)."""
+``bookkeeping`` array; 3: ``EncodeOnceKV`` keeps one ``phase`` for its two
+flags, ``FixedState`` keeps the committed value as ``undo_value`` while one
+is staged)."""
 
 _COMPLETE = re.compile(r"ckpt-(\d+)")
 _PARTIAL = ".partial-"

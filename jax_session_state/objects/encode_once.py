@@ -10,12 +10,15 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, overwrite
+from jax_session_state.base import StateObject
 from jax_session_state.objects import _ring
 from jax_session_state.objects.kv import KVChunk, KVView
 from jax_session_state.sharding import ShardingRules
 
 __all__ = ["EncodeOnceKV"]
+
+# Values of ``EncodeOnceKV.phase``.
+_EMPTY, _STAGED, _WRITTEN = 0, 1, 2
 
 
 class EncodeOnceKV(StateObject, kw_only=True):
@@ -49,15 +52,27 @@ class EncodeOnceKV(StateObject, kw_only=True):
     v: Array | None = None
     """``Float[Array, "batch kv_heads length head_dim"]``."""
     lengths: Array | None = None
-    """``Int[Array, "batch"]`` conditioning tokens per row (staged or written)."""
-    written: Array | None = None
-    """``Bool[Array, ""]`` committed; later writes are no-ops."""
-    staged: Array | None = None
-    """``Bool[Array, ""]`` holds staged, uncommitted conditioning."""
+    """``Int[Array, "batch"]`` conditioning tokens per row, written or staged
+    (0 while there are none): what ``view()`` shows, so a step reads it as
+    it is."""
+    phase: Array | None = None
+    """``Int[Array, ""]``: 0 nothing written, 1 staged, 2 written (later
+    writes are no-ops); read it through :attr:`written` and :attr:`staged`.
+    One scalar, so a commit updates it in one operation."""
     overflowed: Array | None = None
     """``Bool[Array, ""]`` a write with out-of-range counts was refused under jit."""
 
     can_overflow = True
+
+    @property
+    def written(self) -> Array | None:
+        """``Bool[Array, ""]`` committed; later writes are no-ops."""
+        return None if self.phase is None else self.phase == _WRITTEN
+
+    @property
+    def staged(self) -> Array | None:
+        """``Bool[Array, ""]`` holds staged, uncommitted conditioning."""
+        return None if self.phase is None else self.phase == _STAGED
 
     @classmethod
     def allocate(
@@ -102,7 +117,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "length", "head_dim")
-        return {"k": kv, "v": kv, "lengths": ("batch",), "written": (), "staged": (), "overflowed": ()}
+        return {"k": kv, "v": kv, "lengths": ("batch",), "phase": (), "overflowed": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.length, self.head_dim)
@@ -110,8 +125,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
             "k": jnp.zeros(shape, self.dtype),
             "v": jnp.zeros(shape, self.dtype),
             "lengths": jnp.zeros((self.batch,), jnp.int32),
-            "written": jnp.zeros((), bool),
-            "staged": jnp.zeros((), bool),
+            "phase": jnp.full((), _EMPTY, jnp.int32),
             "overflowed": jnp.zeros((), bool),
         }
 
@@ -150,19 +164,22 @@ class EncodeOnceKV(StateObject, kw_only=True):
             k=self.k.at[:, :, slots].set(chunk.k.transpose(0, 2, 1, 3), mode="drop"),
             v=self.v.at[:, :, slots].set(chunk.v.transpose(0, 2, 1, 3), mode="drop"),
             lengths=jnp.where(skip, self.lengths, counts),
-            staged=jnp.where(skip, self.staged, True),
+            phase=jnp.where(skip, self.phase, _STAGED),
             overflowed=self.overflowed | refused,
         )
         return new, refused
 
     def _commit_staged(self, when: Array | bool = True) -> EncodeOnceKV:
         promoted = self.staged & when
-        return self.with_storage(written=self.written | promoted, staged=self.staged & ~promoted)
+        return self.with_storage(phase=jnp.where(promoted, _WRITTEN, self.phase))
 
     def discard(self) -> EncodeOnceKV:
         """Drops staged conditioning; written conditioning is never touched."""
         self._require_resident("discard")
-        return self.with_storage(staged=overwrite(self.staged, False))
+        dropped = self.staged
+        return self.with_storage(
+            lengths=jnp.where(dropped, 0, self.lengths), phase=jnp.where(dropped, _EMPTY, self.phase)
+        )
 
     def holds_staged(self) -> Array:
         return self.staged if self.resident else jnp.zeros((), bool)
@@ -181,7 +198,6 @@ class EncodeOnceKV(StateObject, kw_only=True):
     def view(self, *, include_staged: bool = True) -> KVView:
         """The conditioning as a :class:`KVView` (empty until written or staged)."""
         self._require_resident("view")
-        shown = self.written | (self.staged & include_staged)
-        lengths = jnp.where(shown, self.lengths, 0)
+        lengths = self.lengths if include_staged else jnp.where(self.written, self.lengths, 0)
         positions = _ring.slot_positions(self.length, lengths, sink=0, ring=None)
         return KVView(k=self.k, v=self.v, lengths=lengths, positions=positions)

@@ -22,9 +22,11 @@ class FixedState(StateObject, kw_only=True):
 
     Every commit replaces the whole value and must match its structure,
     shapes and dtypes exactly (``TypeError`` / ``ValueError`` otherwise): that
-    is what keeps a jitted step from retracing.  The staged value is held
-    beside the committed one (its bytes are reported by
-    ``staged_nbytes_by_device``).  A carry usually cannot be rebuilt, so
+    is what keeps a jitted step from retracing.  A staged value takes the
+    place of the committed one, which is kept beside it for ``discard()``
+    (those bytes are reported by ``staged_nbytes_by_device``), so reading the
+    value never selects between the two and ``commit()`` moves no data.
+    A carry usually cannot be rebuilt, so
     ``evict()`` raises :class:`NotEvictableError` unless a recompute source is
     declared.
 
@@ -42,9 +44,11 @@ class FixedState(StateObject, kw_only=True):
     leaf_axes: tuple[LogicalAxes, ...] = struct.field(pytree_node=False)
 
     value: Any = None
-    """The committed value: a pytree of the spec's shapes and dtypes."""
-    staged_value: Any = None
-    """The staged value, same spec; meaningful while ``has_staged``."""
+    """The value a reader sees, a pytree of the spec's shapes and dtypes: the
+    staged one while ``has_staged``, else the committed one."""
+    undo_value: Any = None
+    """The committed value while a staged one is in ``value`` (what
+    ``discard()`` restores), same spec; meaningful while ``has_staged``."""
     has_staged: jax.Array | None = None
     """``Bool[Array, ""]`` a value is staged."""
 
@@ -89,13 +93,13 @@ class FixedState(StateObject, kw_only=True):
 
     def storage_axes(self) -> dict[str, Any]:
         value = self.treedef.unflatten(self.leaf_axes)
-        return {"value": value, "staged_value": value, "has_staged": ()}
+        return {"value": value, "undo_value": value, "has_staged": ()}
 
     def _empty_storage(self) -> dict[str, Any]:
         def zeros() -> Any:
             return self.treedef.unflatten([jnp.zeros(s.shape, s.dtype) for s in self.leaf_specs])
 
-        return {"value": zeros(), "staged_value": zeros(), "has_staged": jnp.zeros((), bool)}
+        return {"value": zeros(), "undo_value": zeros(), "has_staged": jnp.zeros((), bool)}
 
     def describe(self) -> str:
         shapes = self.treedef.unflatten(
@@ -114,9 +118,10 @@ class FixedState(StateObject, kw_only=True):
         return jax.tree_util.tree_map(jnp.asarray, payload)
 
     def _stage(self, payload: Any, operation: str) -> tuple[FixedState, bool]:
-        """Holds ``payload`` (same spec exactly) beside the committed value; never refused."""
+        """Puts ``payload`` (same spec exactly) in place of the value, keeping the committed one; never refused."""
         new = self.with_storage(
-            staged_value=overwrite(self.staged_value, self._checked(payload, operation)),
+            value=overwrite(self.value, self._checked(payload, operation)),
+            undo_value=self._committed(),
             has_staged=overwrite(self.has_staged, True),
         )
         return new, False
@@ -132,18 +137,19 @@ class FixedState(StateObject, kw_only=True):
         )
 
     def _commit_staged(self, when: jax.Array | bool = True) -> FixedState:
-        promoted = self.has_staged & when
-        value = jax.tree_util.tree_map(
-            lambda staged, committed: jnp.where(promoted, staged, committed),
-            self.staged_value,
-            self.value,
-        )
-        return self.with_storage(value=value, has_staged=self.has_staged & ~promoted)
+        if when is True:  # the staged value is already in place: only the flag changes
+            return self.with_storage(has_staged=overwrite(self.has_staged, False))
+        return self.with_storage(has_staged=self.has_staged & jnp.logical_not(when))  # not promoted: stays staged
 
     def discard(self) -> FixedState:
-        """Drops the staged value."""
+        """Drops the staged value: the committed one comes back."""
         self._require_resident("discard")
-        return self.with_storage(has_staged=overwrite(self.has_staged, False))
+        return self.with_storage(value=self._committed(), has_staged=overwrite(self.has_staged, False))
+
+    def _committed(self) -> Any:
+        return jax.tree_util.tree_map(
+            lambda undo, value: jnp.where(self.has_staged, undo, value), self.undo_value, self.value
+        )
 
     def holds_staged(self) -> jax.Array:
         return self.has_staged if self.resident else jnp.zeros((), bool)
@@ -155,21 +161,19 @@ class FixedState(StateObject, kw_only=True):
     def view(self, *, include_staged: bool = True) -> Any:
         """The value: the staged one when included and present, else committed."""
         self._require_resident("view")
-        if not include_staged:
-            return self.value
-        return self._commit_staged().value
+        return self.value if include_staged else self._committed()
 
     @property
     def evictable(self) -> bool:
         return bool(self.recompute_source)
 
     def staged_nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
-        """Bytes of the slot that holds the staged value."""
-        return tree_bytes_by_device(self.staged_value, seen)
+        """Bytes of the slot that keeps the committed value while one is staged."""
+        return tree_bytes_by_device(self.undo_value, seen)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> FixedState:
-        """A state of the same spec whose staged slot holds one lane's value."""
+        """A state of the same spec whose value is one lane's, once it stages one."""
         del size
         return self.empty()
 
@@ -180,6 +184,6 @@ class FixedState(StateObject, kw_only=True):
     def commit_window(self, window: FixedState) -> FixedState:
         """The committed value replaced by the lane's, if it staged one."""
         value = jax.tree_util.tree_map(
-            lambda lane, committed: jnp.where(window.has_staged, lane, committed), window.staged_value, self.value
+            lambda lane, committed: jnp.where(window.has_staged, lane, committed), window.value, self.value
         )
         return self.with_storage(value=value)

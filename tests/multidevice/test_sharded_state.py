@@ -39,7 +39,7 @@ KINDS = {
         lambda rng: kv_chunk(rng, T=5, heads=4)[:2],
         {
             "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"),
-            "written": P(), "staged": P(), "overflowed": P(),
+            "phase": P(), "overflowed": P(),
         },
     ),
     "fixed": (
@@ -52,7 +52,7 @@ KINDS = {
         },
         {
             "value": {"conv": P(None, None, "model"), "h": P(None, "model")},
-            "staged_value": {"conv": P(None, None, "model"), "h": P(None, "model")},
+            "undo_value": {"conv": P(None, None, "model"), "h": P(None, "model")},
             "has_staged": P(),
         },
     ),
