@@ -369,8 +369,8 @@ class KVCache(StateObject, kw_only=True):
         refused = bad_counts | too_long
         written = jnp.where(refused, 0, counts)
         new = self._with_bookkeeping(
-            k=self._write_rows(self.k, chunk.k, start, written),
-            v=self._write_rows(self.v, chunk.v, start, written),
+            k=self._write_rows(self.k, chunk.k, start, written, whole=chunk.counts is None),
+            v=self._write_rows(self.v, chunk.v, start, written, whole=chunk.counts is None),
             committed=self.lengths,
             staged=self.staged + written,
             high_water=jnp.maximum(self.high_water, start + written),
@@ -425,11 +425,14 @@ class KVCache(StateObject, kw_only=True):
             sink=self.sink,
         )
 
-    def _write_rows(self, cache: Array, rows: Array, start: Array, written: Array) -> Array:
-        """``cache`` with ``rows[b, :written[b]]`` written at positions from ``start[b]``; nothing else changes."""
+    def _write_rows(self, cache: Array, rows: Array, start: Array, written: Array, *, whole: bool) -> Array:
+        """``cache`` with ``rows[b, :written[b]]`` written at positions from ``start[b]``; nothing else changes.
+
+        ``whole``: each ``written[b]`` is all of ``rows`` or nothing.
+        """
         T = rows.shape[1]
         if self.window is None and self.batch == 1 and self.sharding is None and T <= self.capacity:
-            return _write_row_slice(cache, rows, start[0], written[0])
+            return _write_row_slice(cache, rows, start[0], written[0], whole=whole)
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
         slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.capacity)  # out of range: dropped
@@ -474,7 +477,7 @@ class KVCache(StateObject, kw_only=True):
         return cache
 
 
-def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array) -> Array:
+def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array, *, whole: bool) -> Array:
     """``cache`` with ``rows[0, :count]`` written at slots ``start..start+count-1`` of its one batch row.
 
     ``cache: [1, kv_heads, capacity, head_dim]``, ``rows: [1, T, kv_heads,
@@ -483,16 +486,22 @@ def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array) -> A
     ``start`` clamped so it fits, each of its rows takes the chunk's row
     that lands there or keeps what the cache holds, so nothing outside the
     ``count`` rows changes.  XLA fuses the shift, the mask and the transpose
-    into the update, one operation where a scatter takes several.
+    into the update, one operation where a scatter takes several.  With
+    ``whole`` (``count`` is ``T`` or 0) a write that happens starts at
+    ``start`` itself, so the rows need no shift.
     """
     T = rows.shape[1]
     window_start = jnp.minimum(start, cache.shape[2] - T)
-    shift = start - window_start
-    index = jnp.arange(T, dtype=jnp.int32)
-    shifted = jnp.take(rows, jnp.clip(index - shift, 0, T - 1), axis=1).transpose(0, 2, 1, 3)
     kept = jax.lax.dynamic_slice_in_dim(cache, window_start, T, axis=2)
-    lands = ((index >= shift) & (index < shift + count))[None, None, :, None]
-    return jax.lax.dynamic_update_slice_in_dim(cache, jnp.where(lands, shifted, kept), window_start, axis=2)
+    if whole:
+        update = jnp.where(count > 0, rows.transpose(0, 2, 1, 3), kept)
+    else:
+        shift = start - window_start
+        index = jnp.arange(T, dtype=jnp.int32)
+        shifted = jnp.take(rows, jnp.clip(index - shift, 0, T - 1), axis=1).transpose(0, 2, 1, 3)
+        lands = ((index >= shift) & (index < shift + count))[None, None, :, None]
+        update = jnp.where(lands, shifted, kept)
+    return jax.lax.dynamic_update_slice_in_dim(cache, update, window_start, axis=2)
 
 
 def _scatter_rows(cache: Array, slots: Array, rows: Array) -> Array:

@@ -80,6 +80,25 @@ def test_one_row_write_near_capacity_changes_only_its_rows(start, count):
     assert cache.lengths.tolist() == [start + count] and not bool(cache.overflowed)
 
 
+@pytest.mark.parametrize("start", [0, 4, 5, 8])
+def test_one_row_whole_chunk_near_capacity_writes_all_or_nothing(start):
+    # A chunk without counts takes all its rows or, past the capacity, none (flagged).
+    rng = np.random.default_rng(10 + start)
+    held = rng.normal(size=(1, 8, H, D)).astype(np.float32)
+    cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=8)
+    cache = cache.append(jss.KVChunk(jnp.asarray(held), jnp.asarray(-held)))
+    rows = rng.normal(size=(1, 4, H, D)).astype(np.float32)
+    write = jax.jit(lambda c: c.append(jss.KVChunk(jnp.asarray(rows), jnp.asarray(-rows))), donate_argnums=0)
+    cache = write(cache.replace(bookkeeping=cache.bookkeeping.at[0].set(start)))
+    fits = start + 4 <= 8
+    expected = held.copy()
+    if fits:
+        expected[:, start:start + 4] = rows
+    np.testing.assert_array_equal(np.asarray(cache.k).transpose(0, 2, 1, 3), expected)
+    np.testing.assert_array_equal(np.asarray(cache.v).transpose(0, 2, 1, 3), -expected)
+    assert cache.lengths.tolist() == [start + 4 if fits else start] and bool(cache.overflowed) == (not fits)
+
+
 def test_one_row_append_is_one_in_place_slice_update_per_array():
     cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=64)
     rows = jnp.ones((1, 4, H, D))
