@@ -7,8 +7,9 @@ the same frames with the same weights, float32 throughout:
   K/V arrays written with ``lax.dynamic_update_slice``, the length an int,
   the carry and the recent frames plain arrays; the same projections and the
   same attention function (``jss.attend`` over a view of those arrays).  It
-  takes the weights and the conditioning as arguments, as the library's
-  rollout does, so the two differ only in how the session is held.
+  takes the weights and the conditioning as arguments and runs as many
+  steps per loop iteration, as the library's rollout does, so the two
+  differ only in how the session is held.
 - :func:`nnx_decode_rollout`: the blocks' ``nnx.MultiHeadAttention`` called
   with ``decode=True`` on flax's own cache, one token at a time (its only
   mode); flax attends over the whole cache with a mask.
@@ -28,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 import jax_session_state as jss
-from examples.world_model import WorldModel, kv_names
+from examples.world_model import STEPS_PER_ITERATION, WorldModel, kv_names
 
 
 @dataclasses.dataclass
@@ -111,7 +112,7 @@ def raw_rollout(graphdef: nnx.GraphDef, params: nnx.State, cond: jss.KVView, sta
         frames = jnp.concatenate([frames[1:], frame[None]])
         return (tuple(ks), tuple(vs), length + tokens, h, frames), frame
 
-    return jax.lax.scan(one, state, actions)
+    return jax.lax.scan(one, state, actions, unroll=STEPS_PER_ITERATION)  # as the library's rollout
 
 
 # ------------------------------------------------------------------ flax nnx decode cache

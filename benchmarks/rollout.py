@@ -10,15 +10,16 @@ shared machine a slower run measures the neighbours) and a ratio is the
 ratio of two bests:
 
 - library: the whole rollout is one jitted ``lax.scan`` over
-  ``WorldModel.step`` with the ``jss.Session`` donated; attention reads the
-  valid prefix only (``jss.attend``).  Timed: 256 frames from an empty
+  ``WorldModel.step`` with the ``jss.Session`` donated, two steps per loop
+  iteration (``STEPS_PER_ITERATION``); attention reads the valid prefix
+  only (``jss.attend``).  Timed: 256 frames from an empty
   session (the demo's rollout), and 16 frames after prefixes of 1k and 4k
   tokens (and 16k with ``--full``);
 - raw JAX: the same scan hand-written on raw arrays (K/V written with
   ``lax.dynamic_update_slice``, the same projections and ``jss.attend``),
-  jitted the same way: the weights and the conditioning are arguments, as
-  they are to the library's rollout; bar: library <= 1.05 x raw (the
-  abstraction costs nothing);
+  jitted the same way: the weights and the conditioning are arguments and
+  a loop iteration runs two steps, as in the library's rollout; bar:
+  library <= 1.05 x raw (the abstraction costs nothing);
 - PyTorch eager: a preallocated head-major cache per block written in place
   with ``copy_``, ``scaled_dot_product_attention`` over the valid prefix
   (grouped-query heads, a causal mask for the chunk), under

@@ -36,6 +36,7 @@ from flax import nnx, serialization
 import jax_session_state as jss
 
 __all__ = [
+    "STEPS_PER_ITERATION",
     "WorldModel",
     "WorldModelConfig",
     "cross_attend",
@@ -48,6 +49,19 @@ __all__ = [
     "start_session",
     "unpatchify",
 ]
+
+
+STEPS_PER_ITERATION = 2
+"""Steps :func:`rollout` runs per iteration of its compiled loop.
+
+A step of this model is a few hundred small XLA:CPU operations, a few dozen
+of them the session's bookkeeping (counts, flags) and the copies XLA makes
+of loop-carried values.  With two steps per iteration XLA fuses the
+bookkeeping of one step's commit into the next step's writes and copies the
+carried state half as often (measured: half the extra operations per
+frame).  The compiled loop is about twice as large; it compiles no slower
+here.
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +342,7 @@ def rollout(
     observed: jax.Array | None = None,
     *,
     on_step: Callable[..., None] | None = None,
+    unroll: int = STEPS_PER_ITERATION,
 ) -> tuple[jss.Session, jax.Array]:
     """Steps the model once per action in one ``lax.scan``; jit it with the session donated.
 
@@ -340,6 +355,8 @@ def rollout(
       on_step: called on the host after every step with the step's index and
         the tokens written so far (``jax.debug.callback``, in order), e.g. to
         drive a progress bar; None for no callback.
+      unroll: steps per iteration of the compiled loop (``lax.scan``'s
+        ``unroll``); see :data:`STEPS_PER_ITERATION`.
 
     Returns:
       The session after the last step and the predicted frames ``[steps, batch, H, W, C]``.
@@ -355,7 +372,7 @@ def rollout(
         return session, frame
 
     xs = (jnp.arange(actions.shape[0]), actions) + (() if observed is None else (observed,))
-    return jax.lax.scan(one, session, xs)
+    return jax.lax.scan(one, session, xs, unroll=unroll)
 
 
 def save_params(model: WorldModel, path: Path) -> None:

@@ -46,6 +46,18 @@ def test_rollout_matches_flax_decode_cache_and_raw_arrays():
     np.testing.assert_allclose(np.asarray(decoded), ours, rtol=1e-4, atol=1e-4)
 
 
+def test_two_steps_per_loop_iteration_roll_what_one_does_even_for_an_odd_count():
+    model, session, actions = started(CONFIG, watched=2)
+    runs = {unroll: jax.jit(functools.partial(rollout, model, unroll=unroll))(session.fork(), actions[:3])
+            for unroll in (1, 2)}
+    (one_session, one_frames), (two_session, two_frames) = runs[1], runs[2]
+    np.testing.assert_allclose(np.asarray(two_frames), np.asarray(one_frames), rtol=1e-6, atol=1e-6)
+    for name in kv_names(CONFIG):
+        assert two_session[name].lengths.tolist() == one_session[name].lengths.tolist() == [(2 + 3) * CONFIG.tokens]
+    np.testing.assert_allclose(np.asarray(two_session.view()["carry"]["h"]), np.asarray(one_session.view()["carry"]["h"]),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_donated_rollout_compiles_once_and_writes_in_place():
     model, session, actions = started(dataclasses.replace(CONFIG, layers=1), watched=1)
     graphdef, params = nnx.split(model)
