@@ -187,11 +187,11 @@ class ItemBuffer(StateObject, kw_only=True):
 def _write_one(buffer: Array, item: Array, position: Array, refused: Array, *, ring: bool) -> Array:
     """``buffer`` with ``item`` in the slot of ``position``, unless ``refused``.
 
-    One in-place ``dynamic_update_slice`` whose slot arithmetic and mask XLA
-    fuses into the update; a scatter of one index takes several operations
-    (its indices, a bounds check, the update).  A refused write puts back
-    what the slot holds (the slot is clamped into range: an append-mode
-    buffer refuses a write past its last slot).
+    One in-place ``dynamic_update_slice``, its slot arithmetic and mask
+    fused into it; a scatter of one index took more operations (its
+    indices, a bounds check, the update).  A refused write puts back what
+    the slot holds (the slot is clamped into range: an append-mode buffer
+    refuses a write past its last slot).
     """
     slots = buffer.shape[0]
     slot = lax.rem(position, slots) if ring else jnp.minimum(position, slots - 1)

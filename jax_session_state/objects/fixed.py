@@ -25,10 +25,9 @@ class FixedState(StateObject, kw_only=True):
     is what keeps a jitted step from retracing.  A staged value takes the
     place of the committed one, which is kept beside it for ``discard()``
     (those bytes are reported by ``staged_nbytes_by_device``), so reading the
-    value never selects between the two and ``commit()`` moves no data.
-    A carry usually cannot be rebuilt, so
-    ``evict()`` raises :class:`NotEvictableError` unless a recompute source is
-    declared.
+    value never selects between the two and ``commit()`` moves no data.  A
+    carry usually cannot be rebuilt, so ``evict()`` raises
+    :class:`NotEvictableError` unless a recompute source is declared.
 
     Example:
       >>> import jax, jax.numpy as jnp
