@@ -336,6 +336,18 @@ def overwrite(old: Any, new: Any) -> Any:
     return jax.tree_util.tree_map(lambda o, n: jnp.where(True, n, o).astype(o.dtype), old, new)
 
 
+def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, axis: int, lands: Any) -> jax.Array:
+    """``buffer`` with ``update`` written in place at ``start`` along ``axis`` where ``lands``.
+
+    One ``dynamic_update_slice``: where nothing lands (a refused write, rows
+    past a short chunk) the window takes back what it held, so nothing
+    outside the landing rows changes.  XLA fuses the read-back and the mask
+    into the update, one operation where a scatter takes several.
+    """
+    kept = jax.lax.dynamic_slice_in_dim(buffer, start, update.shape[axis], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(lands, update, kept), start, axis=axis)
+
+
 def _spec_repr(value: Any) -> str:
     if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
         return np.dtype(value).name

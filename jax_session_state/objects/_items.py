@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject
+from jax_session_state.base import StateObject, update_slice_or_keep
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
 
@@ -187,14 +187,12 @@ class ItemBuffer(StateObject, kw_only=True):
 def _write_one(buffer: Array, item: Array, position: Array, refused: Array, *, ring: bool) -> Array:
     """``buffer`` with ``item`` in the slot of ``position``, unless ``refused``.
 
-    One in-place ``dynamic_update_slice``, its slot arithmetic and mask
-    fused into it; a scatter of one index took more operations (its
-    indices, a bounds check, the update).  A refused write puts back what
-    the slot holds (the slot is clamped into range: an append-mode buffer
-    refuses a write past its last slot).
+    One in-place update (:func:`update_slice_or_keep`); a scatter of one
+    index took more operations (its indices, a bounds check, the update).
+    The slot is clamped into range: an append-mode buffer refuses a write
+    past its last slot.
     """
     slots = buffer.shape[0]
     slot = lax.rem(position, slots) if ring else jnp.minimum(position, slots - 1)
     slot = slot.astype(jnp.uint32)  # never negative: no index wrapping, the same index for both
-    kept = lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buffer, jnp.where(refused, kept, item), slot, axis=0)
+    return update_slice_or_keep(buffer, item[None], slot, axis=0, lands=jnp.logical_not(refused))

@@ -136,9 +136,8 @@ class FixedState(StateObject, kw_only=True):
         )
 
     def _commit_staged(self, when: jax.Array | bool = True) -> FixedState:
-        if when is True:  # the staged value is already in place: only the flag changes
-            return self.with_storage(has_staged=overwrite(self.has_staged, False))
-        return self.with_storage(has_staged=self.has_staged & jnp.logical_not(when))  # not promoted: stays staged
+        # The staged value is already in place: only the flag changes (not promoted: it stays staged).
+        return self.with_storage(has_staged=self.has_staged & jnp.logical_not(when))
 
     def discard(self) -> FixedState:
         """Drops the staged value: the committed one comes back."""

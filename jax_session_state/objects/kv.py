@@ -11,7 +11,7 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject
+from jax_session_state.base import StateObject, update_slice_or_keep
 from jax_session_state.errors import CapacityError
 from jax_session_state.objects import _ring
 from jax_session_state.sharding import ShardingRules
@@ -485,23 +485,20 @@ def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array, *, w
     in-place ``dynamic_update_slice`` of ``T`` rows: the window starts at
     ``start`` clamped so it fits, each of its rows takes the chunk's row
     that lands there or keeps what the cache holds, so nothing outside the
-    ``count`` rows changes.  XLA fuses the shift, the mask and the transpose
-    into the update, one operation where a scatter takes several.  With
-    ``whole`` (``count`` is ``T`` or 0) a write that happens starts at
-    ``start`` itself, so the rows need no shift.
+    ``count`` rows changes (:func:`update_slice_or_keep`; XLA fuses the
+    shift and the transpose too).  With ``whole`` (``count`` is ``T`` or 0)
+    a write that happens starts at ``start`` itself, so the rows need no
+    shift.
     """
     T = rows.shape[1]
     window_start = jnp.minimum(start, cache.shape[2] - T)
-    kept = jax.lax.dynamic_slice_in_dim(cache, window_start, T, axis=2)
     if whole:
-        update = jnp.where(count > 0, rows.transpose(0, 2, 1, 3), kept)
-    else:
-        shift = start - window_start
-        index = jnp.arange(T, dtype=jnp.int32)
-        shifted = jnp.take(rows, jnp.clip(index - shift, 0, T - 1), axis=1).transpose(0, 2, 1, 3)
-        lands = ((index >= shift) & (index < shift + count))[None, None, :, None]
-        update = jnp.where(lands, shifted, kept)
-    return jax.lax.dynamic_update_slice_in_dim(cache, update, window_start, axis=2)
+        return update_slice_or_keep(cache, rows.transpose(0, 2, 1, 3), window_start, axis=2, lands=count > 0)
+    shift = start - window_start
+    index = jnp.arange(T, dtype=jnp.int32)
+    shifted = jnp.take(rows, jnp.clip(index - shift, 0, T - 1), axis=1).transpose(0, 2, 1, 3)
+    lands = ((index >= shift) & (index < shift + count))[None, None, :, None]
+    return update_slice_or_keep(cache, shifted, window_start, axis=2, lands=lands)
 
 
 def _scatter_rows(cache: Array, slots: Array, rows: Array) -> Array:
