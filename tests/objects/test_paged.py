@@ -485,9 +485,9 @@ def test_summary_reports_rows_per_slot():
     cache = _cache().append(_chunk(rng, [5, 0, 0])).stage(_chunk(rng, [0, 2, 0]))
     (row,) = jss.summary(cache).rows
     assert row["committed"] == [5, 0, 0] and row["staged"] == [0, 2, 0]
-    assert row["capacity"] == cache.capacity == 16 and row["margin"] == 0 and row[DEVICE] == cache.nbytes
+    assert row["capacity"] == cache.capacity == 32 and row["margin"] == 0 and row[DEVICE] == cache.nbytes
     assert row["shapes"] == "[8, 4, 1, 2]"  # the pools (K and V)
-    assert jss.summary(cache.reset()).rows[0]["capacity"] == 16
+    assert jss.summary(cache.reset()).rows[0]["capacity"] == 32  # 8 pages of 4 rows per slot at most
 
 
 def test_in_a_session_lanes_share_it_read_only():
