@@ -28,8 +28,8 @@ import abc
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypedDict, TypeVar
 
 import jax
