@@ -21,6 +21,7 @@ __all__ = [
       "PayloadError",
       "PayloadTypeError",
       "DonatedError",
+      "NotDemotableError",
 ]
 
 
@@ -61,6 +62,10 @@ class PayloadTypeError(SessionStateError, TypeError):
 
 class NotEvictableError(SessionStateError, RuntimeError):
     """``evict()`` was called on an object that may never be dropped."""
+
+
+class NotDemotableError(SessionStateError, RuntimeError):
+    """``demote()`` was called on an object that declares no lower tier."""
 
 
 class RecomputeGraphError(SessionStateError, ValueError):
