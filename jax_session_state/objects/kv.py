@@ -335,6 +335,11 @@ class KVCache(StateObject, kw_only=True):
         )
 
     # -------------------------------------------------------------- tiers
+    @property
+    def demotable(self) -> bool:
+        """Whether ``tiers`` names a lower tier."""
+        return bool(self.tiers)
+
     def demote(self) -> KVCache:
         """The next lower tier of this cache: its rows quantized to ``tiers[0]``.
 

@@ -106,3 +106,35 @@ def test_payloads_of_a_quantized_cache_stay_in_its_dtype():
     cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=4, dtype=jnp.bfloat16, quantize="int8")
     with pytest.raises(jss.PayloadTypeError, match="dtype bfloat16"):
         cache.append((jnp.ones((1, 2, 1, 4), jnp.int8),) * 2)
+
+
+def pooled(item):
+    """A frame [8, 8, 4] pooled 2x2 to [4, 4, 4]."""
+    return item.reshape(4, 2, 4, 2, 4).mean(axis=(1, 3))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_latent_buffer_demotes_every_item_through_its_function(jit):
+    rng = np.random.default_rng(3)
+    frames = jss.LatentBuffer.allocate(capacity=3, item_shape=(8, 8, 4), ring=True, max_staged=1, demote_fn=pooled)
+    items = jnp.asarray(rng.normal(size=(5, 8, 8, 4)), jnp.float32)
+    frames = frames.append(items[:4]).stage(items[4])
+    assert frames.demotable
+    demote = jax.jit(lambda f: f.demote()) if jit else (lambda f: f.demote())  # smaller items: nothing to donate
+    demoted = demote(frames)
+    assert demoted.item_shape == (4, 4, 4) and not demoted.demotable
+    assert int(demoted.committed) == 4 and int(demoted.staged) == 1
+    want = np.asarray(items, np.float64).reshape(5, 4, 2, 4, 2, 4).mean(axis=(2, 4))
+    np.testing.assert_allclose(demoted.view(include_staged=False).materialize(), want[1:4], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(demoted.view().materialize(), want[2:5], rtol=1e-6, atol=1e-6)
+
+
+def test_a_demote_fn_of_the_wrong_structure_is_refused_and_changes_nothing():
+    frames = jss.LatentBuffer.allocate(capacity=2, item_shape=(4,), demote_fn=lambda x: (x, x)).append(jnp.ones(4))
+    with pytest.raises(TypeError, match=r"LatentBuffer\(.*demote_fn must return one array per item"):
+        frames.demote()
+    assert frames.item_shape == (4,) and int(frames.committed) == 1
+    with pytest.raises(jss.NotDemotableError, match=r"LatentBuffer\(.*no lower tier"):
+        jss.LatentBuffer.allocate(capacity=2, item_shape=(4,)).demote()
+    with pytest.raises(TypeError, match="demote_fn must be a function"):
+        jss.LatentBuffer.allocate(capacity=2, item_shape=(4,), demote_fn="pool")
