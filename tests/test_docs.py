@@ -134,3 +134,9 @@ def test_link_checker_finds_broken_links_and_images(tmp_path: Path):
     assert any("no anchor #bottom" in p for p in problems)
     assert any("outside the site" in p for p in problems)
     assert check_links.main([str(tmp_path)]) == 1
+
+
+def test_reference_overview_lists_every_public_name():
+    overview = (DOCS / "api" / "index.md").read_text()
+    missing = [name for name in jss.__all__ if f"`jss.{name}" not in overview]
+    assert not missing, f"docs/api/index.md does not list: {missing}"
