@@ -140,3 +140,17 @@ def test_reference_overview_lists_every_public_name():
     overview = (DOCS / "api" / "index.md").read_text()
     missing = [name for name in jss.__all__ if f"`jss.{name}" not in overview]
     assert not missing, f"docs/api/index.md does not list: {missing}"
+
+
+def test_readme_links_to_the_pages():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Documentation"):]
+    links = re.findall(r"\]\(([^)#\s]+)\)", section)
+    assert "pip install -e '.[docs]' && mkdocs build --strict" in section
+    missing = [link for link in links if not (ROOT / link).is_file()]
+    assert not missing, f"README's Documentation section links to files that do not exist: {missing}"
+    pages = {str(p.relative_to(ROOT)) for p in DOCS.glob("*.md")} | {
+        str(p.relative_to(ROOT)) for p in (DOCS / "guides").glob("*.md")
+    }
+    unlinked = sorted(pages - set(links) - {"docs/benchmarks.md", "docs/changelog.md"})
+    assert not unlinked, f"pages README's Documentation section does not link: {unlinked}"
