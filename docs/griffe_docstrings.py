@@ -33,7 +33,7 @@ class LibraryDocstrings(griffe.Extension):
             if obj.docstring is not None:
                 text = _EXAMPLE_HEADING.sub(r"\1Examples:", obj.docstring.value)
                 text = _fence_literal_blocks(text)
-                obj.docstring.value = _ROLE.sub(lambda m: _link(obj, pkg, m), text)
+                obj.docstring.value = _ROLE.sub(lambda m, obj=obj: _link(obj, pkg, m), text)
 
 
 def _objects(obj: griffe.Object):
@@ -63,7 +63,8 @@ def _resolve(obj: griffe.Object, pkg: griffe.Module, target: str) -> str | None:
             for part in rest.split(".") if rest else ():
                 found = found[part]
         return found.final_target.path if found.is_alias else found.path
-    except Exception:  # a name outside the package, or one Griffe cannot follow
+    except (KeyError, ValueError, griffe.NameResolutionError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+        # a name outside the package, or one Griffe cannot follow
         return None
 
 

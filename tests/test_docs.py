@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import importlib.util
 import os
@@ -26,8 +27,8 @@ import jax_session_state as jss
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
-_DIRECTIVE = re.compile(r"^:::\s+(\S+)", re.M)
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL)
+_DIRECTIVE = re.compile(r"^:::\s+(\S+)", re.MULTILINE)
 
 
 def python_blocks(markdown: str) -> list[str]:
@@ -48,18 +49,37 @@ def test_blocks_are_extracted():
     assert len(PAGES_WITH_CODE) >= 7, [p.name for p in PAGES_WITH_CODE]
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(DOCS)))
-def test_page_code_runs(page: Path, tmp_path: Path):
+def _run_page(page: Path, workdir: Path) -> subprocess.CompletedProcess:
+    """Runs a page's blocks, in order, as one program in a fresh interpreter."""
     blocks = python_blocks(page.read_text())
-    program = "\n".join(f"# --- block {i + 1}\n{block}" for i, block in enumerate(blocks))
-    script = tmp_path / f"{page.stem}.py"
-    script.write_text(program)
+    script = workdir / f"{page.stem}.py"
+    script.write_text("\n".join(f"# --- block {i + 1}\n{block}" for i, block in enumerate(blocks)))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a page sets its own devices
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    return subprocess.run(
+        [sys.executable, str(script)], check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory):
+    """Every page's run, started together (the interpreters mostly wait on imports and compiles).
+
+    Under pytest-xdist the pages are spread over the workers instead, each run when its test is.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield None
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    runs = {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(page.stem)) for page in PAGES_WITH_CODE}
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(DOCS)))
+def test_page_code_runs(page: Path, page_runs, tmp_path: Path):
+    done = page_runs[page].result() if page_runs else _run_page(page, tmp_path)
     assert done.returncode == 0, f"{page.relative_to(ROOT)}: its code failed:\n{done.stdout}\n{done.stderr}"
 
 
