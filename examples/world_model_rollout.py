@@ -87,8 +87,12 @@ def plot(path: Path, config: WorldModelConfig, session: jss.Session, progress: P
     top.set_ylabel("MiB")
     top.set_title("session memory over the rollout")
     top.legend(loc="lower right")
-    middle.plot(steps, step_ms, lw=0.8)
-    middle.axhline(np.median(step_ms), color="gray", ls="--", label=f"median {np.median(step_ms):.2f} ms")
+    # Points, not a line: a step time that alternates (one fast, one slow) stays visible as two bands.
+    middle.plot(steps, step_ms, ".", ms=3, alpha=0.6)
+    p10, p50, p90 = np.percentile(step_ms, [10, 50, 90])
+    middle.axhline(step_ms.mean(), color="black", ls="-", lw=1, label=f"mean {step_ms.mean():.2f} ms")
+    for value, name, style in ((p10, "p10", ":"), (p50, "median", "--"), (p90, "p90", ":")):
+        middle.axhline(value, color="gray", ls=style, lw=1, label=f"{name} {value:.2f} ms")
     middle.set_yscale("log")
     middle.legend(loc="upper right")
     middle.set_ylabel("ms per chunk")
@@ -133,7 +137,10 @@ def main() -> None:
     jss.check(session)  # raises CapacityError if a write overflowed inside the scan
 
     tokens = args.steps * config.tokens
-    print(f"{args.steps} frames ({tokens} tokens) in {elapsed:.2f} s: {elapsed / args.steps * 1e3:.2f} ms per frame")
+    step_ms = np.diff(np.concatenate([[start], progress.times])) * 1e3
+    p10, p50, p90 = np.percentile(step_ms, [10, 50, 90])
+    print(f"{args.steps} frames ({tokens} tokens) in {elapsed:.2f} s: {elapsed / args.steps * 1e3:.2f} ms per frame "
+          f"on average; per step p10 {p10:.2f}, median {p50:.2f}, p90 {p90:.2f}, max {step_ms.max():.2f} ms")
     print(f"K/V: {int(session[kv_names(config)[0]].lengths[0])} tokens written per block, "
           + (f"capacity {config.capacity}" if config.capacity else f"sink {config.sink} + window {config.window} kept"))
     print(jss.summary(session))

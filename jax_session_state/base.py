@@ -565,7 +565,7 @@ def check(tree: Any) -> None:
         raise CapacityError(
             "a write inside jit was refused and wrote nothing (it did not fit, its per-row "
             "counts were out of range, or it named a slot it may not use), in: " + "; ".join(flagged)
-            + ". Allocate more capacity (or max_staged / max_chunk for rings, pages for paged "
+            + ". Allocate more capacity (or max_staged for rings, pages for paged "
             "caches), commit or discard staged data sooner, pass counts in [0, T], or fork and "
             "free only the slots their rules allow."
         )
