@@ -182,3 +182,20 @@ def test_readme_links_to_the_pages():
     }
     unlinked = sorted(pages - set(links) - {"docs/benchmarks.md", "docs/changelog.md"})
     assert not unlinked, f"pages README's Documentation section does not link: {unlinked}"
+
+
+def _section_blocks(markdown: str, heading: str, lang: str) -> list[str]:
+    """The ``lang`` blocks of the section under ``heading``, backslash continuations joined."""
+    section = markdown.split(heading, 1)[1].split("\n## ", 1)[0]
+    return [
+        re.sub(r"\s*\\\n\s*", " ", m.group("body"))
+        for m in _FENCE.finditer(section)
+        if m.group("lang") == lang
+    ]
+
+
+def test_getting_started_is_the_readme_quickstart():
+    readme, index = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()
+    assert _section_blocks(index, "## Install and run", "bash") == _section_blocks(readme, "## Quickstart", "bash")
+    idea = "## The idea in twenty lines"
+    assert _section_blocks(index, idea, "python") == _section_blocks(readme, idea, "python")
