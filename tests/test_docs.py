@@ -28,7 +28,7 @@ import jax_session_state as jss
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL)
-_DIRECTIVE = re.compile(r"^:::\s+(\S+)", re.MULTILINE)
+_DIRECTIVE = re.compile(r"^:::\s+(?P<path>\S+)\n(?P<options>(?:[ \t]+\S.*\n)*)", re.MULTILINE)
 
 
 def python_blocks(markdown: str) -> list[str]:
@@ -95,14 +95,16 @@ def _documented() -> tuple[list[object], set[str]]:
     """The objects the API reference renders, and the modules it renders whole."""
     objects, modules = [], set()
     for page in sorted((DOCS / "api").glob("*.md")):
-        for path in _DIRECTIVE.findall(page.read_text()):
+        for directive in _DIRECTIVE.finditer(page.read_text()):
+            path = directive.group("path")
             try:
                 target = importlib.import_module(path)
             except ModuleNotFoundError:
                 module, _, name = path.rpartition(".")
                 target = getattr(importlib.import_module(module), name)
             objects.append(target)
-            if hasattr(target, "__all__"):  # a module page renders what the module exports
+            if hasattr(target, "__all__") and "members: false" not in directive.group("options"):
+                # a module's entry renders what the module exports
                 modules.add(target.__name__)
                 objects += [getattr(target, name) for name in target.__all__]
     return objects, modules
