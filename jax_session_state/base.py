@@ -74,6 +74,13 @@ class ManagedOptions(TypedDict, total=False):
       sharding: where the storage lives on a mesh
         (:class:`~jax_session_state.ShardingRules` over the logical axes of
         :meth:`StateObject.storage_axes`), or None for the default device.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4,
+      ...                                  recompute_source="prompt", recompute_cost=2.0)
+      >>> cond.recompute_source, cond.recompute_cost
+      (('prompt',), 2.0)
     """
 
     recompute_source: str | tuple[str, ...]
@@ -91,6 +98,13 @@ class Fill(NamedTuple):
       capacity: the most entries visible per row.
       margin: storage slots held beyond ``capacity`` for staged entries
         (a ring's staging margin), 0 where staging needs none.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(2,), ring=True, max_staged=2)
+      >>> frames.append(jnp.ones((3, 2))).stage(jnp.ones(2)).fill()
+      Fill(committed=3, staged=1, capacity=4, margin=2)
     """
 
     committed: int | list[int] | None
@@ -561,7 +575,15 @@ def _spec_repr(value: Any) -> str:
 
 
 def is_state_object(x: Any) -> bool:
-    """Whether ``x`` is a :class:`StateObject` (handy as ``is_leaf``)."""
+    """Whether ``x`` is a :class:`StateObject` (handy as ``is_leaf``).
+
+    Example:
+      >>> import jax
+      >>> import jax_session_state as jss
+      >>> tree = {"carry": jss.FixedState.allocate(shapes=(2,)), "step": 3}
+      >>> [type(x).__name__ for x in jax.tree_util.tree_leaves(tree, is_leaf=jss.is_state_object)]
+      ['FixedState', 'int']
+    """
     return isinstance(x, StateObject)
 
 
@@ -577,6 +599,17 @@ def check(tree: Any) -> None:
     Raises:
       CapacityError: naming each flagged object by its path in ``tree``.
       TypeError: called on traced values.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=2)
+      >>> kv = jax.jit(lambda c: c.append((jnp.ones((1, 3, 1, 2)),) * 2))(kv)  # 3 rows do not fit: refused
+      >>> try:
+      ...     jss.check({"kv": kv})
+      ... except jss.CapacityError as error:
+      ...     print(str(error)[:47])
+      a write inside jit was refused and wrote nothing
     """
     flagged = []
     paths_and_objects, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state_object)

@@ -4,6 +4,16 @@ Every error subclasses :class:`SessionStateError` (catch-all) and the standard
 exception that fits it, so ``except ValueError`` or ``except RuntimeError``
 keeps working in code that does not know this library.  Messages say what
 happened, to which object or session, and what the caller can do.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import jax_session_state as jss
+  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=2)
+  >>> try:
+  ...     kv.append((jnp.ones((1, 3, 1, 2)),) * 2)
+  ... except jss.CapacityError as error:  # also a RuntimeError and a SessionStateError
+  ...     print(type(error).__name__, isinstance(error, RuntimeError))
+  CapacityError True
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A conformance suite any :class:`StateObject` implementation can run.
 
 Point it at a factory of empty objects and a generator of valid payloads; it
-checks the contract of DESIGN's StateObject table: purity, two-phase writes,
+checks the StateObject contract (see :class:`~jax_session_state.StateObject`): purity, two-phase writes,
 jit/eager agreement, one compile per step, donation aliasing every storage
 leaf, constant bytes under in-buffer staging, eviction, and clear errors for
 malformed payloads.

@@ -26,6 +26,14 @@ class KVChunk(NamedTuple):
       counts: ``Int[Array, "batch"]`` rows of the chunk each batch row takes
         (a ragged write: row ``b`` takes ``k[b, :counts[b]]``), or None for
         all ``T``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> rows = jnp.ones((2, 4, 1, 8))  # batch 2, T 4, one kv head of 8
+      >>> kv = jss.KVCache.allocate(batch=2, kv_heads=1, head_dim=8, capacity=16)
+      >>> kv.append(jss.KVChunk(rows, rows, counts=jnp.array([4, 1], jnp.int32))).lengths
+      Array([4, 1], dtype=int32)
     """
 
     k: Array
@@ -101,6 +109,16 @@ class KVView(struct.PyTreeNode):
         ``k * k_scale``), None otherwise.  Attention dequantizes block by
         block, never the whole cache.
       v_scale: the same for ``v``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=2, sink=1, max_staged=1)
+      >>> for t in range(6):
+      ...     kv = kv.append((jnp.full((1, 1, 1, 2), float(t)),) * 2)
+      >>> view = kv.view()  # slots hold positions out of order once the ring wraps
+      >>> view.positions.tolist(), [row["positions"].tolist() for row in view.materialize()]
+      ([[0, 4, 5, 3]], [[0, 3, 4, 5]])
     """
 
     k: Array
@@ -151,6 +169,17 @@ class BranchKVView(struct.PyTreeNode):
     Attributes:
       prefix: the committed cache, shared by all lanes.
       window: the lane's rows, positions absolute (after the prefix's).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+      >>> session = jss.Session(objects={"kv": kv.append((jnp.ones((1, 3, 1, 2)),) * 2)})
+      >>> branches = session.branch(2, window=4)
+      >>> branches = branches.map(lambda lane: lane.stage(kv=(jnp.ones((1, 1, 1, 2)),) * 2))
+      >>> view = branches.lane(0).view()["kv"]
+      >>> type(view).__name__, view.prefix.lengths.tolist(), view.window.lengths.tolist()
+      ('BranchKVView', [3], [4])
     """
 
     prefix: KVView
@@ -171,6 +200,15 @@ class PagedView(struct.PyTreeNode):
     p % page_size]`` for ``p < lengths[s]``.  Pages are token-major, as a
     model writes them; :meth:`to_dense` gathers them into a head-major
     :class:`KVView` (the reference path of attention).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> cache = jss.PagedKVCache.allocate(max_slots=2, kv_heads=1, head_dim=2, page_size=4, num_pages=4)
+      >>> rows = jnp.ones((2, 5, 1, 2))
+      >>> view = cache.append(jss.KVChunk(rows, rows, counts=jnp.array([5, 2], jnp.int32))).view()
+      >>> view.page_table.tolist(), view.lengths.tolist()
+      ([[0, 1, -1, -1], [2, -1, -1, -1]], [5, 2])
 
     Attributes:
       k_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.

@@ -27,6 +27,14 @@ class LatentView(struct.PyTreeNode):
       items: ``Float[Array, "capacity *item_shape"]``; ``items[:count]`` are the
         visible items, oldest first; entries past ``count`` are unspecified.
       count: ``Int[Array, ""]`` number of visible items.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> frames = jss.LatentBuffer.allocate(capacity=3, item_shape=(2,)).append(jnp.ones((2, 2)))
+      >>> view = frames.view()
+      >>> int(view.count), view.materialize().shape
+      (2, (2, 2))
     """
 
     items: Array

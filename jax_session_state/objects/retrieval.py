@@ -28,6 +28,14 @@ class RetrievalView(struct.PyTreeNode):
       values: the values pytree, each leaf ``[slots, ...]``.
       valid: ``Bool[Array, "slots"]`` visible entries.
       age: ``Int[Array, "slots"]`` 0 for the newest entry, -1 where not valid.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> bank = jss.RetrievalStore.allocate(capacity=3, key_dim=2, value_shapes=(1,))
+      >>> view = bank.append((jnp.eye(2), jnp.ones((2, 1)))).view()
+      >>> view.valid.tolist(), view.age.tolist()
+      ([True, True, False], [1, 0, -1])
     """
 
     keys: Array
@@ -54,6 +62,15 @@ class Retrieved(NamedTuple):
       values: the values pytree, each leaf ``[..., k, ...]``.
       slots: ``Int[Array, "... k"]`` slots of the matches.
       valid: ``Bool[Array, "... k"]`` False only when fewer than k entries exist.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> bank = jss.RetrievalStore.allocate(capacity=4, key_dim=2, value_shapes=(1,))
+      >>> bank = bank.append((jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.array([[10.0], [20.0]])))
+      >>> hit = bank.retrieve(jnp.array([0.2, 0.9]), k=3)
+      >>> hit.values[:, 0].tolist()[:2], hit.valid.tolist()
+      ([20.0, 10.0], [True, True, False])
     """
 
     scores: Array
