@@ -608,7 +608,7 @@ def check(tree: Any) -> None:
       >>> try:
       ...     jss.check({"kv": kv})
       ... except jss.CapacityError as error:
-      ...     print(str(error)[:47])
+      ...     print(str(error)[:48])
       a write inside jit was refused and wrote nothing
     """
     flagged = []
