@@ -153,14 +153,15 @@ DECLINED_ROWS = {"baseline": 4}
 which it is slower than the pure loop and declines (measured: benchmarks/attention.py)."""
 
 
-def supports(q: Array, k: Array, v: Array) -> bool:
+def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None) -> bool:
     """Whether the kernel takes these operands on the path in use.
 
     A float32, bfloat16 or float16 cache (one type for K and V), queries of
     any float type (cast to float32 for the call), and a step the path runs
-    faster than the pure loop (see :data:`DECLINED_ROWS`).
+    faster than the pure loop (see :data:`DECLINED_ROWS`).  ``kv_heads``:
+    where ``k`` is not head-major ``[B, kv_heads, C, D]`` (pages).
     """
-    rows = q.shape[1] * (q.shape[2] // max(k.shape[1], 1))
+    rows = q.shape[1] * (q.shape[2] // max(k.shape[1] if kv_heads is None else kv_heads, 1))
     fast = rows < DECLINED_ROWS.get(ISA or "", rows + 1)
     return k.dtype == v.dtype and any(k.dtype == d for d in DTYPES) and jnp.issubdtype(q.dtype, jnp.floating) and fast
 
@@ -181,7 +182,7 @@ def paged_kernel(k_pages: Array, v_pages: Array, page_table: Array, q: Array, le
     Returns ``(out, lse)`` as :func:`kernel`: ``out`` in q's dtype, ``lse`` float32.
     """
     result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
-    call = jax.ffi.ffi_call(PAGED_TARGET, result)
+    call = jax.ffi.ffi_call(PAGED_TARGET, result, vmap_method="sequential")
     out, lse = call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
                     q_positions.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal),
                     relative=bool(relative))

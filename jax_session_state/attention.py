@@ -96,10 +96,16 @@ from jax_session_state import _native
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
-__all__ = ["BLOCK_SIZE", "attend", "attend_with_lse", "merge_attention", "native_status"]
+__all__ = ["BLOCK_SIZE", "IMPLEMENTATIONS", "SMALLEST_BUCKET", "attend", "attend_with_lse", "merge_attention", "native_status"]
 
 BLOCK_SIZE = 64
 """Keys per block in append mode (chosen by measurement on XLA:CPU)."""
+
+IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed")
+"""The ways :func:`attend` reads append-mode and paged views."""
+
+SMALLEST_BUCKET = 256
+"""The ``"bucketed"`` implementation's smallest static prefix (keys)."""
 
 _F32 = jnp.float32
 
@@ -125,6 +131,7 @@ def attend(
     causal: bool = True,
     scale: float | None = None,
     q_positions: Array | None = None,
+    implementation: str = "auto",
 ) -> Array:
     """Attention of ``q`` over a view.
 
@@ -137,11 +144,20 @@ def attend(
       scale: score scale, default ``1 / sqrt(head_dim)``.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions (the rows just written).
+      implementation: how append-mode and paged views are read (ring views
+        and a branch's own rows are always one dense pass):
+        ``"auto"``: the native kernel on a single CPU device where built,
+        else ``"loop"``; ``"native"``: the native kernel (an error where it
+        is not available; CPU only); ``"loop"``: the pure-JAX blockwise
+        loop; ``"bucketed"``: one fused dense pass over the valid prefix
+        rounded up to a power of two, picked by ``lax.switch`` (a handful
+        of kernels on GPU/TPU; opt-in until measured there).
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
     """
-    return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions)[0]
+    return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions,
+                           implementation=implementation)[0]
 
 
 def attend_with_lse(
@@ -151,6 +167,7 @@ def attend_with_lse(
     causal: bool = True,
     scale: float | None = None,
     q_positions: Array | None = None,
+    implementation: str = "auto",
 ) -> tuple[Array, Array]:
     """:func:`attend`, plus the log-sum-exp of each query's visible scores.
 
@@ -161,16 +178,20 @@ def attend_with_lse(
     """
     if q.ndim != 4:
         raise ValueError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    if implementation == "native" and not _native.enabled():
+        raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_native.status()}")
     if isinstance(view, BranchKVView):
         q_positions = _default_positions(q, view.window.lengths, q_positions)
-        prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions)
+        prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions, implementation)
         lane = _dense_with_lse(q, view.window, causal, scale, q_positions)
         return merge_attention(*prefix, *lane)
     if isinstance(view, PagedView):
-        view = view.to_dense()
+        return _paged_with_lse(q, view, causal, scale, q_positions, implementation)
     if not isinstance(view, KVView):
         raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
-    return _kv_with_lse(q, view, causal, scale, q_positions)
+    return _kv_with_lse(q, view, causal, scale, q_positions, implementation)
 
 
 def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
@@ -208,9 +229,13 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
 
 
 def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]:
-    """Checks q against the view's ``k``; returns the query heads per kv head and the scale."""
-    B, T, q_heads, D = q.shape
+    """Checks q against the view's head-major ``k``; returns the query heads per kv head and the scale."""
     view_batch, kv_heads, _, view_dim = k.shape
+    return _checked(q, view_batch, kv_heads, view_dim, scale)
+
+
+def _checked(q: Array, view_batch: int, kv_heads: int, view_dim: int, scale: float | None) -> tuple[int, float]:
+    B, T, q_heads, D = q.shape
     if B != view_batch:
         raise ValueError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
     if D != view_dim:
@@ -276,22 +301,146 @@ def _scores(keys: Array, qh: Array) -> Array:
     return jnp.einsum("bhmd,bhnd->bhmn", qh, keys, preferred_element_type=_F32)
 
 
-def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None,
-                 q_positions: Array | None) -> tuple[Array, Array]:
+def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
+                 implementation: str) -> tuple[Array, Array]:
     if view.window is not None:
         return _dense_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
-    if _native.enabled() and _native.supports(q, view.k, view.v) and isinstance(scale, numbers.Real):
+    if implementation == "bucketed":
+        positions = _default_positions(q, view.lengths, q_positions)
+        return _bucketed(q, view.lengths, positions, view.k.shape[2], causal, scale,
+                         lambda n: (view.k[:, :, :n], view.v[:, :, :n]))
+    if _use_native(q, view.k, view.v, scale, implementation):
         if q_positions is None:
             # The last T positions, as offsets from each row's length: a constant,
             # so a step computes no positions (the kernel adds the lengths).
-            B, T = q.shape[:2]
-            offsets = jnp.asarray(np.broadcast_to(np.arange(-T, 0, dtype=np.int32), (B, T)))
+            offsets = _relative_offsets(q)
             return _native_or_blockwise(q, view.k, view.v, view.lengths, offsets, causal, float(scale), True)
         q_positions = _default_positions(q, view.lengths, q_positions)
         return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale), False)
     return _blockwise(q, view.k, view.v, view.lengths, _default_positions(q, view.lengths, q_positions),
                       causal=causal, scale=scale)
+
+
+def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None) -> bool:
+    """Whether this call runs the native kernel ("auto" where it takes the operands, or "native")."""
+    if implementation not in ("auto", "native") or not isinstance(scale, numbers.Real):
+        return False
+    takes = _native.enabled() and _native.supports(q, k, v, kv_heads=kv_heads)
+    if implementation == "native" and not takes:
+        raise ValueError(f"attend(implementation='native'): the kernel on its {_native.ISA} path does not take a "
+                         f"{k.dtype} cache with q of shape {list(q.shape)} (see _native.supports).")
+    return takes
+
+
+def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
+                    implementation: str) -> tuple[Array, Array]:
+    """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
+    _, size, kv_heads, dim = view.k_pages.shape
+    slots, table_pages = view.page_table.shape
+    _, scale = _checked(q, slots, kv_heads, dim, scale)
+    if implementation == "bucketed":
+        positions = _default_positions(q, view.lengths, q_positions)
+        return _bucketed(q, view.lengths, positions, table_pages * size, causal, scale,
+                         lambda n: _gather_pages(view, 0, -(-n // size)))
+    if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads):
+        relative = q_positions is None
+        positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+
+        def native(q, k_pages, v_pages, table, lengths, positions):
+            return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal,
+                                        scale=float(scale), relative=relative)
+
+        def loop(q, k_pages, v_pages, table, lengths, positions):
+            paged = view.replace(k_pages=k_pages, v_pages=v_pages, page_table=table, lengths=lengths)
+            return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
+
+        return lax.platform_dependent(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions,
+                                      cpu=native, default=loop)
+    return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
+
+
+def _relative_offsets(q: Array) -> Array:
+    """The last T positions as offsets from each row's length: a constant (the kernel adds the lengths)."""
+    B, T = q.shape[:2]
+    return jnp.asarray(np.broadcast_to(np.arange(-T, 0, dtype=np.int32), (B, T)))
+
+
+def _gather_pages(view: PagedView, first: Any, count: int) -> tuple[Array, Array]:
+    """Table columns ``[first, first + count)`` of every slot as head-major ``[slots, kv_heads, count * S, D]``.
+
+    Only those pages are read (a gather of ``slots * count`` pages).
+    """
+    table = lax.dynamic_slice_in_dim(view.page_table, first, count, axis=1)
+    ids = jnp.clip(table, 0, view.k_pages.shape[0] - 1)
+    slots = table.shape[0]
+
+    def rows(pool: Array) -> Array:
+        block = pool[ids].reshape(slots, count * view.page_size, *pool.shape[2:])
+        return block.transpose(0, 2, 1, 3)
+
+    return rows(view.k_pages), rows(view.v_pages)
+
+
+def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float) -> tuple[Array, Array]:
+    """The pure-JAX loop over a paged view: blocks of whole pages up to the longest slot, online softmax."""
+    size, kv_heads = view.page_size, view.k_pages.shape[2]
+    groups = q.shape[2] // kv_heads
+    pages = max(1, BLOCK_SIZE // size)  # table columns per block
+    columns = view.page_table.shape[1]
+    padded = -(-columns // pages) * pages
+    if padded != columns:  # whole blocks: pad the (small) table, never the pool
+        view = view.replace(page_table=jnp.pad(view.page_table, ((0, 0), (0, padded - columns)), constant_values=-1))
+    n = pages * size
+    qh = _to_rows(q, kv_heads)
+    last = _last_visible(view.lengths, q_positions, causal, groups)
+
+    def body(i: Array, state: Any) -> Any:
+        keys, values = _gather_pages(view, i * pages, pages)
+        key_position = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
+        visible = key_position <= last
+        return _online_update(state, _scores(keys.astype(_F32) * scale, qh), visible, values.astype(_F32))
+
+    blocks = (jnp.clip(jnp.max(view.lengths), 0, columns * size) + n - 1) // n
+    return _finish(q, lax.fori_loop(0, blocks, body, _empty_state(qh)))
+
+
+def _buckets(capacity: int) -> list[int]:
+    """Static prefix lengths: powers of two from :data:`SMALLEST_BUCKET`, the last one the capacity."""
+    sizes, n = [], min(SMALLEST_BUCKET, capacity)
+    while n < capacity:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, capacity]
+
+
+def _bucketed(q: Array, lengths: Array, q_positions: Array, capacity: int, causal: bool, scale: float,
+              prefix: Any) -> tuple[Array, Array]:
+    """One dense masked pass over the smallest static bucket holding every row's valid keys.
+
+    ``prefix(n)`` gives the first ``n`` keys and values head-major; the
+    bucket is picked at run time by ``lax.switch``, so the work is at most
+    twice the valid length (and at least :data:`SMALLEST_BUCKET`).
+    """
+    sizes = _buckets(capacity)
+    groups = q.shape[2] // prefix(1)[0].shape[1]
+    qh = _to_rows(q, prefix(1)[0].shape[1])
+    last = _last_visible(lengths, q_positions, causal, groups)
+
+    def branch(n: int) -> Any:
+        def attend_prefix(qh: Array, last: Array) -> tuple[Array, Array, Array]:
+            keys, values = prefix(n)
+            keys, values = keys[:, :, :n], values[:, :, :n]
+            visible = lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
+            return _online_update(_empty_state(qh), _scores(keys.astype(_F32) * scale, qh), visible,
+                                  values.astype(_F32))
+
+        return attend_prefix
+
+    needed = jnp.clip(jnp.max(lengths), 0, capacity)
+    index = jnp.sum(needed > jnp.asarray(sizes[:-1], jnp.int32))  # the first bucket that holds them all
+    state = lax.switch(index, [branch(n) for n in sizes], qh, last)
+    return _finish(q, state)
 
 
 def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int) -> Array:
