@@ -235,7 +235,7 @@ def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]
 
 
 def _checked(q: Array, view_batch: int, kv_heads: int, view_dim: int, scale: float | None) -> tuple[int, float]:
-    B, T, q_heads, D = q.shape
+    B, _, q_heads, D = q.shape
     if B != view_batch:
         raise ValueError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
     if D != view_dim:
