@@ -96,10 +96,10 @@ JSS_INLINE float exp_nonpositive(float x) { return exp_clamped<float>(std::max(x
 // The largest power of two <= n (n >= 1).
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
-// One row of a tile as float32: copied (f32 with a row stride, paged) or
+// D elements of a tile as float32: copied (f32 with a row stride, paged) or
 // widened (bf16: the high half of a float; f16: exponent rebiased, with
 // subnormals, infinities and NaN).
-JSS_INLINE void widen_row(const char* src, Dtype dtype, int64_t D, float* dst) {
+JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
   if (dtype == Dtype::kF32) {
     std::memcpy(dst, src, D * sizeof(float));
     return;
@@ -132,10 +132,16 @@ JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int6
     *values = reinterpret_cast<const float*>(src.v) + start * D;
     return;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t offset = src.row_offset(start + i);
-    widen_row(src.k + offset, src.dtype, D, kbuf + i * D);
-    widen_row(src.v + offset, src.dtype, D, vbuf + i * D);
+  if (src.pages == nullptr) {  // dense, another dtype: the tile's rows are one run of n * D elements
+    const int64_t offset = src.row_offset(start);
+    widen(src.k + offset, src.dtype, n * D, kbuf);
+    widen(src.v + offset, src.dtype, n * D, vbuf);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t offset = src.row_offset(start + i);
+      widen(src.k + offset, src.dtype, D, kbuf + i * D);
+      widen(src.v + offset, src.dtype, D, vbuf + i * D);
+    }
   }
   *keys = kbuf;
   *values = vbuf;

@@ -468,6 +468,20 @@ def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
     return start, start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3), first
 
 
+def _block_f32(cache: Array, start: Array, n: int) -> Array:
+    """Keys ``[start, start + n)`` of a head-major cache as float32.
+
+    A 16-bit cache is sliced as 16-bit integers: XLA:CPU widens bfloat16 and
+    float16 operations to float32, and would widen the whole capacity on
+    every call to slice a block of it (measured: 84 ms against 0.2 ms for a
+    32k bfloat16 cache holding 4k tokens).
+    """
+    if cache.dtype == _F32:
+        return lax.dynamic_slice_in_dim(cache, start, n, axis=2)
+    bits = lax.bitcast_convert_type(cache, jnp.uint16)
+    return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, n, axis=2), cache.dtype).astype(_F32)
+
+
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
                scale: float) -> tuple[Array, Array]:
     """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax."""
@@ -478,8 +492,8 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
 
     def body(i: Array, state: Any) -> Any:
         start, key_position, first = _block(k, i, n)
-        keys = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(_F32) * scale
-        values = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(_F32) * one
+        keys = _block_f32(k, start, n) * scale
+        values = _block_f32(v, start, n) * one
         visible = (key_position >= first) & (key_position <= last)
         return _online_update(state, _scores(keys, qh), visible, values)
 
@@ -532,8 +546,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
     def body(i: Array, grads: Any) -> Any:
         dq, dk, dv = grads
         start, key_position, first = _block(k, i, n)
-        keys = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(_F32)
-        values = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(_F32)
+        keys, values = _block_f32(k, start, n), _block_f32(v, start, n)
         visible = (key_position >= first) & (key_position <= last)
         p = jnp.where(visible, jnp.exp(_scores(keys, qh) * scale - lse_rows), 0.0)
         ds = p * (jnp.einsum("bhmd,bhnd->bhmn", d_rows, values) - delta) * scale
