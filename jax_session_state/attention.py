@@ -2,22 +2,30 @@
 
 ``attend(q, view)`` dispatches on the view:
 
-- :class:`KVView` in append mode: blockwise over K/V blocks up to the longest
-  row's length with an online softmax (flash-decoding style) in a
-  ``lax.fori_loop`` whose trip count is computed at run time, so a
+- :class:`KVView` in append mode: blockwise over the keys up to the longest
+  row's length with an online softmax (flash-decoding style), so a
   32k-capacity cache holding 1k tokens attends like a 1k cache;
-  ``positions`` is not read.  On a single CPU device, float32, where the
-  native kernel was built (``jax_session_state._native``), the same
-  algorithm runs as one XLA FFI call that reads the cache in place, fused,
-  on every core; other platforms, and several CPU devices, run the pure
-  loop (``lax.platform_dependent``).
+  ``positions`` is not read.  On a single CPU device, where the native
+  kernel was built (``jax_session_state._native``: float32, bfloat16 and
+  float16 caches, one build per instruction set), it runs as one XLA FFI
+  call that reads the cache in place on every core; elsewhere a
+  ``lax.fori_loop`` over 64-key blocks whose trip count is computed at run
+  time (``lax.platform_dependent``).
 - :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
   one dense, masked pass over its slots using ``positions``.
-- :class:`BranchKVView` (a speculative lane): cascade attention — the shared
+- :class:`BranchKVView` (a speculative lane): cascade attention -- the shared
   prefix and the lane's own rows separately, merged by log-sum-exp.  Under
   ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
   once for every lane.
-- :class:`PagedView`: the pages gathered into a dense view (reference path).
+- :class:`PagedView`: read page by page through the page table where the
+  pages lie (the native kernel, or a loop over blocks of whole pages), never
+  gathered into a dense copy.
+
+``implementation=`` picks how append-mode and paged views are read:
+``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
+dense pass over the valid prefix rounded up to a power of two, picked by
+``lax.switch``: a handful of kernels, for accelerators; opt-in until
+measured there).
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -29,45 +37,13 @@ Why no ``jax.nn.dot_product_attention`` here: it wants token-major K/V (a
 transposed copy of the whole cache), its ``local_window_size`` counts slots,
 not positions, so it is wrong once a ring wraps, it cannot express sinks,
 returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
-computes over the whole capacity (measured: 263 ms at 32k capacity against
-3.3 ms here for 1k valid tokens).
+computes over the whole capacity.
 
-The native kernel (``csrc/decode_attention.cc``): under ``jax.vmap`` over
-lanes sharing a cache its batching rule folds the lanes into query rows (one
-call reads the prefix once for every lane), and a ``jax.custom_vjp`` gives
-it a flash-attention backward in pure JAX, blockwise like the forward; so
-with the native kernel ``jax.grad`` also works under ``jit`` with traced
-lengths (the pure loop's own autodiff needs concrete lengths, which make it
-a scan), while forward-mode ``jax.jvp`` of append-mode attention does not.
-
-The pure loop, measured on XLA:CPU (notes for whoever tunes this next;
-``benchmarks/attention.py`` prints where a step's time goes): XLA copies
-every K/V block out of the cache before a dot, and a bare slice copy
-compiles to scalar code; fusing a multiply into the copy vectorises it, so
-the softmax scale is applied to the K block and V is multiplied by a
-run-time 1.0 hidden behind ``optimization_barrier``.  XLA runs the loop on
-one core (process CPU time = wall time) while PyTorch uses two threads; per
-64-key block the K/V copies (half of a T=1 step), about a dozen small
-fusions (mask, max, exp, sums, rescale) and the loop itself cost more than
-the two dots.  At T=1 and 4k tokens a step takes about 1.7x PyTorch's
-one-thread time and 2.5x its two-thread time.
-
-Tried and not kept (A/B in one run, jax 0.10, 4k tokens, T=1 and 16):
-32/128/256/512-key blocks (on jax 0.11 128 won at T=16, lost at T=1),
-``K @ q`` for T=1, the softmax sum taken by the P@V dot through a column of
-ones, K and V read in one slice of a stacked buffer, K stored or copied
-transposed, two independent chains of blocks, the heads split over two
-loops, the body unrolled 2x/4x by hand (``fori_loop`` cannot unroll a
-run-time trip count), larger blocks for the many-row prefix of branch
-lanes, XLA's YNNPACK fusions turned off, and reductions in place of dots
-(10x slower): each was within noise or slower.  Under ``vmap`` over lanes
-the online-softmax state is lane-major while the dots are head-major, so
-XLA adds about four transposing copies of the state per block; a batching
-rule folding lanes into query rows would avoid them, but
-``jax.custom_batching.custom_vmap`` cannot be differentiated, so the pure
-loop does without (the native kernel has one, under its custom VJP).
-``KVView.positions`` (whole capacity) is never computed in append mode:
-nothing reads it and XLA drops it (a test checks the compiled step).
+Gradients: the native kernel has a ``jax.custom_vjp`` (a flash-attention
+backward in pure JAX, blockwise like the forward), so ``jax.grad`` works
+under ``jit`` with traced lengths; forward-mode ``jax.jvp`` of append-mode
+attention does not.  Measurements and what was tried are in
+``benchmarks/NOTES.md``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -89,23 +65,34 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array, lax
 
 from jax_session_state import _native
+from jax_session_state._attention_blocks import (
+    BLOCK_SIZE,
+    SMALLEST_BUCKET,
+    _block,
+    _block_count,
+    _block_f32,
+    _bucketed,
+    _empty_state,
+    _finish,
+    _from_rows,
+    _gather_pages,
+    _last_visible,
+    _online_update,
+    _paged_blockwise,
+    _relative_offsets,
+    _scores,
+    _to_rows,
+)
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
 __all__ = ["BLOCK_SIZE", "IMPLEMENTATIONS", "SMALLEST_BUCKET", "attend", "attend_with_lse", "merge_attention", "native_status"]
 
-BLOCK_SIZE = 64
-"""Keys per block in append mode (chosen by measurement on XLA:CPU)."""
-
 IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed")
 """The ways :func:`attend` reads append-mode and paged views."""
-
-SMALLEST_BUCKET = 256
-"""The ``"bucketed"`` implementation's smallest static prefix (keys)."""
 
 _F32 = jnp.float32
 
@@ -251,56 +238,6 @@ def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float
     return _to_rows(q, k.shape[1]), groups, scale
 
 
-def _to_rows(x: Array, kv_heads: int) -> Array:
-    """``[B, T, q_heads, ...]`` -> float32 ``[B, kv_heads, T*G, ...]``, rows ordered (t, g).
-
-    Only per-query arrays (small) are transposed, never the cache.
-    """
-    B, T, q_heads = x.shape[:3]
-    groups = q_heads // kv_heads
-    rows = x.astype(_F32).reshape(B, T, kv_heads, groups, *x.shape[3:])
-    return jnp.moveaxis(rows, 2, 1).reshape(B, kv_heads, T * groups, *x.shape[3:])
-
-
-def _from_rows(x: Array, T: int) -> Array:
-    """The inverse of :func:`_to_rows` (float32 kept)."""
-    B, kv_heads, M = x.shape[:3]
-    rows = x.reshape(B, kv_heads, T, M // T, *x.shape[3:])
-    return jnp.moveaxis(rows, 1, 2).reshape(B, T, kv_heads * (M // T), *x.shape[3:])
-
-
-def _finish(q: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
-    """Normalises the online-softmax state into ``(out, lse)`` in q's layout."""
-    top, total, acc = state
-    seen = total > 0
-    safe = jnp.where(seen, total, 1.0)
-    out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
-    lse = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
-    T = q.shape[1]
-    return _from_rows(out, T).astype(q.dtype), _from_rows(lse, T)
-
-
-def _empty_state(qh: Array) -> tuple[Array, Array, Array]:
-    return jnp.full(qh.shape[:3], -jnp.inf, _F32), jnp.zeros(qh.shape[:3], _F32), jnp.zeros(qh.shape, _F32)
-
-
-def _online_update(state: Any, scores: Array, visible: Array, values: Array) -> tuple[Array, Array, Array]:
-    """One online-softmax step over a block of ``[B, Hk, M, n]`` scores."""
-    top, total, acc = state
-    scores = jnp.where(visible, scores, -jnp.inf)
-    new_top = jnp.maximum(top, scores.max(-1))
-    # Rows that have seen nothing keep top = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
-    safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)
-    weights = jnp.exp(scores - safe_top[..., None])
-    decay = jnp.exp(top - safe_top)
-    block = jnp.einsum("bhmn,bhnd->bhmd", weights, values, preferred_element_type=_F32)
-    return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + block
-
-
-def _scores(keys: Array, qh: Array) -> Array:
-    return jnp.einsum("bhmd,bhnd->bhmn", qh, keys, preferred_element_type=_F32)
-
-
 def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
                  implementation: str) -> tuple[Array, Array]:
     if view.window is not None:
@@ -360,135 +297,13 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
 
 
-def _relative_offsets(q: Array) -> Array:
-    """The last T positions as offsets from each row's length: a constant (the kernel adds the lengths)."""
-    B, T = q.shape[:2]
-    return jnp.asarray(np.broadcast_to(np.arange(-T, 0, dtype=np.int32), (B, T)))
-
-
-def _gather_pages(view: PagedView, first: Any, count: int) -> tuple[Array, Array]:
-    """Table columns ``[first, first + count)`` of every slot as head-major ``[slots, kv_heads, count * S, D]``.
-
-    Only those pages are read (a gather of ``slots * count`` pages).
-    """
-    table = lax.dynamic_slice_in_dim(view.page_table, first, count, axis=1)
-    ids = jnp.clip(table, 0, view.k_pages.shape[0] - 1)
-    slots = table.shape[0]
-
-    def rows(pool: Array) -> Array:
-        block = pool[ids].reshape(slots, count * view.page_size, *pool.shape[2:])
-        return block.transpose(0, 2, 1, 3)
-
-    return rows(view.k_pages), rows(view.v_pages)
-
-
-def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float) -> tuple[Array, Array]:
-    """The pure-JAX loop over a paged view: blocks of whole pages up to the longest slot, online softmax."""
-    size, kv_heads = view.page_size, view.k_pages.shape[2]
-    groups = q.shape[2] // kv_heads
-    pages = max(1, BLOCK_SIZE // size)  # table columns per block
-    columns = view.page_table.shape[1]
-    padded = -(-columns // pages) * pages
-    if padded != columns:  # whole blocks: pad the (small) table, never the pool
-        view = view.replace(page_table=jnp.pad(view.page_table, ((0, 0), (0, padded - columns)), constant_values=-1))
-    n = pages * size
-    qh = _to_rows(q, kv_heads)
-    last = _last_visible(view.lengths, q_positions, causal, groups)
-
-    def body(i: Array, state: Any) -> Any:
-        keys, values = _gather_pages(view, i * pages, pages)
-        key_position = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
-        visible = key_position <= last
-        return _online_update(state, _scores(keys.astype(_F32) * scale, qh), visible, values.astype(_F32))
-
-    blocks = (jnp.clip(jnp.max(view.lengths), 0, columns * size) + n - 1) // n
-    return _finish(q, lax.fori_loop(0, blocks, body, _empty_state(qh)))
-
-
-def _buckets(capacity: int) -> list[int]:
-    """Static prefix lengths: powers of two from :data:`SMALLEST_BUCKET`, the last one the capacity."""
-    sizes, n = [], min(SMALLEST_BUCKET, capacity)
-    while n < capacity:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, capacity]
-
-
-def _bucketed(q: Array, lengths: Array, q_positions: Array, capacity: int, causal: bool, scale: float,
-              prefix: Any) -> tuple[Array, Array]:
-    """One dense masked pass over the smallest static bucket holding every row's valid keys.
-
-    ``prefix(n)`` gives the first ``n`` keys and values head-major; the
-    bucket is picked at run time by ``lax.switch``, so the work is at most
-    twice the valid length (and at least :data:`SMALLEST_BUCKET`).
-    """
-    sizes = _buckets(capacity)
-    groups = q.shape[2] // prefix(1)[0].shape[1]
-    qh = _to_rows(q, prefix(1)[0].shape[1])
-    last = _last_visible(lengths, q_positions, causal, groups)
-
-    def branch(n: int) -> Any:
-        def attend_prefix(qh: Array, last: Array) -> tuple[Array, Array, Array]:
-            keys, values = prefix(n)
-            keys, values = keys[:, :, :n], values[:, :, :n]
-            visible = lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
-            return _online_update(_empty_state(qh), _scores(keys.astype(_F32) * scale, qh), visible,
-                                  values.astype(_F32))
-
-        return attend_prefix
-
-    needed = jnp.clip(jnp.max(lengths), 0, capacity)
-    index = jnp.sum(needed > jnp.asarray(sizes[:-1], jnp.int32))  # the first bucket that holds them all
-    state = lax.switch(index, [branch(n) for n in sizes], qh, last)
-    return _finish(q, state)
-
-
-def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int) -> Array:
-    """The last key each query row sees, ``[B, 1, T*G, 1]`` (rows ordered (t, g))."""
-    last = jnp.broadcast_to(lengths[:, None] - 1, q_positions.shape)
-    if causal:
-        last = jnp.minimum(last, q_positions)
-    return jnp.repeat(last, groups, axis=1)[:, None, :, None]
-
-
-def _block_count(lengths: Array, capacity: int, n: int) -> Array:
-    # The trip count depends on lengths only (not on queries), so under vmap over
-    # lanes sharing one prefix the loop, and every block read, stays unbatched.
-    return (jnp.clip(jnp.max(lengths), 0, capacity) + n - 1) // n
-
-
-def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
-    """Block ``i`` of ``n`` keys: its start, key positions and first new position.
-
-    The last block is shifted back to stay inside the cache; the keys it
-    repeats are masked by ``position >= first``.
-    """
-    first = i * n
-    start = jnp.minimum(first, cache.shape[2] - n)
-    return start, start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3), first
-
-
-def _block_f32(cache: Array, start: Array, n: int) -> Array:
-    """Keys ``[start, start + n)`` of a head-major cache as float32.
-
-    A 16-bit cache is sliced as 16-bit integers: XLA:CPU widens bfloat16 and
-    float16 operations to float32, and would widen the whole capacity on
-    every call to slice a block of it (measured: 84 ms against 0.2 ms for a
-    32k bfloat16 cache holding 4k tokens).
-    """
-    if cache.dtype == _F32:
-        return lax.dynamic_slice_in_dim(cache, start, n, axis=2)
-    bits = lax.bitcast_convert_type(cache, jnp.uint16)
-    return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, n, axis=2), cache.dtype).astype(_F32)
-
-
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
                scale: float) -> tuple[Array, Array]:
     """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax."""
     qh, groups, scale = _grouped(q, k, scale)
     n = min(BLOCK_SIZE, k.shape[2])
     last = _last_visible(lengths, q_positions, causal, groups)
-    one = lax.optimization_barrier(jnp.ones((), _F32))  # see the module notes
+    one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
 
     def body(i: Array, state: Any) -> Any:
         start, key_position, first = _block(k, i, n)

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
 from attention_reference import append_view, assert_close, randn, reference
-from jax_session_state import _native
+from jax_session_state import _attention_blocks, _native
 
 EXAMPLES = settings(max_examples=25)
 
@@ -228,7 +228,7 @@ def test_bucketed_implementation_is_a_switch_over_static_prefixes_and_compiles_o
         return jss.attend(q, view, implementation="bucketed")
 
     capacity = 2000
-    assert jss.attention._buckets(capacity) == [256, 512, 1024, capacity]
+    assert _attention_blocks._buckets(capacity) == [256, 512, 1024, capacity]
     rng = np.random.default_rng(9)
     q, k = randn(rng, 1, 1, 2, 8), randn(rng, 1, 2, capacity, 8)
     hlo = f.lower(q, append_view(k, k, [5])).compile().as_text()
