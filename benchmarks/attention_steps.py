@@ -72,7 +72,8 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
             return out.block_until_ready()
 
         candidates = {"jax": jax_call}
-        if _native.enabled():
+        takes = _native.enabled() and _native.supports(qj, state.cache.k, state.cache.v)
+        if takes:
 
             def pure_call():
                 state.cache, out = pure_kernel(pure_step_in_place)(state.cache, qj, kj, vj)
@@ -95,11 +96,16 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
         if "jax pure" in t:
             rows.append(row("b", f"{case}: native kernel vs pure-JAX loop", t["jax"] * 1e6, t["jax pure"] * 1e6,
                             "us", bar=BARS["native_vs_pure"]))
+        elif _native.enabled():
+            rows.append(row("b", f"{case}: the kernel declines, the pure loop runs", t["jax"] * 1e6, None, "us",
+                            note=f"{_native.ISA}: slower than the loop from {_native.DECLINED_ROWS[_native.ISA]} "
+                                 "query rows per kv head"))
         if parts.torch is None:
             rows.append(row("b", case, t["jax"] * 1e6, None, "us", note=NO_TORCH))
             continue
         reference, note = torch_reference(t)
-        rows.append(row("b", case, t["jax"] * 1e6, reference * 1e6, "us", bar=BARS["step"], T=T, valid=length + T,
+        bar = {"bar": BARS["step"]} if length >= 1000 else {}  # the bar: valid 1k and 4k
+        rows.append(row("b", case, t["jax"] * 1e6, reference * 1e6, "us", **bar, T=T, valid=length + T,
                          note=note, torch_default_us=t["torch"] * 1e6,
                          torch_one_thread_us=t["torch 1 thread"] * 1e6))
     return rows

@@ -121,11 +121,6 @@ namespace baseline {  // x86-64: SSE2, 16 registers
 #define JSS_VROWS 1
 #define JSS_ROW_LANES 4
 #include "decode_attention_isa.h"
-#undef JSS_LANES
-#undef JSS_KEYS
-#undef JSS_REGS
-#undef JSS_VROWS
-#undef JSS_ROW_LANES
 }  // namespace baseline
 
 #if defined(__clang__)
@@ -141,11 +136,6 @@ namespace avx2 {  // x86-64-v3: 16 ymm registers
 #define JSS_VROWS 4
 #define JSS_ROW_LANES JSS_LANES
 #include "decode_attention_isa.h"
-#undef JSS_LANES
-#undef JSS_KEYS
-#undef JSS_REGS
-#undef JSS_VROWS
-#undef JSS_ROW_LANES
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -162,11 +152,6 @@ namespace avx512 {  // x86-64-v4: 32 zmm registers
 #define JSS_VROWS 4
 #define JSS_ROW_LANES JSS_LANES
 #include "decode_attention_isa.h"
-#undef JSS_LANES
-#undef JSS_KEYS
-#undef JSS_REGS
-#undef JSS_VROWS
-#undef JSS_ROW_LANES
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -181,11 +166,6 @@ namespace generic {  // any other target (aarch64: NEON, 32 registers)
 #define JSS_VROWS 2
 #define JSS_ROW_LANES JSS_LANES
 #include "decode_attention_isa.h"
-#undef JSS_LANES
-#undef JSS_KEYS
-#undef JSS_REGS
-#undef JSS_VROWS
-#undef JSS_ROW_LANES
 }  // namespace generic
 #endif
 

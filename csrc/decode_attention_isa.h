@@ -5,7 +5,9 @@
 //   JSS_LANES  floats per vector (4: SSE2 / NEON, 8: AVX2, 16: AVX-512),
 //   JSS_KEYS   keys scored together (independent FMA chains),
 //   JSS_REGS   vector registers the value accumulators may hold at once,
-//   JSS_VROWS  query rows that share one pass over a tile's values.
+//   JSS_VROWS  query rows that share one pass over a tile's values,
+//   JSS_ROW_LANES  query rows scored together in rows_in_lanes;
+// it undefines them at its end, for the next.
 // Vectors are exactly one register wide, so nothing is split in two and the
 // accumulators of a loop nest fit the register file (16 registers for SSE2
 // and AVX2, 32 for AVX-512): a 16-float vector on AVX2 is two registers,
@@ -24,28 +26,24 @@ typedef int32_t Ints __attribute__((vector_size(4 * kLanes)));
 typedef float Rows __attribute__((vector_size(4 * kRowLanes)));
 typedef int32_t RowInts __attribute__((vector_size(4 * kRowLanes)));
 
-JSS_INLINE Floats load(const float* p) {
-  Floats x;
+// Unaligned loads and stores of any vector type (memcpy: a std::vector of
+// vector types would not be aligned for them).
+template <typename V, typename T>
+JSS_INLINE V load_as(const T* p) {
+  V x;
   std::memcpy(&x, p, sizeof x);
   return x;
 }
-JSS_INLINE void store(float* p, Floats x) { std::memcpy(p, &x, sizeof x); }
-JSS_INLINE Ints load_ints(const int32_t* p) {
-  Ints x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
+template <typename V, typename T>
+JSS_INLINE void store_as(T* p, V x) {
+  std::memcpy(p, &x, sizeof x);
 }
-JSS_INLINE Rows load_rows(const float* p) {
-  Rows x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-JSS_INLINE void store_rows(float* p, Rows x) { std::memcpy(p, &x, sizeof x); }
-JSS_INLINE RowInts load_row_ints(const int32_t* p) {
-  RowInts x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
+JSS_INLINE Floats load(const float* p) { return load_as<Floats>(p); }
+JSS_INLINE void store(float* p, Floats x) { store_as(p, x); }
+JSS_INLINE Rows load_rows(const float* p) { return load_as<Rows>(p); }
+JSS_INLINE void store_rows(float* p, Rows x) { store_as(p, x); }
+JSS_INLINE RowInts load_row_ints(const int32_t* p) { return load_as<RowInts>(p); }
+typedef uint16_t Halves __attribute__((vector_size(2 * kLanes)));
 // Generic over a float or a vector of floats (Floats or Rows, which may be one type).
 template <typename F>
 using IntsOf = typename std::conditional<std::is_same<F, float>::value, int32_t, decltype(F{} > F{})>::type;
@@ -92,6 +90,18 @@ JSS_INLINE F exp_clamped(F x) {
 }
 
 JSS_INLINE float exp_nonpositive(float x) { return exp_clamped<float>(std::max(x, kExpFloor)); }
+
+// kLanes cache elements as floats: float32 as they are, bfloat16 (E =
+// uint16_t) widened in registers (zero-extend, shift into the high half).
+template <typename E>
+JSS_INLINE Floats load_elements(const E* p) {
+  if constexpr (std::is_same<E, float>::value) {
+    return load(p);
+  } else {
+    const Ints wide = __builtin_convertvector(load_as<Halves>(p), Ints) << 16;
+    return bits_to_float<Floats>(wide);
+  }
+}
 
 // The largest power of two <= n (n >= 1).
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
@@ -150,9 +160,9 @@ JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int6
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
 // values[j], j < n.  The head dim goes in slabs of registers, so the rows'
 // accumulators of a slab stay in registers over the tile's keys.
-template <int64_t kDim, int64_t kRows>
+template <int64_t kDim, int64_t kRows, typename E = float>
 JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
-                                  const float* values, int64_t n, int64_t dim) {
+                                  const E* values, int64_t n, int64_t dim) {
   if constexpr (kDim > 0) {
     constexpr int64_t kChunks = kDim / kLanes;
     constexpr int64_t kSlab = std::min(kChunks, floor_pow2(std::max<int64_t>(1, kRegs / kRows)));
@@ -162,13 +172,14 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
         for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
       for (int64_t j = 0; j < n; ++j)
         for (int64_t c = 0; c < kSlab; ++c) {
-          const Floats value = load(values + j * kDim + (c0 + c) * kLanes);
+          const Floats value = load_elements(values + j * kDim + (c0 + c) * kLanes);
           for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
         }
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
     }
   } else {
+    static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
     for (int64_t r = 0; r < kRows; ++r) {
       for (int64_t d = 0; d < dim; ++d) acc[r][d] *= decay[r];
       for (int64_t j = 0; j < n; ++j)
@@ -185,18 +196,19 @@ JSS_INLINE float lane_sum(Floats x) {
 
 // The scores of a tile's n keys for one query row qm, into p; kKeys keys at
 // once, past the end the last key is read again.
-template <int64_t kDim>
-JSS_INLINE void score_keys(const float* qm, const float* keys, int64_t n, int64_t dim, float* p) {
+template <int64_t kDim, typename E = float>
+JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, float* p) {
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kKeys) {
       Floats acc[kKeys] = {};
       for (int64_t c = 0; c < kDim; c += kLanes) {
         const Floats x = load(qm + c);
-        for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load(keys + std::min(j + u, n - 1) * kDim + c);
+        for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * kDim + c);
       }
       for (int64_t u = 0; u < kKeys; ++u) p[j + u] = lane_sum(acc[u]);
     }
   } else {
+    static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
     for (int64_t j = 0; j < n; ++j) {
       const float* key = keys + j * dim;
       float score = 0.0f;
@@ -208,8 +220,10 @@ JSS_INLINE void score_keys(const float* qm, const float* keys, int64_t n, int64_
 }
 
 // Few query rows (T = 1 decoding): a dot product per key and row; tiles are
-// the outer loop, so each tile is fetched once for all rows.
-template <int64_t kDim>
+// the outer loop, so each tile is fetched once for all rows.  E = uint16_t:
+// a dense bfloat16 cache, read in place and widened in registers (a pass
+// through the tile buffer costs more than the FMAs of so few rows).
+template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
   const int64_t D = kDim > 0 ? kDim : dim;
   float p[kTile + kKeys];  // a tile's scores, then its weights
@@ -221,13 +235,18 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
     end_all = std::max(end_all, std::min(in.end_key, in.last[m] + 1));
   }
   for (int64_t start = in.first_key; start < end_all; start += kTile) {
-    const float *keys, *values;
-    fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+    const E *keys, *values;
+    if constexpr (std::is_same<E, float>::value) {
+      fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+    } else {
+      keys = reinterpret_cast<const E*>(in.source.k) + start * D;
+      values = reinterpret_cast<const E*>(in.source.v) + start * D;
+    }
     for (int64_t m = 0; m < M; ++m) {
       const int64_t end = std::min(in.end_key, in.last[m] + 1);
       if (start >= end) continue;
       const int64_t n = std::min(kTile, end - start);
-      score_keys<kDim>(in.q.data() + m * D, keys, n, D, p);
+      score_keys<kDim, E>(in.q.data() + m * D, keys, n, D, p);
       float tile_top = kNegInf;
       for (int64_t j = 0; j < n; ++j) tile_top = std::max(tile_top, p[j]);
       const float top = chunk.top[m], new_top = std::max(top, tile_top);
@@ -243,7 +262,7 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
       chunk.total[m] = chunk.total[m] * decay + tile_total;
       float* acc = chunk.acc + m * D;
       const float* weights = p;
-      accumulate_values<kDim, 1>(&acc, &decay, &weights, 1, values, n, D);
+      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D);
     }
   }
 }
@@ -343,6 +362,12 @@ JSS_INLINE void run_chunk_dim(const ChunkInput& in, int64_t M, int64_t dim, cons
   std::fill(chunk.acc, chunk.acc + M * dim, 0.0f);
   if (M >= kLaneRows) {
     rows_in_lanes<kDim>(in, M, dim, chunk);
+  } else if constexpr (kDim > 0 && kLanes >= 8) {  // SSE2 widens no faster in registers than through the buffer
+    if (in.source.dtype == Dtype::kBF16 && in.source.pages == nullptr) {
+      rows_by_dot<kDim, uint16_t>(in, M, dim, chunk);
+    } else {
+      rows_by_dot<kDim>(in, M, dim, chunk);
+    }
   } else {
     rows_by_dot<kDim>(in, M, dim, chunk);
   }
@@ -359,3 +384,9 @@ void run_chunk(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk)
     default: return run_chunk_dim<0>(in, M, dim, chunk);
   }
 }
+
+#undef JSS_LANES
+#undef JSS_KEYS
+#undef JSS_REGS
+#undef JSS_VROWS
+#undef JSS_ROW_LANES

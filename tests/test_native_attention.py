@@ -255,9 +255,10 @@ def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once(
 
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_half_precision_caches_take_the_kernel_and_match_float64_on_their_values(dtype):
+@pytest.mark.parametrize("T, groups", [(5, 2), (1, 1), (1, 2)], ids=["rows-in-lanes", "dot-per-row", "two-rows"])
+def test_half_precision_caches_take_the_kernel_and_match_float64_on_their_values(dtype, T, groups):
     rng = np.random.default_rng(5)
-    batch, kv_heads, groups, T, D, capacity = 2, 2, 2, 5, 64, 300
+    batch, kv_heads, D, capacity = 2, 2, 64, 300
     q = randn(rng, batch, T, kv_heads * groups, D)
     k = np.array(jnp.asarray(randn(rng, batch, kv_heads, capacity, D), dtype))  # the values the cache holds
     v = np.array(jnp.asarray(randn(rng, batch, kv_heads, capacity, D), dtype))
@@ -291,11 +292,14 @@ FORCED_ISA = textwrap.dedent("""
     from attention_reference import append_view, randn, reference
     rng = np.random.default_rng(3)
     worst = 0.0
-    for T, groups, D, capacity in ((1, 1, 64, 700), (2, 1, 48, 90), (16, 2, 64, 1300), (7, 4, 128, 333)):
+    cases = ((1, 1, 64, 700, "float32"), (2, 1, 48, 90, "float32"), (16, 2, 64, 1300, "float32"),
+             (7, 4, 128, 333, "float32"), (1, 1, 64, 700, "bfloat16"), (4, 2, 32, 200, "float16"))
+    for T, groups, D, capacity, dtype in cases:
         q = randn(rng, 2, T, 2 * groups, D)
-        k, v = randn(rng, 2, 2, capacity, D), randn(rng, 2, 2, capacity, D)
+        k, v = (np.asarray(jnp.asarray(randn(rng, 2, 2, capacity, D), dtype)) for _ in range(2))
         lengths = np.asarray([capacity, capacity // 3], np.int32)
-        view = append_view(k, v, lengths)
+        view = append_view(jnp.asarray(k), jnp.asarray(v), lengths)
+        k, v = k.astype(np.float64), v.astype(np.float64)
         f = jax.jit(lambda q, view: jss.attend_with_lse(q, view))
         native = f.lower(jnp.asarray(q), view).compile().as_text().count(_native.TARGET) > 0
         out, _ = f(jnp.asarray(q), view)
