@@ -16,7 +16,11 @@ Measures, in one run (batch 1, 8 query heads over 8 kv-heads x 64, float32):
 (f) peak resident memory of a donated 32k rollout in a fresh process
     against its logical bytes (bar <= 1.25).
 
-The table names the CPU (model, AVX2 and AVX-512 yes/no).  XLA's own dots
+The table names the CPU (model, AVX2 and AVX-512 yes/no) in its first row.
+GPU and TPU rows are not measured here: ``benchmarks/device.py`` is the
+script for one accelerator, and until it has run on one the accelerator
+bars (decode attention >= 50% of peak HBM bandwidth, <= 1.2 x cuDNN) stay
+open and ``attend`` keeps its pure-XLA loop there by default.  XLA's own dots
 in the pure loop dispatch to the widest vectors the CPU has whatever path
 is forced, so on an AVX-512 CPU the pure loop of the ``avx2`` and
 ``baseline`` rows is faster than it would be on a CPU of that kind.
@@ -79,7 +83,9 @@ def run(*, full: bool) -> list[dict]:
     cpu = parts.cpu_description()
     print(f"CPU: {cpu}; native kernel paths this CPU runs: "
           f"{[name for name, ok in _native.ISAS.items() if ok] or 'none (not built)'}")
-    rows = capacity_rows(rounds)
+    rows = [{"measure": f"CPU: {cpu}", "value": "; ".join(f"{name}: {'runs' if ok else 'lacks'}"
+                                                          for name, ok in _native.ISAS.items())}]
+    rows += capacity_rows(rounds)
     paths = [name for name, ok in _native.ISAS.items() if ok] if _native.AVAILABLE else [None]
     for path in paths:
         rows += path_rows(path, full=full)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
+from benchmarks._attention_parts import cpu_description
 from benchmarks._common import cli, interleaved
 
 HEADS, HEAD_DIM, PAGE = 8, 64, 16
@@ -128,6 +129,7 @@ def run(*, full: bool) -> list[dict]:
     dense = dense_fork_timing(rounds=5 if full else 3)
     ratio = forks["long"] / forks["short"]
     return [
+        {"measure": f"CPU: {cpu_description()}", "value": ""},
         {"measure": f"paged fork, {SHORT + 5} tokens (us)", "value": forks["short"] * 1e6},
         {"measure": f"paged fork, {LONG + 5} tokens (us)", "value": forks["long"] * 1e6},
         {"measure": f"dense deep copy, {LONG + 5} tokens (us)", "value": dense * 1e6},
