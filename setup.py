@@ -30,7 +30,7 @@ class BuildWithFfiHeaders(build_ext):
 
 
 setup(
-    ext_modules=[Extension("jax_session_state._decode_attention", ["csrc/decode_attention.cc"], language="c++",
-                           optional=True)],
+    ext_modules=[Extension("jax_session_state._decode_attention", ["csrc/decode_attention.cc"],
+                           depends=["csrc/decode_attention_isa.h"], language="c++", optional=True)],
     cmdclass={"build_ext": BuildWithFfiHeaders},
 )

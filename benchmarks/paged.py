@@ -6,13 +6,18 @@ Measures, in one run (8 kv-heads x 64, float32, pages of 16 rows):
   1k-token slot of the same pool, each ending mid-page so the fork copies
   one partial page (bar: 32k / 1k <= 1.3);
 - for scale, a deep copy (``Session.fork``) of a dense ``KVCache`` holding
-  the same 32k tokens.
+  the same 32k tokens;
+- ``attend`` over a paged view holding 32k tokens against a dense
+  ``KVCache`` view holding the same rows, T = 1 and T = 16 (bar: paged /
+  dense <= 1.3): the pages are read where they lie, through the page table;
+  also with ``implementation="loop"`` (the pure-JAX loop, no bar).
 
 Run:  python -m benchmarks.paged [--full] [--out PATH]
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -21,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
+from benchmarks._attention_parts import cpu_description
 from benchmarks._common import cli, interleaved
 
 HEADS, HEAD_DIM, PAGE = 8, 64, 16
 LONG, SHORT = 32 * 1024 - 5, 1024 - 5  # tokens; both end mid-page
 FORKS = 8  # forks timed per sample, into slots 2..2+FORKS-1
 FILL = 1024  # rows appended per call while filling
-BARS = {"fork_32k_over_1k": 1.3}
+BARS = {"fork_32k_over_1k": 1.3, "attend_paged_over_dense": 1.3}
 
 
 def _filled_cache() -> jss.PagedKVCache:
@@ -85,19 +91,52 @@ def dense_fork_timing(*, rounds: int) -> float:
     return interleaved(copy, rounds=rounds, repeat=3)["dense"]
 
 
+def attend_timings(*, rounds: int) -> list[dict]:
+    """``attend`` over 32k tokens in pages of PAGE rows against the same rows in a dense cache."""
+    tokens = 32 * 1024
+    paged = jss.PagedKVCache.allocate(max_slots=1, kv_heads=HEADS, head_dim=HEAD_DIM, page_size=PAGE,
+                                      num_pages=tokens // PAGE)
+    dense = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=tokens)
+    append = jax.jit(lambda c, chunk: c.append(chunk), donate_argnums=0)
+    rng = np.random.default_rng(1)
+    for _ in range(tokens // FILL):
+        k, v = (jnp.asarray(rng.normal(size=(1, FILL, HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+        paged, dense = append(paged, jss.KVChunk(k, v)), append(dense, jss.KVChunk(k, v))
+    rows = []
+    for implementation in ("auto", "loop"):
+        attend = jax.jit(functools.partial(jss.attend, implementation=implementation))
+        for T in (1, 16):
+            q = jnp.asarray(rng.normal(size=(1, T, HEADS, HEAD_DIM)), jnp.float32)
+            out_paged, out_dense = attend(q, paged.view()), attend(q, dense.view())
+            assert float(jnp.max(jnp.abs(out_paged - out_dense))) < 1e-5
+            t = interleaved({"paged": lambda q=q, attend=attend: attend(q, paged.view()).block_until_ready(),
+                             "dense": lambda q=q, attend=attend: attend(q, dense.view()).block_until_ready()},
+                            rounds=rounds, repeat=3, best_of=True)
+            ratio = t["paged"] / t["dense"]
+            case = f"attend T={T}, 32k tokens, implementation={implementation!r}"
+            rows.append({"measure": f"{case}: paged (us)", "value": t["paged"] * 1e6})
+            rows.append({"measure": f"{case}: dense (us)", "value": t["dense"] * 1e6})
+            bar = {"bar": f"≤ {BARS['attend_paged_over_dense']}", "holds": ratio <= BARS["attend_paged_over_dense"]}
+            rows.append({"measure": f"ratio {case}: paged over dense", "value": ratio,
+                         **(bar if implementation == "auto" else {})})
+    return rows
+
+
 def run(*, full: bool) -> list[dict]:
-    """Paged fork at 32k and 1k tokens, a dense deep copy for scale, and the bar."""
+    """Paged fork at 32k and 1k tokens, a dense deep copy for scale, paged against dense attend, and the bars."""
     rounds = 31 if full else 11
     forks = fork_timings(rounds=rounds)
     dense = dense_fork_timing(rounds=5 if full else 3)
     ratio = forks["long"] / forks["short"]
     return [
+        {"measure": f"CPU: {cpu_description()}", "value": ""},
         {"measure": f"paged fork, {SHORT + 5} tokens (us)", "value": forks["short"] * 1e6},
         {"measure": f"paged fork, {LONG + 5} tokens (us)", "value": forks["long"] * 1e6},
         {"measure": f"dense deep copy, {LONG + 5} tokens (us)", "value": dense * 1e6},
         {"measure": "ratio fork_32k_over_1k", "value": ratio, "bar": f"≤ {BARS['fork_32k_over_1k']}",
          "holds": ratio <= BARS["fork_32k_over_1k"]},
         {"measure": "ratio dense_copy_over_paged_fork_32k", "value": dense / forks["long"]},
+        *attend_timings(rounds=rounds),
     ]
 
 

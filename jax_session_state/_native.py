@@ -1,12 +1,19 @@
-"""The native CPU kernel of append-mode attention, called through the XLA FFI.
+"""The native CPU kernel of decode attention, called through the XLA FFI.
 
 ``csrc/decode_attention.cc`` is compiled at install time into the shared
 library ``_decode_attention`` next to this module.  The build is optional:
 without a C++ compiler the install still succeeds and attention stays pure
-JAX.  At import the library, when present, is loaded and its handler is
-registered as an XLA FFI target for the ``"cpu"`` platform; attention then
-calls it through ``lax.platform_dependent``, so GPU and TPU lowering never see
-it.  ``JSS_NATIVE_ATTENTION=0`` in the environment leaves it unregistered.
+JAX.  At import the library, when present, is loaded and its handlers (a
+head-major cache, a paged one) are registered as XLA FFI targets for the
+``"cpu"`` platform; attention then calls them through
+``lax.platform_dependent``, so GPU and TPU lowering never see them.
+``JSS_NATIVE_ATTENTION=0`` in the environment leaves them unregistered.
+
+The library holds the kernel once per instruction set (``baseline`` x86-64,
+``avx2`` = x86-64-v3 with FMA, ``avx512`` = x86-64-v4) and uses the best one
+the CPU runs; ``JSS_NATIVE_ISA=baseline|avx2|avx512`` forces one (an error at
+import where the CPU lacks it).  Float32, bfloat16 and float16 caches are
+read (float32 accumulation).
 
 Example:
   >>> from jax_session_state import _native
@@ -29,33 +36,61 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["AVAILABLE", "STATUS", "enabled", "kernel", "status", "supports", "use"]
+__all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "kernel", "paged_kernel", "status", "supports", "use"]
 
-TARGET = "jax_session_state_decode_attention_f32"
+TARGET = "jax_session_state_decode_attention"
+PAGED_TARGET = "jax_session_state_paged_decode_attention"
 ENV_SWITCH = "JSS_NATIVE_ATTENTION"
+ENV_ISA = "JSS_NATIVE_ISA"
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 Kernel = Callable[[Array, Array, Array, Array, Array], tuple[Array, Array]]
 
 
-def _load() -> tuple[bool, str]:
-    """Registers the FFI target; returns whether it is available and why (not)."""
+def _select_isa(library: ctypes.CDLL) -> tuple[dict[str, bool], str]:
+    """The library's instruction-set paths (name -> whether this CPU runs it), and the one selected.
+
+    Raises:
+      RuntimeError: ``JSS_NATIVE_ISA`` names an unknown path or one this CPU lacks.
+    """
+    library.JssIsaName.restype = library.JssCurrentIsa.restype = ctypes.c_char_p
+    names = [library.JssIsaName(i).decode() for i in range(library.JssIsaCount())]
+    paths = {name: bool(library.JssIsaSupported(i)) for i, name in enumerate(names)}
+    wanted = os.environ.get(ENV_ISA, "")
+    if wanted:
+        if wanted not in paths:
+            raise RuntimeError(f"{ENV_ISA}={wanted!r}: the native attention kernel has the paths {names}.")
+        if not paths[wanted]:
+            runs = [name for name, ok in paths.items() if ok]
+            raise RuntimeError(f"{ENV_ISA}={wanted!r}: this CPU lacks the instructions of that path; it runs {runs}.")
+        library.JssSelectIsa(names.index(wanted))
+    return paths, library.JssCurrentIsa().decode()
+
+
+def _load() -> tuple[bool, str, dict[str, bool], str | None]:
+    """Registers the FFI targets; returns whether they are available and why (not), the ISA paths and the one used."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False, f"disabled by {ENV_SWITCH}=0"
+        return False, f"disabled by {ENV_SWITCH}=0", {}, None
     here = Path(__file__).parent
     found = [here / f"_decode_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
-    library = next((path for path in found if path.exists()), None)
-    if library is None:
-        return False, "the extension _decode_attention was not built (no C++ compiler at install time?)"
+    path = next((path for path in found if path.exists()), None)
+    if path is None:
+        return False, "the extension _decode_attention was not built (no C++ compiler at install time?)", {}, None
     try:
-        handler = ctypes.cdll.LoadLibrary(str(library)).JssDecodeAttentionF32
+        library = ctypes.cdll.LoadLibrary(str(path))
+        handlers = library.JssDecodeAttention, library.JssPagedDecodeAttention
     except (OSError, AttributeError) as error:
-        return False, f"{library.name} could not be loaded: {error}"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return True, f"{library.name} registered as the cpu target {TARGET}"
+        return False, f"{path.name} could not be loaded: {error}", {}, None
+    paths, isa = _select_isa(library)
+    for target, handler in zip((TARGET, PAGED_TARGET), handlers):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
+    return True, f"{path.name}, {isa} path ({how})", paths, isa
 
 
-AVAILABLE, STATUS = _load()
-"""Whether the native kernel is registered, and a line saying why (not)."""
+AVAILABLE, STATUS, ISAS, ISA = _load()
+"""Whether the native kernel is registered and a line saying why (not); its
+instruction-set paths (name -> whether this CPU runs it) and the one in use."""
 
 _use_native = AVAILABLE
 
@@ -90,7 +125,7 @@ def status() -> str:
         return f"pure JAX: {_cpu_devices()} CPU devices (the kernel has no partitioning rule)"
     if not _use_native:
         return "pure JAX: turned off by _native.use(False)"
-    return f"native kernel: {STATUS}"
+    return f"native kernel ({ISA}): {STATUS}"
 
 
 @contextlib.contextmanager
@@ -113,17 +148,45 @@ def use(native: bool) -> Iterator[None]:
         _use_native = before
 
 
-def supports(q: Array, k: Array, v: Array) -> bool:
-    """Whether the kernel takes these operands (float32; other dtypes stay pure JAX)."""
-    return all(x.dtype == jnp.float32 for x in (q, k, v))
+DECLINED_ROWS = {"baseline": 4}
+"""Per ISA path, the query rows per kv head (``T * q_heads / kv_heads``) from
+which it is slower than the pure loop and declines (measured: benchmarks/attention.py)."""
+
+
+def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None) -> bool:
+    """Whether the kernel takes these operands on the path in use.
+
+    A float32, bfloat16 or float16 cache (one type for K and V), queries of
+    any float type (cast to float32 for the call), and a step the path runs
+    faster than the pure loop (see :data:`DECLINED_ROWS`).  ``kv_heads``:
+    where ``k`` is not head-major ``[B, kv_heads, C, D]`` (pages).
+    """
+    rows = q.shape[1] * (q.shape[2] // max(k.shape[1] if kv_heads is None else kv_heads, 1))
+    fast = rows < DECLINED_ROWS.get(ISA or "", rows + 1)
+    return k.dtype == v.dtype and any(k.dtype == d for d in DTYPES) and jnp.issubdtype(q.dtype, jnp.floating) and fast
 
 
 def _call(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
           scale: float, relative: bool) -> tuple[Array, Array]:
     result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
     call = jax.ffi.ffi_call(TARGET, result)
-    return call(q, k, v, lengths.astype(jnp.int32), q_positions.astype(jnp.int32), scale=np.float32(scale),
-                causal=bool(causal), relative=bool(relative))
+    out, lse = call(q.astype(jnp.float32), k, v, lengths.astype(jnp.int32), q_positions.astype(jnp.int32),
+                    scale=np.float32(scale), causal=bool(causal), relative=bool(relative))
+    return out.astype(q.dtype), lse
+
+
+def paged_kernel(k_pages: Array, v_pages: Array, page_table: Array, q: Array, lengths: Array, q_positions: Array, *,
+                 causal: bool, scale: float, relative: bool) -> tuple[Array, Array]:
+    """The native kernel over token-major pages ``[num_pages, page_size, kv_heads, head_dim]``, read in place.
+
+    Returns ``(out, lse)`` as :func:`kernel`: ``out`` in q's dtype, ``lse`` float32.
+    """
+    result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    call = jax.ffi.ffi_call(PAGED_TARGET, result, vmap_method="sequential")
+    out, lse = call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+                    q_positions.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal),
+                    relative=bool(relative))
+    return out.astype(q.dtype), lse
 
 
 def kernel(causal: bool, scale: float, relative: bool, fallback: Kernel) -> Kernel:

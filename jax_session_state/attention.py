@@ -2,22 +2,30 @@
 
 ``attend(q, view)`` dispatches on the view:
 
-- :class:`KVView` in append mode: blockwise over K/V blocks up to the longest
-  row's length with an online softmax (flash-decoding style) in a
-  ``lax.fori_loop`` whose trip count is computed at run time, so a
+- :class:`KVView` in append mode: blockwise over the keys up to the longest
+  row's length with an online softmax (flash-decoding style), so a
   32k-capacity cache holding 1k tokens attends like a 1k cache;
-  ``positions`` is not read.  On a single CPU device, float32, where the
-  native kernel was built (``jax_session_state._native``), the same
-  algorithm runs as one XLA FFI call that reads the cache in place, fused,
-  on every core; other platforms, and several CPU devices, run the pure
-  loop (``lax.platform_dependent``).
+  ``positions`` is not read.  On a single CPU device, where the native
+  kernel was built (``jax_session_state._native``: float32, bfloat16 and
+  float16 caches, one build per instruction set), it runs as one XLA FFI
+  call that reads the cache in place on every core; elsewhere a
+  ``lax.fori_loop`` over 64-key blocks whose trip count is computed at run
+  time (``lax.platform_dependent``).
 - :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
   one dense, masked pass over its slots using ``positions``.
-- :class:`BranchKVView` (a speculative lane): cascade attention — the shared
+- :class:`BranchKVView` (a speculative lane): cascade attention -- the shared
   prefix and the lane's own rows separately, merged by log-sum-exp.  Under
   ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
   once for every lane.
-- :class:`PagedView`: the pages gathered into a dense view (reference path).
+- :class:`PagedView`: read page by page through the page table where the
+  pages lie (the native kernel, or a loop over blocks of whole pages), never
+  gathered into a dense copy.
+
+``implementation=`` picks how append-mode and paged views are read:
+``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
+dense pass over the valid prefix rounded up to a power of two, picked by
+``lax.switch``: a handful of kernels, for accelerators; opt-in until
+measured there).
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -29,45 +37,13 @@ Why no ``jax.nn.dot_product_attention`` here: it wants token-major K/V (a
 transposed copy of the whole cache), its ``local_window_size`` counts slots,
 not positions, so it is wrong once a ring wraps, it cannot express sinks,
 returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
-computes over the whole capacity (measured: 263 ms at 32k capacity against
-3.3 ms here for 1k valid tokens).
+computes over the whole capacity.
 
-The native kernel (``csrc/decode_attention.cc``): under ``jax.vmap`` over
-lanes sharing a cache its batching rule folds the lanes into query rows (one
-call reads the prefix once for every lane), and a ``jax.custom_vjp`` gives
-it a flash-attention backward in pure JAX, blockwise like the forward; so
-with the native kernel ``jax.grad`` also works under ``jit`` with traced
-lengths (the pure loop's own autodiff needs concrete lengths, which make it
-a scan), while forward-mode ``jax.jvp`` of append-mode attention does not.
-
-The pure loop, measured on XLA:CPU (notes for whoever tunes this next;
-``benchmarks/attention.py`` prints where a step's time goes): XLA copies
-every K/V block out of the cache before a dot, and a bare slice copy
-compiles to scalar code; fusing a multiply into the copy vectorises it, so
-the softmax scale is applied to the K block and V is multiplied by a
-run-time 1.0 hidden behind ``optimization_barrier``.  XLA runs the loop on
-one core (process CPU time = wall time) while PyTorch uses two threads; per
-64-key block the K/V copies (half of a T=1 step), about a dozen small
-fusions (mask, max, exp, sums, rescale) and the loop itself cost more than
-the two dots.  At T=1 and 4k tokens a step takes about 1.7x PyTorch's
-one-thread time and 2.5x its two-thread time.
-
-Tried and not kept (A/B in one run, jax 0.10, 4k tokens, T=1 and 16):
-32/128/256/512-key blocks (on jax 0.11 128 won at T=16, lost at T=1),
-``K @ q`` for T=1, the softmax sum taken by the P@V dot through a column of
-ones, K and V read in one slice of a stacked buffer, K stored or copied
-transposed, two independent chains of blocks, the heads split over two
-loops, the body unrolled 2x/4x by hand (``fori_loop`` cannot unroll a
-run-time trip count), larger blocks for the many-row prefix of branch
-lanes, XLA's YNNPACK fusions turned off, and reductions in place of dots
-(10x slower): each was within noise or slower.  Under ``vmap`` over lanes
-the online-softmax state is lane-major while the dots are head-major, so
-XLA adds about four transposing copies of the state per block; a batching
-rule folding lanes into query rows would avoid them, but
-``jax.custom_batching.custom_vmap`` cannot be differentiated, so the pure
-loop does without (the native kernel has one, under its custom VJP).
-``KVView.positions`` (whole capacity) is never computed in append mode:
-nothing reads it and XLA drops it (a test checks the compiled step).
+Gradients: the native kernel has a ``jax.custom_vjp`` (a flash-attention
+backward in pure JAX, blockwise like the forward), so ``jax.grad`` works
+under ``jit`` with traced lengths; forward-mode ``jax.jvp`` of append-mode
+attention does not.  Measurements and what was tried are in
+``benchmarks/NOTES.md``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -89,17 +65,35 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array, lax
 
 from jax_session_state import _native
+from jax_session_state._attention_blocks import (
+    BLOCK_SIZE,
+    SMALLEST_BUCKET,
+    _block,
+    _block_count,
+    _block_f32,
+    _dequantized_block,
+    _bucketed,
+    _empty_state,
+    _finish,
+    _from_rows,
+    _gather_pages,
+    _last_visible,
+    _online_update,
+    _paged_blockwise,
+    _relative_offsets,
+    _scores,
+    _to_rows,
+)
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
-__all__ = ["BLOCK_SIZE", "attend", "attend_with_lse", "merge_attention", "native_status"]
+__all__ = ["BLOCK_SIZE", "IMPLEMENTATIONS", "SMALLEST_BUCKET", "attend", "attend_with_lse", "merge_attention", "native_status"]
 
-BLOCK_SIZE = 64
-"""Keys per block in append mode (chosen by measurement on XLA:CPU)."""
+IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed")
+"""The ways :func:`attend` reads append-mode and paged views."""
 
 _F32 = jnp.float32
 
@@ -125,6 +119,7 @@ def attend(
     causal: bool = True,
     scale: float | None = None,
     q_positions: Array | None = None,
+    implementation: str = "auto",
 ) -> Array:
     """Attention of ``q`` over a view.
 
@@ -137,11 +132,20 @@ def attend(
       scale: score scale, default ``1 / sqrt(head_dim)``.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions (the rows just written).
+      implementation: how append-mode and paged views are read (ring views
+        and a branch's own rows are always one dense pass):
+        ``"auto"``: the native kernel on a single CPU device where built,
+        else ``"loop"``; ``"native"``: the native kernel (an error where it
+        is not available; CPU only); ``"loop"``: the pure-JAX blockwise
+        loop; ``"bucketed"``: one fused dense pass over the valid prefix
+        rounded up to a power of two, picked by ``lax.switch`` (a handful
+        of kernels on GPU/TPU; opt-in until measured there).
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
     """
-    return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions)[0]
+    return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions,
+                           implementation=implementation)[0]
 
 
 def attend_with_lse(
@@ -151,6 +155,7 @@ def attend_with_lse(
     causal: bool = True,
     scale: float | None = None,
     q_positions: Array | None = None,
+    implementation: str = "auto",
 ) -> tuple[Array, Array]:
     """:func:`attend`, plus the log-sum-exp of each query's visible scores.
 
@@ -161,19 +166,20 @@ def attend_with_lse(
     """
     if q.ndim != 4:
         raise ValueError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+    if implementation == "native" and not _native.enabled():
+        raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_native.status()}")
     if isinstance(view, BranchKVView):
         q_positions = _default_positions(q, view.window.lengths, q_positions)
-        prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions)
+        prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions, implementation)
         lane = _dense_with_lse(q, view.window, causal, scale, q_positions)
         return merge_attention(*prefix, *lane)
     if isinstance(view, PagedView):
-        view = view.to_dense()
+        return _paged_with_lse(q, view, causal, scale, q_positions, implementation)
     if not isinstance(view, KVView):
         raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
-    if view.quantized:
-        raise TypeError("attend() reads quantized K/V through its block loop, which is being wired in; "
-                        "materialize() the view to read it meanwhile.")
-    return _kv_with_lse(q, view, causal, scale, q_positions)
+    return _kv_with_lse(q, view, causal, scale, q_positions, implementation)
 
 
 def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
@@ -211,9 +217,13 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
 
 
 def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]:
-    """Checks q against the view's ``k``; returns the query heads per kv head and the scale."""
-    B, T, q_heads, D = q.shape
+    """Checks q against the view's head-major ``k``; returns the query heads per kv head and the scale."""
     view_batch, kv_heads, _, view_dim = k.shape
+    return _checked(q, view_batch, kv_heads, view_dim, scale)
+
+
+def _checked(q: Array, view_batch: int, kv_heads: int, view_dim: int, scale: float | None) -> tuple[int, float]:
+    B, _, q_heads, D = q.shape
     if B != view_batch:
         raise ValueError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
     if D != view_dim:
@@ -229,67 +239,27 @@ def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float
     return _to_rows(q, k.shape[1]), groups, scale
 
 
-def _to_rows(x: Array, kv_heads: int) -> Array:
-    """``[B, T, q_heads, ...]`` -> float32 ``[B, kv_heads, T*G, ...]``, rows ordered (t, g).
-
-    Only per-query arrays (small) are transposed, never the cache.
-    """
-    B, T, q_heads = x.shape[:3]
-    groups = q_heads // kv_heads
-    rows = x.astype(_F32).reshape(B, T, kv_heads, groups, *x.shape[3:])
-    return jnp.moveaxis(rows, 2, 1).reshape(B, kv_heads, T * groups, *x.shape[3:])
-
-
-def _from_rows(x: Array, T: int) -> Array:
-    """The inverse of :func:`_to_rows` (float32 kept)."""
-    B, kv_heads, M = x.shape[:3]
-    rows = x.reshape(B, kv_heads, T, M // T, *x.shape[3:])
-    return jnp.moveaxis(rows, 1, 2).reshape(B, T, kv_heads * (M // T), *x.shape[3:])
-
-
-def _finish(q: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array]:
-    """Normalises the online-softmax state into ``(out, lse)`` in q's layout."""
-    top, total, acc = state
-    seen = total > 0
-    safe = jnp.where(seen, total, 1.0)
-    out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
-    lse = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
-    T = q.shape[1]
-    return _from_rows(out, T).astype(q.dtype), _from_rows(lse, T)
-
-
-def _empty_state(qh: Array) -> tuple[Array, Array, Array]:
-    return jnp.full(qh.shape[:3], -jnp.inf, _F32), jnp.zeros(qh.shape[:3], _F32), jnp.zeros(qh.shape, _F32)
-
-
-def _online_update(state: Any, scores: Array, visible: Array, values: Array) -> tuple[Array, Array, Array]:
-    """One online-softmax step over a block of ``[B, Hk, M, n]`` scores."""
-    top, total, acc = state
-    scores = jnp.where(visible, scores, -jnp.inf)
-    new_top = jnp.maximum(top, scores.max(-1))
-    # Rows that have seen nothing keep top = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
-    safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)
-    weights = jnp.exp(scores - safe_top[..., None])
-    decay = jnp.exp(top - safe_top)
-    block = jnp.einsum("bhmn,bhnd->bhmd", weights, values, preferred_element_type=_F32)
-    return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + block
-
-
-def _scores(keys: Array, qh: Array) -> Array:
-    return jnp.einsum("bhmd,bhnd->bhmn", qh, keys, preferred_element_type=_F32)
-
-
-def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None,
-                 q_positions: Array | None) -> tuple[Array, Array]:
+def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
+                 implementation: str) -> tuple[Array, Array]:
     if view.window is not None:
         return _dense_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
-    if _native.enabled() and _native.supports(q, view.k, view.v) and isinstance(scale, numbers.Real):
+    if implementation == "bucketed":
+        positions = _default_positions(q, view.lengths, q_positions)
+        return _bucketed(q, view.lengths, positions, view.k.shape[2], causal, scale,
+                         lambda n: (_dequantize(view.k[:, :, :n], view.k_scale, n),
+                                    _dequantize(view.v[:, :, :n], view.v_scale, n)))
+    if view.quantized:  # the block loop dequantizes each block it reads (the native kernel reads floats)
+        if implementation == "native":
+            raise ValueError("attend(implementation='native'): the kernel reads float caches; this view is "
+                             f"quantized ({view.k.dtype}). Use 'auto' or 'loop'.")
+        return _blockwise(q, view.k, view.v, view.lengths, _default_positions(q, view.lengths, q_positions),
+                          causal=causal, scale=scale, k_scale=view.k_scale, v_scale=view.v_scale)
+    if _use_native(q, view.k, view.v, scale, implementation):
         if q_positions is None:
             # The last T positions, as offsets from each row's length: a constant,
             # so a step computes no positions (the kernel adds the lengths).
-            B, T = q.shape[:2]
-            offsets = jnp.asarray(np.broadcast_to(np.arange(-T, 0, dtype=np.int32), (B, T)))
+            offsets = _relative_offsets(q)
             return _native_or_blockwise(q, view.k, view.v, view.lengths, offsets, causal, float(scale), True)
         q_positions = _default_positions(q, view.lengths, q_positions)
         return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale), False)
@@ -297,43 +267,60 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None,
                       causal=causal, scale=scale)
 
 
-def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int) -> Array:
-    """The last key each query row sees, ``[B, 1, T*G, 1]`` (rows ordered (t, g))."""
-    last = jnp.broadcast_to(lengths[:, None] - 1, q_positions.shape)
-    if causal:
-        last = jnp.minimum(last, q_positions)
-    return jnp.repeat(last, groups, axis=1)[:, None, :, None]
+def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None) -> bool:
+    """Whether this call runs the native kernel ("auto" where it takes the operands, or "native")."""
+    if implementation not in ("auto", "native") or not isinstance(scale, numbers.Real):
+        return False
+    takes = _native.enabled() and _native.supports(q, k, v, kv_heads=kv_heads)
+    if implementation == "native" and not takes:
+        raise ValueError(f"attend(implementation='native'): the kernel on its {_native.ISA} path does not take a "
+                         f"{k.dtype} cache with q of shape {list(q.shape)} (see _native.supports).")
+    return takes
 
 
-def _block_count(lengths: Array, capacity: int, n: int) -> Array:
-    # The trip count depends on lengths only (not on queries), so under vmap over
-    # lanes sharing one prefix the loop, and every block read, stays unbatched.
-    return (jnp.clip(jnp.max(lengths), 0, capacity) + n - 1) // n
+def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
+                    implementation: str) -> tuple[Array, Array]:
+    """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
+    _, size, kv_heads, dim = view.k_pages.shape
+    slots, table_pages = view.page_table.shape
+    _, scale = _checked(q, slots, kv_heads, dim, scale)
+    if implementation == "bucketed":
+        positions = _default_positions(q, view.lengths, q_positions)
+        return _bucketed(q, view.lengths, positions, table_pages * size, causal, scale,
+                         lambda n: _gather_pages(view, 0, -(-n // size)))
+    if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads):
+        relative = q_positions is None
+        positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
 
+        def native(q, k_pages, v_pages, table, lengths, positions):
+            return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal,
+                                        scale=float(scale), relative=relative)
 
-def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
-    """Block ``i`` of ``n`` keys: its start, key positions and first new position.
+        def loop(q, k_pages, v_pages, table, lengths, positions):
+            paged = view.replace(k_pages=k_pages, v_pages=v_pages, page_table=table, lengths=lengths)
+            return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
 
-    The last block is shifted back to stay inside the cache; the keys it
-    repeats are masked by ``position >= first``.
-    """
-    first = i * n
-    start = jnp.minimum(first, cache.shape[2] - n)
-    return start, start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3), first
+        return lax.platform_dependent(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions,
+                                      cpu=native, default=loop)
+    return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
 
 
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
-               scale: float) -> tuple[Array, Array]:
-    """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax."""
+               scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, Array]:
+    """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax.
+
+    A quantized cache's blocks are dequantized as they are read (``k_scale``,
+    ``v_scale``: ``[B, kv_heads, C, 1]``), never the whole cache.
+    """
     qh, groups, scale = _grouped(q, k, scale)
     n = min(BLOCK_SIZE, k.shape[2])
     last = _last_visible(lengths, q_positions, causal, groups)
-    one = lax.optimization_barrier(jnp.ones((), _F32))  # see the module notes
+    one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
 
     def body(i: Array, state: Any) -> Any:
         start, key_position, first = _block(k, i, n)
-        keys = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(_F32) * scale
-        values = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(_F32) * one
+        keys = _dequantized_block(k, k_scale, start, n) * scale
+        values = _dequantized_block(v, v_scale, start, n) * one
         visible = (key_position >= first) & (key_position <= last)
         return _online_update(state, _scores(keys, qh), visible, values)
 
@@ -386,8 +373,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
     def body(i: Array, grads: Any) -> Any:
         dq, dk, dv = grads
         start, key_position, first = _block(k, i, n)
-        keys = lax.dynamic_slice_in_dim(k, start, n, axis=2).astype(_F32)
-        values = lax.dynamic_slice_in_dim(v, start, n, axis=2).astype(_F32)
+        keys, values = _block_f32(k, start, n), _block_f32(v, start, n)
         visible = (key_position >= first) & (key_position <= last)
         p = jnp.where(visible, jnp.exp(_scores(keys, qh) * scale - lse_rows), 0.0)
         ds = p * (jnp.einsum("bhmd,bhnd->bhmn", d_rows, values) - delta) * scale
@@ -415,5 +401,11 @@ def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q
         visible &= key_position <= query_position
     if view.window is not None:
         visible &= (key_position < view.sink) | (query_position - key_position < view.window)
-    scores = _scores(view.k.astype(_F32) * scale, qh)
-    return _finish(q, _online_update(_empty_state(qh), scores, visible, view.v.astype(_F32)))
+    keys = _dequantize(view.k, view.k_scale, view.k.shape[2])
+    values = _dequantize(view.v, view.v_scale, view.v.shape[2])
+    return _finish(q, _online_update(_empty_state(qh), _scores(keys * scale, qh), visible, values))
+
+
+def _dequantize(values: Array, scale: Array | None, n: int) -> Array:
+    """The first ``n`` slots' values as float32, times their row scales where quantized (fused into the reader)."""
+    return values.astype(_F32) if scale is None else values.astype(_F32) * scale[:, :, :n]

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
 from attention_reference import append_view, assert_close, randn, reference
-from jax_session_state import _native
+from jax_session_state import _attention_blocks, _native
 
 EXAMPLES = settings(max_examples=25)
 
@@ -163,18 +163,89 @@ def test_merge_both_empty_is_zero_not_nan():
     assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
-def test_paged_view_equals_dense():
-    rng = np.random.default_rng(3)
-    paged = jss.PagedKVCache.allocate(max_slots=3, kv_heads=2, head_dim=8, page_size=4, num_pages=24)
-    dense = jss.KVCache.allocate(batch=3, kv_heads=2, head_dim=8, capacity=32)
-    for _ in range(3):
-        k = jnp.asarray(randn(rng, 3, 5, 2, 8))
-        counts = jnp.asarray(rng.integers(0, 6, 3), jnp.int32)
-        paged, dense = paged.append(jss.KVChunk(k, k, counts)), dense.append(jss.KVChunk(k, k, counts))
-    q = randn(rng, 3, 2, 4, 8)
-    out, lse = jss.attend_with_lse(q, paged.view())
+def _paged_and_dense(rng, slots=3, kv_heads=2, head_dim=8, page_size=4, num_pages=40, steps=5, dtype=jnp.float32):
+    """The same random ragged rows appended to a paged cache and to a dense one."""
+    paged = jss.PagedKVCache.allocate(max_slots=slots, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                                      num_pages=num_pages, dtype=dtype)
+    dense = jss.KVCache.allocate(batch=slots, kv_heads=kv_heads, head_dim=head_dim, capacity=steps * 7, dtype=dtype)
+    for _ in range(steps):
+        k = jnp.asarray(randn(rng, slots, 7, kv_heads, head_dim), dtype)
+        v = jnp.asarray(randn(rng, slots, 7, kv_heads, head_dim), dtype)
+        counts = jnp.asarray(rng.integers(0, 8, slots), jnp.int32)
+        paged, dense = paged.append(jss.KVChunk(k, v, counts)), dense.append(jss.KVChunk(k, v, counts))
+    return paged, dense
+
+
+@pytest.mark.parametrize("implementation", ["auto", "loop", "bucketed"])
+@pytest.mark.parametrize("page_size", [4, 16, 128])
+def test_paged_view_equals_dense(implementation, page_size):
+    rng = np.random.default_rng(3 + page_size)
+    paged, dense = _paged_and_dense(rng, page_size=page_size, num_pages=3 * -(-35 // page_size) + 2)
     view = dense.view()
-    assert_close(out, lse, *reference(q, view.k, view.v, view.lengths, view.positions))
+    for T in (1, 3):
+        q = randn(rng, 3, T, 4, 8)
+        out, lse = jitted(implementation=implementation)(q, paged.view())
+        assert_close(out, lse, *reference(q, view.k, view.v, view.lengths, view.positions))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_paged_step_reads_pages_in_place_with_no_pool_sized_gather(dtype):
+    """The compiled step gathers at most one block of pages at a time (or none: the native kernel)."""
+    rng = np.random.default_rng(8)
+    pages, size = 512, 16  # a pool of 8192 rows, no other array of the step is this size
+    paged, dense = _paged_and_dense(rng, page_size=size, num_pages=pages, dtype=dtype)
+    q = jnp.asarray(randn(rng, 3, 2, 4, 8))
+    hlo = jax.jit(lambda q, view: jss.attend_with_lse(q, view)).lower(q, paged.view()).compile().as_text()
+    for shape in re.findall(r"= \w+\[([\d,]*)\]\S* gather\(", hlo):
+        rows = np.prod([int(d) for d in shape.split(",") if d]) // (2 * 8)  # rows of kv_heads x head_dim
+        assert rows <= 3 * jss.attention.BLOCK_SIZE, f"a gather of {rows} rows in a step over a pool of {pages * size}"
+    assert "gather(" in hlo or _native.PAGED_TARGET in hlo
+    assert f"[{pages * size}," not in hlo and f",{pages * size}," not in hlo  # nothing the size of the dense view
+    view = dense.view()
+    ref = reference(q, np.asarray(view.k, np.float64), np.asarray(view.v, np.float64), view.lengths, view.positions)
+    assert_close(*jss.attend_with_lse(q, paged.view()), *ref)
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 2**31 - 1), T=st.sampled_from([1, 4]), groups=st.sampled_from([1, 2]),
+       causal=st.booleans(), capacity=st.sampled_from([100, 300, 600]))
+def test_bucketed_implementation_matches_float64_on_ragged_rows(seed, T, groups, causal, capacity):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, 3, T, 2 * groups, 16)
+    k, v = randn(rng, 3, 2, capacity, 16), randn(rng, 3, 2, capacity, 16)
+    lengths = rng.integers(0, capacity + 1, 3).astype(np.int32)
+    view = append_view(k, v, lengths)
+    out, lse = jitted(implementation="bucketed", causal=causal)(q, view)
+    assert_close(out, lse, *reference(q, k, v, lengths, view.positions, causal=causal))
+
+
+def test_bucketed_implementation_is_a_switch_over_static_prefixes_and_compiles_once():
+    traces = []
+
+    @jax.jit
+    def f(q, view):
+        traces.append(None)
+        return jss.attend(q, view, implementation="bucketed")
+
+    capacity = 2000
+    assert _attention_blocks._buckets(capacity) == [256, 512, 1024, capacity]
+    rng = np.random.default_rng(9)
+    q, k = randn(rng, 1, 1, 2, 8), randn(rng, 1, 2, capacity, 8)
+    hlo = f.lower(q, append_view(k, k, [5])).compile().as_text()
+    assert " conditional(" in hlo and " while(" not in hlo
+    for length in (0, 5, 700, capacity):
+        view = append_view(k, k, [length])
+        np.testing.assert_allclose(f(q, view), reference(q, k, k, [length], view.positions)[0], atol=1e-5)
+    assert len(traces) == 1
+
+
+def test_unknown_or_unavailable_implementations_are_named():
+    view = append_view(np.ones((1, 1, 8, 4), np.float32), np.ones((1, 1, 8, 4), np.float32), [3])
+    with pytest.raises(ValueError, match=r"implementation must be one of .*'fused'"):
+        jss.attend(jnp.ones((1, 1, 1, 4)), view, implementation="fused")
+    if not _native.enabled():
+        with pytest.raises(RuntimeError, match="the native kernel is not in use"):
+            jss.attend(jnp.ones((1, 1, 1, 4)), view, implementation="native")
 
 
 def test_one_compile_for_every_length():

@@ -254,13 +254,93 @@ def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once(
 
 
 @needs_native
-def test_bfloat16_and_ring_views_stay_on_the_pure_path():
-    bf16 = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64, dtype=jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("T, groups", [(5, 2), (1, 1), (1, 2)], ids=["rows-in-lanes", "dot-per-row", "two-rows"])
+def test_half_precision_caches_take_the_kernel_and_match_float64_on_their_values(dtype, T, groups):
+    rng = np.random.default_rng(5)
+    batch, kv_heads, D, capacity = 2, 2, 64, 300
+    q = randn(rng, batch, T, kv_heads * groups, D)
+    k = np.array(jnp.asarray(randn(rng, batch, kv_heads, capacity, D), dtype))  # the values the cache holds
+    v = np.array(jnp.asarray(randn(rng, batch, kv_heads, capacity, D), dtype))
+    if dtype == jnp.float16:
+        v[0, 0, 3, :4] = np.asarray([6e-8, -3e-5, 60000, -0.0], np.float16)  # subnormals, a large one, -0
+    lengths = np.asarray([capacity, 123], np.int32)
+    view = append_view(jnp.asarray(k), jnp.asarray(v), lengths)
+    f = jax.jit(lambda q, view: jss.attend_with_lse(q, view))
+    hlo = _traced_with(True, lambda: f.lower(jnp.asarray(q), view).compile().as_text())
+    assert calls_native(hlo) == 1 and " while(" not in hlo
+    out, lse = _traced_with(True, f, jnp.asarray(q), view)
+    ref = reference(q, k.astype(np.float64), v.astype(np.float64), lengths, view.positions)
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert_close(out, lse, *ref)
+
+
+@needs_native
+def test_ring_views_stay_on_the_pure_path():
     ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_staged=4)
-    for cache, q in ((bf16, jnp.ones((1, 3, 4, 8), jnp.bfloat16)), (ring, jnp.ones((1, 3, 4, 8)))):
-        rows = jnp.ones((1, 3, 2, 8), cache.k.dtype)
-        hlo = _traced_with(True, lambda: jax.jit(rollout_step).lower(cache, q, rows).compile().as_text())
-        assert calls_native(hlo) == 0
+    rows = jnp.ones((1, 3, 2, 8))
+    hlo = _traced_with(True, lambda: jax.jit(rollout_step).lower(ring, jnp.ones((1, 3, 4, 8)), rows).compile().as_text())
+    assert calls_native(hlo) == 0
+
+
+FORCED_ISA = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_session_state as jss
+    from jax_session_state import _native
+    sys.path.insert(0, "tests")
+    from attention_reference import append_view, randn, reference
+    rng = np.random.default_rng(3)
+    worst = 0.0
+    cases = ((1, 1, 64, 700, "float32"), (2, 1, 48, 90, "float32"), (16, 2, 64, 1300, "float32"),
+             (7, 4, 128, 333, "float32"), (1, 1, 64, 700, "bfloat16"), (4, 2, 32, 200, "float16"))
+    for T, groups, D, capacity, dtype in cases:
+        q = randn(rng, 2, T, 2 * groups, D)
+        k, v = (np.asarray(jnp.asarray(randn(rng, 2, 2, capacity, D), dtype)) for _ in range(2))
+        lengths = np.asarray([capacity, capacity // 3], np.int32)
+        view = append_view(jnp.asarray(k), jnp.asarray(v), lengths)
+        k, v = k.astype(np.float64), v.astype(np.float64)
+        f = jax.jit(lambda q, view: jss.attend_with_lse(q, view))
+        native = f.lower(jnp.asarray(q), view).compile().as_text().count(_native.TARGET) > 0
+        out, _ = f(jnp.asarray(q), view)
+        ref, _ = reference(q, k, v, lengths, view.positions)
+        worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
+        print("native" if native else "pure", T * groups)
+    print(_native.ISA, "|", jss.attention.native_status(), "|", worst)
+""")
+
+
+def _run_with_isa(isa):
+    env = {**os.environ, _native.ENV_ISA: isa}
+    return subprocess.run([sys.executable, "-c", FORCED_ISA], capture_output=True, text=True, env=env, check=False)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_every_isa_path_the_cpu_runs_matches_float64_and_is_named(isa):
+    if isa not in _native.ISAS:
+        pytest.skip(f"this build has the paths {sorted(_native.ISAS)}")
+    done = _run_with_isa(isa)
+    if not _native.ISAS[isa]:
+        assert done.returncode != 0 and f"{_native.ENV_ISA}='{isa}': this CPU lacks" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    *kinds, summary = done.stdout.strip().splitlines()
+    used, status, worst = summary.split(" | ")
+    assert used == isa and status.startswith(f"native kernel ({isa}):") and f"forced by {_native.ENV_ISA}" in status
+    assert float(worst) < 1e-5
+    declined = _native.DECLINED_ROWS.get(isa)
+    for kind in kinds:  # where the path is slower than the pure loop, the pure loop runs
+        path, rows = kind.split()
+        assert path == ("pure" if declined is not None and int(rows) >= declined else "native"), kinds
+
+
+def test_an_unknown_isa_is_a_clear_error():
+    if not _native.AVAILABLE:
+        pytest.skip(_native.STATUS)
+    done = _run_with_isa("avx1024")
+    assert done.returncode != 0
+    assert f"{_native.ENV_ISA}='avx1024': the native attention kernel has the paths" in done.stderr
 
 
 SWITCHED_OFF = textwrap.dedent("""
@@ -291,6 +371,7 @@ def test_environment_switch_leaves_the_kernel_unregistered():
 
 @needs_native
 def test_native_status_says_which_kernel_functions_traced_now_use():
-    assert jss.attention.native_status() == f"native kernel: {_native.STATUS}"
+    assert jss.attention.native_status() == f"native kernel ({_native.ISA}): {_native.STATUS}"
+    assert _native.ISAS.get(_native.ISA)
     with _native.use(False):
         assert jss.attention.native_status() == "pure JAX: turned off by _native.use(False)"

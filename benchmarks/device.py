@@ -1,0 +1,171 @@
+"""Decode attention and the world-model step on an accelerator: ``python -m benchmarks.device``.
+
+Written for one GPU (or TPU) and to finish within 4 minutes there; runs
+anywhere (``--tiny``: small sizes, for a CPU smoke run).  Measures, bfloat16
+caches of 8 kv-heads x 128 and 32 query heads (GQA 4), capacity 128k:
+
+- decode attention at T = 1 and T = 16, batch 1 / 8 / 32, valid 4k / 32k /
+  128k tokens (each row's valid length, batch rows alike), for each of
+  ``jss.attend``'s implementations that runs on the platform (``"loop"``,
+  the default off CPU; ``"bucketed"``: one fused pass over a power-of-two
+  bucket of the valid prefix): the K/V bytes read (valid tokens only) per
+  second, against the device's peak HBM bandwidth (a table of device kinds;
+  the measured copy bandwidth beside it) and against
+  ``jax.nn.dot_product_attention`` (cuDNN where it runs, else XLA) over
+  exactly the valid tokens, token-major as it wants them (sliced outside
+  the timing);
+- the world-model step (``examples/world_model.py``, 16 frames after a 4k
+  prefix in a 32k cache): the library's jitted rollout against the same
+  rollout hand-written on raw arrays (bar: library <= 1.05 x raw).
+
+Bars (GPU, when measured): 32k valid, batch 8, T = 1: >= 50% of peak HBM
+bandwidth and <= 1.2 x ``dot_product_attention`` on the valid tokens.
+
+Run:  python -m benchmarks.device [--tiny] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_session_state as jss
+from benchmarks._common import report
+
+KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
+PEAK_HBM = {  # bytes per second, by jax.Device.device_kind (the vendors' figures)
+    "NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12, "NVIDIA A100-SXM4-40GB": 1.555e12, "NVIDIA A100 80GB PCIe": 1.935e12,
+    "NVIDIA L4": 0.3e12, "TPU v4": 1.2e12, "TPU v5 lite": 0.819e12, "TPU v5": 2.765e12, "TPU v6 lite": 1.64e12,
+}
+BARS = {"peak_fraction": 0.5, "over_dot_product_attention": 1.2, "library_over_raw": 1.05}
+
+
+def _seconds(fn: Any, *args: Any, calls: int) -> float:
+    """Best of ``calls`` timed calls after one warm-up (compiles)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device copy bandwidth, bytes read + written per second."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x * jnp.bfloat16(1.0))
+    return 2 * x.nbytes / _seconds(copy, x, calls=10)
+
+
+def _view(batch: int, capacity: int, valid: int, key: jax.Array) -> jss.KVView:
+    k, v = jax.random.normal(key, (2, batch, KV_HEADS, capacity, HEAD_DIM), jnp.bfloat16)
+    lengths = jnp.full((batch,), valid, jnp.int32)
+    return jss.KVView(k=k, v=v, lengths=lengths, positions=jnp.zeros((batch, capacity), jnp.int32))
+
+
+def _reference(q: jax.Array, view: jss.KVView, valid: int) -> tuple[Any, tuple[jax.Array, ...]]:
+    """``jax.nn.dot_product_attention`` over exactly the valid tokens (cuDNN where it runs) and its operands."""
+    k, v = (x[:, :, :valid].transpose(0, 2, 1, 3) for x in (view.k, view.v))  # token-major, outside the timing
+    T = q.shape[1]
+    mask = jnp.tril(jnp.ones((T, valid), bool), valid - T)[None, None]
+    for implementation in ("cudnn", None):
+        fn = jax.jit(functools.partial(jax.nn.dot_product_attention, mask=mask, implementation=implementation))
+        try:
+            jax.block_until_ready(fn(q, k, v))
+        except Exception as error:  # noqa: BLE001 - cuDNN refuses some shapes and platforms: fall back to XLA
+            print(f"dot_product_attention(implementation={implementation!r}) does not run here: {type(error).__name__}")
+            continue
+        return fn, (q, k, v)
+    raise RuntimeError("jax.nn.dot_product_attention runs nowhere here")
+
+
+def attention_rows(*, batches: list[int], valids: list[int], capacity: int, calls: int, peak: float | None,
+                   copy: float) -> list[dict]:
+    rows = []
+    key = jax.random.key(0)
+    implementations = ["loop", "bucketed"] + (["native"] if jss.attention._native.enabled() else [])
+    for batch in batches:
+        view = None
+        for valid in valids:
+            view = _view(batch, capacity, valid, key) if view is None else view.replace(
+                lengths=jnp.full((batch,), valid, jnp.int32))
+            for T in (1, 16):
+                q = jax.random.normal(key, (batch, T, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+                reference, args = _reference(q, view, valid)
+                ref_s = _seconds(reference, *args, calls=calls)
+                expected = np.asarray(reference(*args), np.float32)
+                moved = 2 * batch * KV_HEADS * valid * HEAD_DIM * 2  # K and V bytes of the valid tokens
+                for implementation in implementations:
+                    fn = jax.jit(functools.partial(jss.attend, implementation=implementation))
+                    error = float(np.max(np.abs(np.asarray(fn(q, view), np.float32) - expected)))
+                    seconds = _seconds(fn, q, view, calls=calls)
+                    rate = moved / seconds
+                    row = {"measure": f"attend T={T} batch {batch} valid {valid}: {implementation}",
+                           "us": seconds * 1e6, "GB/s": rate / 1e9, "of peak": rate / peak if peak else None,
+                           "of copy": rate / (copy / 2), "over dot_product_attention": seconds / ref_s,
+                           "dot_product_attention us": ref_s * 1e6, "max abs error": error}
+                    if (batch, valid, T) == (8, 32768, 1) and peak:
+                        row["holds"] = (rate / peak >= BARS["peak_fraction"]
+                                        and seconds / ref_s <= BARS["over_dot_product_attention"])
+                        row["bar"] = f"≥ {BARS['peak_fraction']} of peak, ≤ {BARS['over_dot_product_attention']}x"
+                    rows.append(row)
+    return rows
+
+
+def world_model_rows(*, prefix: int, frames: int, calls: int) -> list[dict]:
+    """The library's world-model rollout against the same rollout on raw arrays (per frame)."""
+    from benchmarks import _rollout_baselines as baselines
+    from benchmarks.rollout import CAPACITY, Setup
+
+    s = Setup(prefix, frames)
+    cond = baselines.cond_view(s.snapshot)
+    raw = jax.jit(functools.partial(baselines.raw_rollout, s.graphdef), donate_argnums=2)
+    library = lambda: s.rollout(s.params, s.session.fork(), s.actions)
+    raw_run = lambda: raw(s.params, cond, baselines.raw_state(s.snapshot, CAPACITY), s.actions)
+    np.testing.assert_allclose(np.asarray(library()[1]), np.asarray(raw_run()[1]), rtol=2e-3, atol=2e-3)
+    t_library, t_raw = _seconds(library, calls=calls) / frames, _seconds(raw_run, calls=calls) / frames
+    ratio = t_library / t_raw
+    return [{"measure": f"world-model step after {prefix} tokens: library (us per frame)", "us": t_library * 1e6},
+            {"measure": f"world-model step after {prefix} tokens: raw JAX (us per frame)", "us": t_raw * 1e6},
+            {"measure": "world-model step: library over raw JAX", "over raw": ratio,
+             "bar": f"≤ {BARS['library_over_raw']}", "holds": ratio <= BARS["library_over_raw"]}]
+
+
+def run(*, tiny: bool) -> list[dict]:
+    device = jax.devices()[0]
+    peak = PEAK_HBM.get(device.device_kind)
+    copy = copy_bandwidth(1 << 24 if tiny else 1 << 30)
+    print(f"device: {device.device_kind} ({jax.default_backend()}); peak HBM "
+          f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; copy {copy / 1e9:.0f} GB/s (r+w)")
+    if tiny:
+        rows = attention_rows(batches=[2], valids=[300, 1024], capacity=1024, calls=2, peak=peak, copy=copy)
+        return rows + world_model_rows(prefix=256, frames=2, calls=1)
+    rows = attention_rows(batches=[1, 8, 32], valids=[4096, 32768, 131072], capacity=131072, calls=5, peak=peak,
+                          copy=copy)
+    return rows + world_model_rows(prefix=4096, frames=16, calls=5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="small sizes: a smoke run, on CPU too")
+    p.add_argument("--out", type=Path, default=None, help="where to write the JSON results")
+    args = p.parse_args()
+    start = time.perf_counter()
+    rows = run(tiny=args.tiny)
+    columns = ["measure", "us", "GB/s", "of peak", "of copy", "over dot_product_attention", "over raw", "bar",
+               "holds"]
+    report("device", rows, columns, args.out, seconds=time.perf_counter() - start,
+           device_kind=jax.devices()[0].device_kind)
+
+
+if __name__ == "__main__":
+    main()

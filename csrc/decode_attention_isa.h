@@ -1,0 +1,392 @@
+// The per-ISA part of the decode attention kernel: one chunk's online softmax.
+//
+// decode_attention.cc includes this file once per instruction set, inside a
+// namespace of its own and under a target pragma, with
+//   JSS_LANES  floats per vector (4: SSE2 / NEON, 8: AVX2, 16: AVX-512),
+//   JSS_KEYS   keys scored together (independent FMA chains),
+//   JSS_REGS   vector registers the value accumulators may hold at once,
+//   JSS_VROWS  query rows that share one pass over a tile's values,
+//   JSS_ROW_LANES  query rows scored together in rows_in_lanes;
+// it undefines them at its end, for the next.
+// Vectors are exactly one register wide, so nothing is split in two and the
+// accumulators of a loop nest fit the register file (16 registers for SSE2
+// and AVX2, 32 for AVX-512): a 16-float vector on AVX2 is two registers,
+// and eight of them plus their operands spill on every key.
+
+constexpr int64_t kLanes = JSS_LANES;
+constexpr int64_t kKeys = JSS_KEYS;
+constexpr int64_t kRegs = JSS_REGS;
+constexpr int64_t kValueRows = JSS_VROWS;
+
+constexpr int64_t kRowLanes = JSS_ROW_LANES;
+
+typedef float Floats __attribute__((vector_size(4 * kLanes)));
+typedef int32_t Ints __attribute__((vector_size(4 * kLanes)));
+// Query rows scored together in rows_in_lanes: one register or two.
+typedef float Rows __attribute__((vector_size(4 * kRowLanes)));
+typedef int32_t RowInts __attribute__((vector_size(4 * kRowLanes)));
+
+// Unaligned loads and stores of any vector type (memcpy: a std::vector of
+// vector types would not be aligned for them).
+template <typename V, typename T>
+JSS_INLINE V load_as(const T* p) {
+  V x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+template <typename V, typename T>
+JSS_INLINE void store_as(T* p, V x) {
+  std::memcpy(p, &x, sizeof x);
+}
+JSS_INLINE Floats load(const float* p) { return load_as<Floats>(p); }
+JSS_INLINE void store(float* p, Floats x) { store_as(p, x); }
+JSS_INLINE Rows load_rows(const float* p) { return load_as<Rows>(p); }
+JSS_INLINE void store_rows(float* p, Rows x) { store_as(p, x); }
+JSS_INLINE RowInts load_row_ints(const int32_t* p) { return load_as<RowInts>(p); }
+typedef uint16_t Halves __attribute__((vector_size(2 * kLanes)));
+// Generic over a float or a vector of floats (Floats or Rows, which may be one type).
+template <typename F>
+using IntsOf = typename std::conditional<std::is_same<F, float>::value, int32_t, decltype(F{} > F{})>::type;
+template <typename F>
+JSS_INLINE F vmax(F a, F b) {
+  return a > b ? a : b;
+}
+template <typename F>
+JSS_INLINE IntsOf<F> to_int(F x) {
+  if constexpr (std::is_same<F, float>::value) {
+    return static_cast<int32_t>(x);
+  } else {
+    return __builtin_convertvector(x, IntsOf<F>);
+  }
+}
+template <typename F>
+JSS_INLINE F to_float(IntsOf<F> x) {
+  if constexpr (std::is_same<F, float>::value) {
+    return static_cast<float>(x);
+  } else {
+    return __builtin_convertvector(x, F);
+  }
+}
+template <typename F>
+JSS_INLINE F bits_to_float(IntsOf<F> x) {
+  F f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+// exp(x) for x in [-88, 0] (a float or a vector), ~2 ulp; exactly 0 below
+// about -87.7.  No calls and no branches; callers clamp first.
+template <typename F>
+JSS_INLINE F exp_clamped(F x) {
+  const IntsOf<F> n = to_int<F>(x * 1.44269504f - 0.5f);  // round(x / ln 2), x <= 0
+  const F r = x - to_float<F>(n) * 0.693359375f + to_float<F>(n) * 2.12194440e-4f;
+  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * bits_to_float<F>((n + 127) << 23);  // 2^n; +0 at n = -127
+}
+
+JSS_INLINE float exp_nonpositive(float x) { return exp_clamped<float>(std::max(x, kExpFloor)); }
+
+// kLanes cache elements as floats: float32 as they are, bfloat16 (E =
+// uint16_t) widened in registers (zero-extend, shift into the high half).
+template <typename E>
+JSS_INLINE Floats load_elements(const E* p) {
+  if constexpr (std::is_same<E, float>::value) {
+    return load(p);
+  } else {
+    const Ints wide = __builtin_convertvector(load_as<Halves>(p), Ints) << 16;
+    return bits_to_float<Floats>(wide);
+  }
+}
+
+// The largest power of two <= n (n >= 1).
+constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
+
+// D elements of a tile as float32: copied (f32 with a row stride, paged) or
+// widened (bf16: the high half of a float; f16: exponent rebiased, with
+// subnormals, infinities and NaN).
+JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
+  if (dtype == Dtype::kF32) {
+    std::memcpy(dst, src, D * sizeof(float));
+    return;
+  }
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  if (dtype == Dtype::kBF16) {
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(h[d]) << 16;
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const uint32_t bits = h[d], magnitude = bits & 0x7fffu;
+    float f;
+    const uint32_t shifted = magnitude << 13;
+    std::memcpy(&f, &shifted, sizeof f);
+    f *= 5.192296858534828e+33f;  // 2^112: rebias the exponent (exact for subnormals too)
+    uint32_t widened;
+    std::memcpy(&widened, &f, sizeof widened);
+    widened = magnitude >= 0x7c00u ? (shifted | 0x7f800000u) : widened;  // inf, nan
+    out[d] = widened | ((bits & 0x8000u) << 16);
+  }
+}
+
+// The tile [start, start + n) of a pair's keys and values as contiguous
+// float32 rows: in place for a dense float32 cache, else through kbuf/vbuf.
+JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int64_t D, float* kbuf, float* vbuf,
+                           const float** keys, const float** values) {
+  if (src.contiguous()) {
+    *keys = reinterpret_cast<const float*>(src.k) + start * D;
+    *values = reinterpret_cast<const float*>(src.v) + start * D;
+    return;
+  }
+  if (src.pages == nullptr) {  // dense, another dtype: the tile's rows are one run of n * D elements
+    const int64_t offset = src.row_offset(start);
+    widen(src.k + offset, src.dtype, n * D, kbuf);
+    widen(src.v + offset, src.dtype, n * D, vbuf);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t offset = src.row_offset(start + i);
+      widen(src.k + offset, src.dtype, D, kbuf + i * D);
+      widen(src.v + offset, src.dtype, D, vbuf + i * D);
+    }
+  }
+  *keys = kbuf;
+  *values = vbuf;
+}
+
+// For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
+// values[j], j < n.  The head dim goes in slabs of registers, so the rows'
+// accumulators of a slab stay in registers over the tile's keys.
+template <int64_t kDim, int64_t kRows, typename E = float>
+JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
+                                  const E* values, int64_t n, int64_t dim) {
+  if constexpr (kDim > 0) {
+    constexpr int64_t kChunks = kDim / kLanes;
+    constexpr int64_t kSlab = std::min(kChunks, floor_pow2(std::max<int64_t>(1, kRegs / kRows)));
+    for (int64_t c0 = 0; c0 < kChunks; c0 += kSlab) {
+      Floats local[kRows][kSlab];
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t c = 0; c < kSlab; ++c) {
+          const Floats value = load_elements(values + j * kDim + (c0 + c) * kLanes);
+          for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
+        }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
+    }
+  } else {
+    static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t d = 0; d < dim; ++d) acc[r][d] *= decay[r];
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * dim + d];
+    }
+  }
+}
+
+JSS_INLINE float lane_sum(Floats x) {
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += x[l];
+  return sum;
+}
+
+// The scores of a tile's n keys for one query row qm, into p; kKeys keys at
+// once, past the end the last key is read again.
+template <int64_t kDim, typename E = float>
+JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, float* p) {
+  if constexpr (kDim > 0) {
+    for (int64_t j = 0; j < n; j += kKeys) {
+      Floats acc[kKeys] = {};
+      for (int64_t c = 0; c < kDim; c += kLanes) {
+        const Floats x = load(qm + c);
+        for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * kDim + c);
+      }
+      for (int64_t u = 0; u < kKeys; ++u) p[j + u] = lane_sum(acc[u]);
+    }
+  } else {
+    static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
+    for (int64_t j = 0; j < n; ++j) {
+      const float* key = keys + j * dim;
+      float score = 0.0f;
+#pragma omp simd reduction(+ : score)
+      for (int64_t d = 0; d < dim; ++d) score += qm[d] * key[d];
+      p[j] = score;
+    }
+  }
+}
+
+// Few query rows (T = 1 decoding): a dot product per key and row; tiles are
+// the outer loop, so each tile is fetched once for all rows.  E = uint16_t:
+// a dense bfloat16 cache, read in place and widened in registers (a pass
+// through the tile buffer costs more than the FMAs of so few rows).
+template <int64_t kDim, typename E = float>
+JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
+  const int64_t D = kDim > 0 ? kDim : dim;
+  float p[kTile + kKeys];  // a tile's scores, then its weights
+  float *kbuf = in.kbuf, *vbuf = in.vbuf;
+  int64_t end_all = in.first_key;
+  for (int64_t m = 0; m < M; ++m) {
+    chunk.top[m] = kNegInf;
+    chunk.total[m] = 0.0f;
+    end_all = std::max(end_all, std::min(in.end_key, in.last[m] + 1));
+  }
+  for (int64_t start = in.first_key; start < end_all; start += kTile) {
+    const E *keys, *values;
+    if constexpr (std::is_same<E, float>::value) {
+      fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+    } else {
+      keys = reinterpret_cast<const E*>(in.source.k) + start * D;
+      values = reinterpret_cast<const E*>(in.source.v) + start * D;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t end = std::min(in.end_key, in.last[m] + 1);
+      if (start >= end) continue;
+      const int64_t n = std::min(kTile, end - start);
+      score_keys<kDim, E>(in.q.data() + m * D, keys, n, D, p);
+      float tile_top = kNegInf;
+      for (int64_t j = 0; j < n; ++j) tile_top = std::max(tile_top, p[j]);
+      const float top = chunk.top[m], new_top = std::max(top, tile_top);
+      for (int64_t j = 0; j < n; ++j) p[j] = std::max(p[j] - new_top, kExpFloor);
+      float tile_total = 0.0f;
+#pragma omp simd reduction(+ : tile_total)
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = exp_clamped(p[j]);
+        tile_total += p[j];
+      }
+      const float decay = exp_nonpositive(top - new_top);  // 0 while nothing was seen
+      chunk.top[m] = new_top;
+      chunk.total[m] = chunk.total[m] * decay + tile_total;
+      float* acc = chunk.acc + m * D;
+      const float* weights = p;
+      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D);
+    }
+  }
+}
+
+// Many query rows: kLanes rows at a time with the rows in the vector lanes
+// (no horizontal sums; the softmax vectorised over rows).  Keys are the
+// outer loop: each tile is fetched once and scored against every block of
+// rows while it is in cache.
+template <int64_t kDim>
+JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
+  const int64_t D = kDim > 0 ? kDim : dim;
+  const Rows neg_inf = Rows{} + kNegInf, floor = Rows{} + kExpFloor;
+  const int64_t blocks = (M + kRowLanes - 1) / kRowLanes;
+  std::vector<float> qt(blocks * D * kRowLanes);  // per block of rows: [D, kRowLanes], the rows transposed
+  std::vector<float> tops(blocks * kRowLanes, kNegInf), totals(blocks * kRowLanes, 0.0f);
+  std::vector<int32_t> lasts(blocks * kRowLanes);  // each row's last visible key
+  std::vector<int64_t> ends(blocks);          // the keys each block reads: [first_key, end)
+  float *kbuf = in.kbuf, *vbuf = in.vbuf;
+  int64_t end_all = in.first_key;
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
+    float* q_block = qt.data() + block * D * kRowLanes;
+    ends[block] = in.first_key;
+    for (int64_t r = 0; r < kRowLanes; ++r) {
+      lasts[block * kRowLanes + r] = static_cast<int32_t>(r < rows ? in.last[m0 + r] : -1);
+      ends[block] = std::max(ends[block], std::min<int64_t>(in.end_key, lasts[block * kRowLanes + r] + int64_t{1}));
+      for (int64_t d = 0; d < D; ++d) q_block[d * kRowLanes + r] = r < rows ? in.q[(m0 + r) * D + d] : 0.0f;
+    }
+    end_all = std::max(end_all, ends[block]);
+  }
+  Rows s[kTile];  // a tile's scores (one vector of rows per key), then its weights
+  for (int64_t start = in.first_key; start < end_all; start += kTile) {
+    const float *keys, *values;
+    fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t end = ends[block];
+      if (start >= end) continue;
+      const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
+      const int64_t n = std::min(kTile, end - start);
+      const float* q_block = qt.data() + block * D * kRowLanes;
+      const RowInts last = load_row_ints(lasts.data() + block * kRowLanes);
+      for (int64_t j = 0; j < n; j += kKeys) {
+        const float* key[kKeys];
+        for (int64_t u = 0; u < kKeys; ++u) key[u] = keys + std::min(j + u, n - 1) * D;
+        Rows acc[kKeys] = {};
+        for (int64_t d = 0; d < D; ++d) {
+          const Rows x = load_rows(q_block + d * kRowLanes);
+          for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * key[u][d];
+        }
+        for (int64_t u = 0; u < kKeys; ++u)
+          s[j + u] = static_cast<int32_t>(start + j + u) <= last ? acc[u] : neg_inf;
+      }
+      const Rows top = load_rows(tops.data() + block * kRowLanes);
+      Rows new_top = top, tile_total{};
+      for (int64_t j = 0; j < n; ++j) new_top = vmax(new_top, s[j]);
+      const Rows shift = new_top == neg_inf ? Rows{} : new_top;  // rows that saw nothing: exp(-inf) = 0
+      const Rows decay = exp_clamped(vmax(top - shift, floor));
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = exp_clamped(vmax(s[j] - shift, floor));
+        tile_total += s[j];
+      }
+      store_rows(totals.data() + block * kRowLanes, load_rows(totals.data() + block * kRowLanes) * decay + tile_total);
+      store_rows(tops.data() + block * kRowLanes, new_top);
+      // Weights past a row's last key are exactly 0, so rows go kValueRows at a time over the tile's n keys.
+      const float* weights = reinterpret_cast<const float*>(s);
+      int64_t r = 0;
+      for (; r + kValueRows <= rows; r += kValueRows) {
+        float* acc[kValueRows];
+        float row_decay[kValueRows];
+        const float* row_weights[kValueRows];
+        for (int64_t i = 0; i < kValueRows; ++i) {
+          acc[i] = chunk.acc + (m0 + r + i) * D;
+          row_decay[i] = decay[r + i];
+          row_weights[i] = weights + r + i;
+        }
+        accumulate_values<kDim, kValueRows>(acc, row_decay, row_weights, kRowLanes, values, n, D);
+      }
+      for (; r < rows; ++r) {
+        float* acc = chunk.acc + (m0 + r) * D;
+        const float row_decay = decay[r];
+        const float* row_weights = weights + r;
+        accumulate_values<kDim, 1>(&acc, &row_decay, &row_weights, kRowLanes, values, n, D);
+      }
+    }
+  }
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
+    for (int64_t r = 0; r < rows; ++r) {
+      chunk.top[m0 + r] = tops[block * kRowLanes + r];
+      chunk.total[m0 + r] = totals[block * kRowLanes + r];
+    }
+  }
+}
+
+template <int64_t kDim>
+JSS_INLINE void run_chunk_dim(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
+  std::fill(chunk.acc, chunk.acc + M * dim, 0.0f);
+  if (M >= kLaneRows) {
+    rows_in_lanes<kDim>(in, M, dim, chunk);
+  } else if constexpr (kDim > 0 && kLanes >= 8) {  // SSE2 widens no faster in registers than through the buffer
+    if (in.source.dtype == Dtype::kBF16 && in.source.pages == nullptr) {
+      rows_by_dot<kDim, uint16_t>(in, M, dim, chunk);
+    } else {
+      rows_by_dot<kDim>(in, M, dim, chunk);
+    }
+  } else {
+    rows_by_dot<kDim>(in, M, dim, chunk);
+  }
+}
+
+// One chunk at the head dim's specialisation (a multiple of kLanes), or any head dim.
+void run_chunk(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
+  switch (dim) {
+    case 16: return run_chunk_dim<16>(in, M, dim, chunk);
+    case 32: return run_chunk_dim<32>(in, M, dim, chunk);
+    case 64: return run_chunk_dim<64>(in, M, dim, chunk);
+    case 128: return run_chunk_dim<128>(in, M, dim, chunk);
+    case 256: return run_chunk_dim<256>(in, M, dim, chunk);
+    default: return run_chunk_dim<0>(in, M, dim, chunk);
+  }
+}
+
+#undef JSS_LANES
+#undef JSS_KEYS
+#undef JSS_REGS
+#undef JSS_VROWS
+#undef JSS_ROW_LANES
