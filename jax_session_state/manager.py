@@ -4,11 +4,11 @@ The protocol: ``create`` a session, then for every step ``get`` it, run the
 jitted (donating) step, and ``put`` the result back — or let ``update(sid, fn)``
 do all three atomically.  When a put, a create or a restore would exceed a
 byte budget the manager frees bytes in this order (see
-:func:`jax_session_state.planner.plan`): it drops objects it can rebuild
+:func:`jax_session_state.planner.plan`): it evicts objects it can rebuild
 (registered with :meth:`SessionStateManager.register_rebuild`), parks others to
 host memory, and, if ``evict_when_full``, preempts least recently used
 sessions; otherwise it refuses and changes nothing.  A later ``get`` brings
-dropped and parked objects back before returning the session.  Nothing is
+evicted and parked objects back before returning the session.  Nothing is
 lost silently: every action is reported through ``on_event`` and a preempted
 session raises :class:`~jax_session_state.errors.SessionStateLostError`.
 """
@@ -19,49 +19,25 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from jax_session_state import offload
+from jax_session_state._manager_events import ManagerEvent, deliver
 from jax_session_state._held import Entry, Ledger, ObjectRecord, Rebuild, distinct_bytes
 from jax_session_state.accounting import Storage
 from jax_session_state.base import StateObject
 from jax_session_state.errors import BudgetExceededError, SessionAdmissionError, SessionStateLostError
-from jax_session_state.planner import Action, DropObject, Plan, PreemptSession, SessionUsage, plan
+from jax_session_state.planner import Action, EvictObject, Plan, PreemptSession, SessionUsage, plan
 from jax_session_state.session import Session
 
-__all__ = ["Held", "ManagerEvent", "SessionStateManager"]
-
-EventKind = Literal["drop", "park", "restore", "rebuild", "preempt", "refusal"]
+__all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "SnapshotSession"]
 
 LOST_REASONS_KEPT = 4096
-"""How many lost (dropped or preempted) session ids keep their reason for later lookups."""
+"""How many lost (released or preempted) session ids keep their reason for later lookups."""
 
 _COUNTERS = ("evictions", "preemptions", "parks", "restores", "rebuilds", "refusals")
-
-
-@dataclasses.dataclass(frozen=True)
-class ManagerEvent:
-    """Something the manager did to a session, or refused to do.
-
-    Attributes:
-      kind: ``"drop"`` (an object evicted, to be rebuilt), ``"park"`` (an
-        object moved to host memory), ``"restore"`` (a parked object copied
-        back), ``"rebuild"`` (a dropped object rebuilt), ``"preempt"`` (a whole
-        session released: later lookups raise SessionStateLostError) or
-        ``"refusal"`` (a create, put or restore refused; nothing changed).
-      session_id: the session acted on (for a refusal, the one refused).
-      object_name: the object acted on; None for whole sessions.
-      bytes_by_device: the bytes moved, freed or taken, by device key (for a
-        refusal, the shortfall).
-      reason: why, in words.
-    """
-
-    kind: EventKind
-    session_id: Hashable
-    object_name: str | None
-    bytes_by_device: Mapping[str, int]
-    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +45,53 @@ class Held:
     """How the manager holds one session now (see :meth:`SessionStateManager.held`).
 
     Attributes:
-      session: the session; its parked and dropped objects are not resident here.
+      session: the session; its parked and evicted objects are not resident here.
       parked: the parked objects by name (their arrays in host memory).
-      dropped: names of the objects dropped, to be rebuilt on the next lookup.
+      evicted: names of the objects evicted, to be rebuilt on the next lookup.
       donated: whether its arrays were deleted by a step in progress (between
         a ``get`` and its ``put``).
+      pinned: whether a ``pin()`` block holds it.
     """
 
     session: Session
     parked: Mapping[str, offload.Parked]
-    dropped: frozenset[str]
+    evicted: frozenset[str]
     donated: bool
+    pinned: bool = False
+
+    @property
+    def dropped(self) -> frozenset[str]:
+        """Deprecated: use ``evicted``."""
+        warnings.warn("Held.dropped is deprecated; use Held.evicted.", DeprecationWarning, stacklevel=2)
+        return self.evicted
+
+
+class SnapshotSession(NamedTuple):
+    """One session of a :class:`ManagerSnapshot`.
+
+    Attributes:
+      session_id: its id.
+      session: the session; parked objects hold their arrays in host memory,
+        evicted objects are non-resident.
+      evicted: names of the objects the manager evicted (to be rebuilt).
+    """
+
+    session_id: Hashable
+    session: Session
+    evicted: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerSnapshot:
+    """What a manager holds (see :meth:`SessionStateManager.snapshot`).
+
+    Attributes:
+      settings: the manager's constructor settings (:meth:`SessionStateManager.settings`).
+      sessions: every session, least recently used first.
+    """
+
+    settings: Mapping[str, Any]
+    sessions: tuple[SnapshotSession, ...]
 
 
 class _Donated(Exception):
@@ -96,7 +108,7 @@ class SessionStateManager:
     Use ``get`` / ``put``: ``get`` hands out the stored session itself, so a
     step that donates it deletes the stored copy's arrays; ``put`` the step's
     result back before anything else needs that session.  Between the two the
-    manager leaves that session alone (it never drops, parks or preempts a
+    manager leaves that session alone (it never evicts, parks or preempts a
     session whose arrays were donated).  ``update(sid, fn)`` does get, fn, put
     atomically for that id and is safe by construction.
 
@@ -117,10 +129,13 @@ class SessionStateManager:
         :class:`threading.Condition` accepts: ``threading.RLock`` (a rebuild
         function, which runs under the lock, may then call the manager) or
         ``threading.Lock``.
-      on_event: called with a :class:`ManagerEvent` for every drop, park,
+      on_event: called with a :class:`ManagerEvent` for every eviction, park,
         restore, rebuild, preemption and refusal, after the manager's lock is
-        released and the operation is done (an exception it raises reaches
-        the caller of that completed operation).
+        released and the operation is done.  Every event of an operation
+        reaches it even if it raises; its errors are raised to the caller
+        of that completed operation after the last event (one error as
+        itself, several as an ``ExceptionGroup``), or, when the operation
+        itself failed, logged and noted on the operation's error.
 
     A manager is always truthy (so ``manager or default`` never replaces an
     empty one); ``len(manager)`` is the number of sessions held.
@@ -201,13 +216,13 @@ class SessionStateManager:
 
     # ------------------------------------------------------------ lookups
     def get(self, session_id: Hashable) -> Session:
-        """The session, with anything dropped or parked brought back first.
+        """The session, with anything evicted or parked brought back first.
 
         The session returned is the one stored: donating it to a jitted step
         deletes the stored copy's arrays, so ``put`` the step's result back.
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted
+          SessionStateLostError: the id is unknown, released or preempted
             (nothing is created).
           BudgetExceededError: bringing its objects back does not fit; the
             session stays as it was.
@@ -218,20 +233,22 @@ class SessionStateManager:
                 self._recency.move_to_end(session_id)
                 self._hits += 1
                 return session
-        return self._checkout(session_id)[0]
+        events: list[ManagerEvent] = []
+        with self._delivering(events):
+            return self._lookup(session_id, events)[0]
 
     def update(self, session_id: Hashable, fn: Callable[[Session], Session]) -> Session:
         """Gets the session, applies ``fn`` and puts the result back, atomically for this id.
 
         While ``fn`` runs (outside the manager's lock) other lookups, puts and
-        drops of this id wait, and the manager does not touch the session, so
+        releases of this id wait, and the manager does not touch the session, so
         ``fn`` may donate it.
 
         Returns:
           The new session, as stored.
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted.
+          SessionStateLostError: the id is unknown, released or preempted.
           BudgetExceededError: the result does not fit; it is attached to the
             error as ``session`` and the stored session is the one ``fn`` got
             (dead if ``fn`` donated it: ``put`` the result once there is room).
@@ -244,8 +261,10 @@ class SessionStateManager:
             entry = self._entries.get(session_id)
             if entry is not None and entry.busy == me:
                 raise RuntimeError(f"update({session_id!r}) called inside update({session_id!r})'s own fn.")
-        session, entry = self._checkout(session_id, hold=True)
+        events: list[ManagerEvent] = []
         try:
+            with self._delivering(events):  # a listener that raises leaves no hold behind (finally)
+                session, _ = self._lookup(session_id, events, hold=True)
             new = fn(session)
             try:
                 return self.put(session_id, new)
@@ -262,46 +281,48 @@ class SessionStateManager:
 
     @contextlib.contextmanager
     def pin(self, session_id: Hashable) -> Iterator[Session]:
-        """Keeps the session whole while the block runs: nothing is dropped, parked or preempted.
+        """Keeps the session whole while the block runs: nothing is evicted, parked or preempted.
 
         Yields the session (brought back first, like ``get``).  Pins nest;
-        ``put`` inside the block keeps the pin; ``drop`` ends it.
+        ``put`` inside the block keeps the pin; ``release`` ends it.
         """
-        session, entry = self._checkout(session_id, pin=True)
+        events: list[ManagerEvent] = []
+        entry = None
         try:
+            with self._delivering(events):  # a listener that raises leaves no pin behind (finally)
+                session, entry = self._lookup(session_id, events, pin=True)
             yield session
         finally:
             with self._lock:
                 current = self._entries.get(session_id)
-                if current is not None and current.origin is entry.origin:  # not dropped and created again
-                    current.pins -= 1
+                if entry is not None and current is not None and current.origin is entry.origin:
+                    current.pins -= 1  # (not when released and created again meanwhile)
 
-    def _checkout(
-        self, session_id: Hashable, *, hold: bool = False, pin: bool = False
+    def _lookup(
+        self, session_id: Hashable, events: list[ManagerEvent], *, hold: bool = False, pin: bool = False
     ) -> tuple[Session, Entry]:
-        """The slow lookup: waits for an update in progress, restores what is missing, counts."""
-        events: list[ManagerEvent] = []
-        try:
-            with self._lock:
-                try:
-                    entry = self._wait_idle(session_id)
-                except SessionStateLostError:
-                    self._misses += 1
-                    raise
-                if entry.whole:
-                    self._hits += 1
-                else:
-                    self._misses += 1
-                    entry = self._restore(session_id, entry, events)
-                self._recency.move_to_end(session_id)
-                if pin:
-                    entry.pins += 1
-                if hold:
-                    entry.busy = threading.get_ident()
-                    self._store(session_id, entry)
-                return entry.session, entry
-        finally:
-            self._emit(events)
+        """The slow lookup: waits for an update in progress, restores what is missing, counts.
+
+        ``hold`` marks the entry as in this thread's update(); ``pin`` adds a pin.
+        """
+        with self._lock:
+            try:
+                entry = self._wait_idle(session_id)
+            except SessionStateLostError:
+                self._misses += 1
+                raise
+            if entry.whole:
+                self._hits += 1
+            else:
+                self._misses += 1
+                entry = self._restore(session_id, entry, events)
+            self._recency.move_to_end(session_id)
+            if pin:
+                entry.pins += 1
+            if hold:
+                entry.busy = threading.get_ident()
+                self._store(session_id, entry)
+            return entry.session, entry
 
     def _wait_idle(self, session_id: Hashable) -> Entry:
         me = threading.get_ident()
@@ -343,12 +364,12 @@ class SessionStateManager:
         """
         new = Entry.of(_checked_session(session, "create", session_id))
         events: list[ManagerEvent] = []
-        try:
+        with self._delivering(events):
             with self._lock:
                 if session_id in self._entries:
                     raise ValueError(
                         f"create({session_id!r}): that session exists already. put() replaces it; "
-                        "drop() it first to start over."
+                        "release() it first to start over."
                     )
                 victim = None
                 if len(self._entries) >= self.max_sessions:
@@ -372,21 +393,19 @@ class SessionStateManager:
                 self._ledger.apply((), new.storages())
                 self._store(session_id, new)
                 self._lost.pop(session_id, None)
-        finally:
-            self._emit(events)
 
     def put(self, session_id: Hashable, session: Session) -> Session:
         """Replaces the session (typically with a step's result) and returns it.
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted (use
+          SessionStateLostError: the id is unknown, released or preempted (use
             ``create`` to admit it again).
           BudgetExceededError: the session does not fit; the stored session
             stays as it was.
         """
         new = Entry.of(_checked_session(session, "put", session_id))
         events: list[ManagerEvent] = []
-        try:
+        with self._delivering(events):
             with self._lock:
                 old = self._wait_idle(session_id)
                 removed, added = list(old.storages()), list(new.storages())
@@ -402,13 +421,11 @@ class SessionStateManager:
                 self._store(session_id, new.carrying(old))
                 self._recency.move_to_end(session_id)
                 return session
-        finally:
-            self._emit(events)
 
-    def drop(self, session_id: Hashable) -> bool:
-        """Releases the session, pinned or not; True if it was held (dropping twice is fine: False).
+    def release(self, session_id: Hashable) -> bool:
+        """Releases the session, pinned or not; True if it was held (releasing twice is fine: False).
 
-        Later lookups raise SessionStateLostError saying it was dropped.
+        Later lookups raise SessionStateLostError saying it was released.
         """
         with self._lock:
             try:
@@ -417,15 +434,20 @@ class SessionStateManager:
                 return False
             self._forget(session_id)
             self._ledger.apply(entry.storages(), ())
-            self._remember_loss(session_id, "it was dropped with drop()")
+            self._remember_loss(session_id, "it was released with release()")
             return True
+
+    def drop(self, session_id: Hashable) -> bool:
+        """Deprecated: use :meth:`release` (objects are evicted, sessions are released)."""
+        warnings.warn("SessionStateManager.drop() is deprecated; use release().", DeprecationWarning, stacklevel=2)
+        return self.release(session_id)
 
     def register_rebuild(
         self, name: str, fn: Callable[[Session], StateObject], *, cost: float | None = None
     ) -> None:
-        """Lets the manager drop objects called ``name`` and rebuild them on the next lookup.
+        """Lets the manager evict objects called ``name`` and rebuild them on the next lookup.
 
-        Only objects that declare a ``recompute_source`` are ever dropped.
+        Only objects that declare a ``recompute_source`` are ever evicted.
 
         Args:
           name: the object name, in every session.
@@ -434,7 +456,7 @@ class SessionStateManager:
             spec (``describe()``), and is placed on the original's shardings.
             It runs under the manager's lock.
           cost: the rebuild's cost for the planner (cheapest per byte is
-            dropped first); None uses the object's ``recompute_cost``.
+            evicted first); None uses the object's ``recompute_cost``.
         """
         if not callable(fn):
             raise TypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
@@ -456,7 +478,7 @@ class SessionStateManager:
         Returns:
           ``sessions``; ``hits`` and ``misses`` (lookups by get, update and
           pin: a miss found the id lost or had to bring objects back) and
-          their sum ``lookups``; ``evictions`` (objects dropped to be
+          their sum ``lookups``; ``evictions`` (objects evicted to be
           rebuilt), ``preemptions`` (whole sessions released), ``parks``,
           ``restores`` (parked objects copied back), ``rebuilds``, ``refusals``;
           ``bytes`` by device key.
@@ -482,14 +504,15 @@ class SessionStateManager:
                 session_id: Held(
                     entry.session,
                     {name: entry.records[name].parked for name in entry.names("parked")},
-                    frozenset(entry.names("dropped")),
+                    frozenset(entry.names("evicted")),
                     offload.is_donated(entry.session),
+                    bool(entry.pins),
                 )
                 for session_id, entry in self._by_recency()
             }
 
-    def config(self) -> dict[str, Any]:
-        """The constructor's settings a checkpoint records (not the lock, callbacks or rebuilds)."""
+    def settings(self) -> dict[str, Any]:
+        """The constructor's settings that describe this manager (not the lock or ``on_event``)."""
         return {
             "max_sessions": self.max_sessions,
             "byte_budget": dict(self.byte_budget),
@@ -498,32 +521,82 @@ class SessionStateManager:
             "host_budget": self.host_budget,
         }
 
-    def _load(self, sessions: Iterable[tuple[Hashable, Session, frozenset[str]]]) -> None:
-        """Fills an empty manager from a checkpoint, least recently used first; counters start at 0.
+    def config(self) -> dict[str, Any]:
+        """Deprecated: use :meth:`settings`."""
+        warnings.warn("SessionStateManager.config() is deprecated; use settings().", DeprecationWarning, stacklevel=2)
+        return self.settings()
 
-        Objects named in each ``frozenset`` were dropped when saved: those with
-        a registered rebuild are rebuilt before the session is admitted, the
-        others stay non-resident.  Admission follows ``create``'s rules.  No
-        other thread may use the manager meanwhile.  If a session cannot be
-        admitted, every session loaded so far is dropped again and the error
-        raised: nothing is half-restored.
+    def snapshot(self) -> ManagerSnapshot:
+        """Everything this manager holds, as one consistent picture, to save or load elsewhere.
+
+        Nothing is brought back or copied: parked objects appear with their
+        arrays in host memory, evicted objects non-resident.  Pins, counters,
+        ``on_event`` and registered rebuilds are not part of it.
+
+        Raises:
+          RuntimeError: a session's arrays were donated to a step that has
+            not been put back (``put`` it first).
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> manager = jss.SessionStateManager(max_sessions=4)
+          >>> manager.create("a", jss.Session(objects={"c": jss.FixedState.allocate(shapes=(2,))}))
+          >>> snapshot = manager.snapshot()
+          >>> [s.session_id for s in snapshot.sessions], snapshot.settings["max_sessions"]
+          (['a'], 4)
+          >>> list(jss.SessionStateManager.from_snapshot(snapshot).held())
+          ['a']
+        """
+        with self._lock:
+            sessions = []
+            for session_id, entry in self._by_recency():
+                if offload.is_donated(entry.session):
+                    raise RuntimeError(
+                        f"session {session_id!r} is in use: its arrays were donated to a step that has not "
+                        "been put back. put() it (or release() it) first."
+                    )
+                objects = {name: entry.records[name].parked.obj for name in entry.names("parked")}
+                session = entry.session.with_objects(**objects) if objects else entry.session
+                sessions.append(SnapshotSession(session_id, session, frozenset(entry.names("evicted"))))
+            return ManagerSnapshot(self.settings(), tuple(sessions))
+
+    @classmethod
+    def from_snapshot(cls, snapshot: ManagerSnapshot, **settings: Any) -> SessionStateManager:
+        """A new manager with the snapshot's settings (``settings`` override them), loaded with it."""
+        manager = cls(**{**snapshot.settings, **settings})
+        manager.load(snapshot)
+        return manager
+
+    def load(self, snapshot: ManagerSnapshot) -> None:
+        """Fills this empty manager with a snapshot's sessions, least recently used first.
+
+        This manager's own settings, ``on_event`` and registered rebuilds
+        apply: evicted objects with a registered rebuild are rebuilt before
+        their session is admitted, the others stay non-resident; admission
+        follows ``create``'s rules (so under a smaller budget it parks or
+        preempts as ``create`` would).  Counters start at zero.  No other
+        thread may use the manager meanwhile.
+
+        Raises:
+          ValueError: the manager holds sessions already.
+          BudgetExceededError, SessionAdmissionError: a session does not fit;
+            every session loaded so far is released again: nothing is
+            half-loaded.
         """
         with self._lock:
             if self._entries:
-                raise ValueError(
-                    f"restoring a manager checkpoint needs an empty manager; this one holds {len(self)} sessions."
-                )
+                raise ValueError(f"load() needs an empty manager; this one holds {len(self)} sessions.")
         loaded = []
         try:
-            for session_id, session, dropped in sessions:
-                objects = dict(session.objects)
-                for name in sorted(dropped & self._rebuilds.keys()):
-                    objects[name] = self._rebuild(session_id, name, session, None)
-                self.create(session_id, session.replace(objects=objects))
-                loaded.append(session_id)
+            for held in snapshot.sessions:
+                objects = dict(held.session.objects)
+                for name in sorted(held.evicted & self._rebuilds.keys()):
+                    objects[name] = self._rebuild(held.session_id, name, held.session, None)
+                self.create(held.session_id, held.session.replace(objects=objects))
+                loaded.append(held.session_id)
         except Exception:
             for session_id in loaded:
-                self.drop(session_id)
+                self.release(session_id)
             with self._lock:
                 self._lost.clear()
             raise
@@ -546,10 +619,15 @@ class SessionStateManager:
         for session_id in self._recency:
             yield session_id, self._entries[session_id]
 
-    def _emit(self, events: list[ManagerEvent]) -> None:
-        if self.on_event is not None:
-            for event in events:
-                self.on_event(event)
+    @contextlib.contextmanager
+    def _delivering(self, events: list[ManagerEvent]) -> Iterator[None]:
+        """Runs an operation (outside it: the manager's lock), then hands every event it made to ``on_event``."""
+        try:
+            yield
+        except BaseException as error:  # the operation's own error wins; the listener's are noted on it
+            deliver(self.on_event, events, failing=error)
+            raise
+        deliver(self.on_event, events)
 
     def _remember_loss(self, session_id: Hashable, reason: str) -> None:
         self._lost[session_id] = reason
@@ -571,7 +649,7 @@ class SessionStateManager:
         )
         message = (
             f"cannot create session {session_id!r}: the manager holds max_sessions={self.max_sessions} "
-            f"sessions and {why}. Nothing changed; drop() a session, raise max_sessions, or allow eviction."
+            f"sessions and {why}. Nothing changed; release() a session, raise max_sessions, or allow eviction."
         )
         self._counts["refusals"] += 1
         events.append(ManagerEvent("refusal", session_id, None, {}, message))
@@ -624,7 +702,7 @@ class SessionStateManager:
                 self._counts["refusals"] += 1
                 message = (
                     f"{action} does not fit the byte budget ({reason}); after everything the manager may "
-                    f"free it is still {result.message}. Nothing changed. Raise byte_budget, drop() or unpin "
+                    f"free it is still {result.message}. Nothing changed. Raise byte_budget, release() or unpin "
                     "sessions, register rebuild functions, or allow parking and eviction."
                 )
                 events.append(
@@ -682,9 +760,9 @@ class SessionStateManager:
                 donated.add(action.session_id)
             elif isinstance(action, PreemptSession):
                 prepared.append((action, None))
-            elif isinstance(action, DropObject):
+            elif isinstance(action, EvictObject):
                 obj = entry.session[action.name]
-                record = entry.records[action.name].dropped(offload.Placement.of(obj))
+                record = entry.records[action.name].evicted(offload.Placement.of(obj))
                 prepared.append((action, (obj.evict()[0], record)))
             else:
                 obj = entry.session[action.name]
@@ -710,9 +788,9 @@ class SessionStateManager:
             new = entry.with_object(action.name, obj, record)
             self._ledger.apply(entry.records[action.name].storages, record.storages)
             self._store(session_id, new)
-            if isinstance(action, DropObject):
+            if isinstance(action, EvictObject):
                 self._counts["evictions"] += 1
-                events.append(ManagerEvent("drop", session_id, action.name, dict(action.freed), reason))
+                events.append(ManagerEvent("evict", session_id, action.name, dict(action.freed), reason))
             else:
                 self._counts["parks"] += 1
                 events.append(ManagerEvent("park", session_id, action.name, dict(action.moved), reason))
@@ -726,11 +804,11 @@ class SessionStateManager:
         events.append(ManagerEvent("preempt", session_id, None, freed, reason))
 
     def _restore(self, session_id: Hashable, entry: Entry, events: list[ManagerEvent]) -> Entry:
-        """Brings the session's parked and dropped objects back (making room first); the new entry."""
-        parked, dropped = entry.names("parked"), entry.names("dropped")
+        """Brings the session's parked and evicted objects back (making room first); the new entry."""
+        parked, evicted = entry.names("parked"), entry.names("evicted")
         released = [storage for name in parked for storage in entry.records[name].storages]
         restored: dict[str, int] = {}
-        for name in parked + dropped:
+        for name in parked + evicted:
             for key, nbytes in entry.records[name].home_bytes.items():
                 restored[key] = restored.get(key, 0) + nbytes
         self._make_room(
@@ -745,7 +823,7 @@ class SessionStateManager:
         for name in parked:
             objects[name] = offload.restore(entry.records[name].parked)
         session = entry.session.replace(objects=objects)
-        for name in dropped:
+        for name in evicted:
             objects[name] = self._rebuild(session_id, name, session, entry.records[name].placement)
         new = Entry.of(entry.session.replace(objects=objects)).carrying(entry)
         self._ledger.apply(entry.storages(), new.storages())
@@ -754,7 +832,7 @@ class SessionStateManager:
         for name in parked:
             self._counts["restores"] += 1
             events.append(ManagerEvent("restore", session_id, name, new.records[name].home_bytes, reason))
-        for name in dropped:
+        for name in evicted:
             self._counts["rebuilds"] += 1
             events.append(ManagerEvent("rebuild", session_id, name, new.records[name].home_bytes, reason))
         return new
@@ -769,7 +847,7 @@ class SessionStateManager:
         except Exception as error:
             raise RuntimeError(
                 f"{where}: the registered rebuild function raised {type(error).__name__}: {error}. The "
-                f"session is unchanged ({name!r} is still dropped); fix the function given to "
+                f"session is unchanged ({name!r} is still evicted); fix the function given to "
                 f"register_rebuild({name!r})."
             ) from error
         if not isinstance(rebuilt, StateObject):

@@ -14,7 +14,7 @@ Example:
   >>> result = plan([SessionUsage("s", (kv, cond, prompt), last_used=0)],
   ...               budgets={"cuda:0": 800}, park=True)
   >>> [(type(a).__name__, a.name) for a in result.actions]
-  [('DropObject', 'cond')]
+  [('EvictObject', 'cond')]
   >>> dict(result.usage_after)
   {'cuda:0': 700}
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+import warnings
 from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Literal
 
@@ -31,7 +32,7 @@ from jax_session_state import _plan_search
 
 __all__ = [
     "Action",
-    "DropObject",
+    "EvictObject",
     "ObjectUsage",
     "ParkObject",
     "Plan",
@@ -44,7 +45,7 @@ __all__ = [
 
 PINNED_HOST_SUFFIX = "/pinned_host"
 
-ObjectState = Literal["resident", "dropped", "parked"]
+ObjectState = Literal["resident", "evicted", "parked"]
 
 
 def parking_destination(device_key: str) -> str | None:
@@ -72,9 +73,9 @@ class ObjectUsage:
     Attributes:
       name: object name, unique within its session.
       bytes_by_device: bytes per device key where the storage is now; for a
-        parked object that is under the pinned_host keys, for a dropped object
+        parked object that is under the pinned_host keys, for an evicted object
         where a rebuild would put it (not counted as usage).
-      state: ``"resident"``, ``"dropped"`` or ``"parked"``.
+      state: ``"resident"``, ``"evicted"`` or ``"parked"``.
       sources: names of sibling objects the object is rebuilt from.
       recompute_cost: estimated work to rebuild the object, >= 0.
       rebuildable: whether a rebuild function is registered for the object.
@@ -88,7 +89,10 @@ class ObjectUsage:
     rebuildable: bool = False
 
     def __post_init__(self) -> None:
-        if self.state not in ("resident", "dropped", "parked"):
+        if self.state == "dropped":
+            warnings.warn('ObjectUsage state "dropped" is deprecated; use "evicted".', DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "state", "evicted")
+        if self.state not in ("resident", "evicted", "parked"):
             raise ValueError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
         if not self.recompute_cost >= 0:
             raise ValueError(
@@ -107,7 +111,7 @@ class SessionUsage:
       objects: the session's objects.
       last_used: recency tick; larger is more recent.
       pinned: pinned sessions are never touched.
-      attrs_bytes_by_device: bytes of carried values that are never dropped
+      attrs_bytes_by_device: bytes of carried values that are never evicted
         or parked individually.
     """
 
@@ -123,8 +127,8 @@ class SessionUsage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class DropObject:
-    """Release an object's storage; ``freed`` is its bytes per device key."""
+class EvictObject:
+    """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key."""
 
     session_id: Hashable
     name: str
@@ -148,7 +152,7 @@ class PreemptSession:
     freed: Mapping[str, int]
 
 
-Action = DropObject | ParkObject | PreemptSession
+Action = EvictObject | ParkObject | PreemptSession
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,11 +212,11 @@ class _Ledger:
 
 
 def _add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int]:
-    """Adds all bytes of a session (attrs, non-dropped objects) to ``total``."""
+    """Adds all bytes of a session (attrs, non-evicted objects) to ``total``."""
     for key, count in session.attrs_bytes_by_device.items():
         total[key] = total.get(key, 0) + count
     for obj in session.objects:
-        if obj.state != "dropped":
+        if obj.state != "evicted":
             for key, count in obj.bytes_by_device.items():
                 total[key] = total.get(key, 0) + count
     return total
@@ -229,7 +233,7 @@ def _actors(
         and (protect is None or s.session_id != protect)
         and (
             any(k in over for k in s.attrs_bytes_by_device)
-            or any(k in over for o in s.objects if o.state != "dropped" for k in o.bytes_by_device)
+            or any(k in over for o in s.objects if o.state != "evicted" for k in o.bytes_by_device)
         )
     ]
     actors.sort(key=lambda s: s.last_used)  # stable: input order breaks ties
@@ -238,9 +242,9 @@ def _actors(
 
 def _droppable(session: SessionUsage) -> list[ObjectUsage]:
     """Objects droppable before planning: resident, rebuildable, sources resident,
-    and not a source of an already dropped object."""
+    and not a source of an already evicted object."""
     resident = {o.name for o in session.objects if o.state == "resident"}
-    needed = {s for o in session.objects if o.state == "dropped" for s in o.sources}
+    needed = {s for o in session.objects if o.state == "evicted" for s in o.sources}
     return [
         o
         for o in session.objects
@@ -277,15 +281,15 @@ def _drop_phase(
         candidates = _droppable(session)
         if allowed is not None:
             candidates = [o for o in candidates if o.name in allowed.get(index, ())]
-        dropped: set[str] = set()
+        evicted: set[str] = set()
         needed_by_dropped: set[str] = set()
         while ledger.over:
             best = None
             for obj in candidates:
                 if (
-                    obj.name in dropped
+                    obj.name in evicted
                     or obj.name in needed_by_dropped
-                    or not dropped.isdisjoint(obj.sources)
+                    or not evicted.isdisjoint(obj.sources)
                 ):
                     continue
                 gain = ledger.gain(obj.bytes_by_device)
@@ -297,11 +301,11 @@ def _drop_phase(
             if best is None:
                 break
             obj = best[1]
-            dropped.add(obj.name)
+            evicted.add(obj.name)
             needed_by_dropped.update(obj.sources)
             for key, count in obj.bytes_by_device.items():
                 ledger.shift(key, -count)
-            action = DropObject(session.session_id, obj.name, obj.bytes_by_device)
+            action = EvictObject(session.session_id, obj.name, obj.bytes_by_device)
             ledger.actions.append(action)
             ledger.acted_on[index, obj.name] = action
 
@@ -348,7 +352,7 @@ def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
         current = dict(session.attrs_bytes_by_device)
         for obj in session.objects:
             action = ledger.acted_on.get((index, obj.name))
-            if obj.state == "dropped" or isinstance(action, DropObject):
+            if obj.state == "evicted" or isinstance(action, EvictObject):
                 continue
             for key, count in obj.bytes_by_device.items():
                 if isinstance(action, ParkObject) and key in action.moved:
@@ -424,14 +428,14 @@ def plan(
 ) -> Plan | Refusal:
     """Plans drops, parks and preemptions that bring usage within ``budgets``.
 
-    Usage of a key is the bytes of every non-dropped object (parked bytes sit
+    Usage of a key is the bytes of every non-evicted object (parked bytes sit
     under the pinned_host keys) plus session attrs.  Pinned sessions and the
     ``protect`` session count but are never touched.  An action is a
     *candidate* if it is on another session and frees bytes on a key over
     budget before planning:
 
     - drop: an object that is resident, rebuildable, whose sources are all
-      resident, and that no dropped object (before or earlier in the plan)
+      resident, and that no evicted object (before or earlier in the plan)
       lists as a source;
     - park (if ``park``): a resident object; its default-kind bytes on k move
       to k + "/pinned_host";
@@ -483,7 +487,7 @@ def plan(
       ...                       recompute_cost=1.0)
       >>> result = plan([SessionUsage("s", (prompt, cond_kv), last_used=1)], budgets={"cuda:0": 500})
       >>> [(type(a).__name__, a.name) for a in result.actions]
-      [('DropObject', 'prompt')]
+      [('EvictObject', 'prompt')]
       >>> dict(result.usage_after)
       {'cuda:0': 10}
     """
@@ -512,3 +516,10 @@ def plan(
     if not proven:
         message += f" (search gave up at search_limit={search_limit})"
     return Refusal(types.MappingProxyType(shortfall), proven, message)
+
+
+def __getattr__(name: str) -> type:
+    if name == "DropObject":  # the name before objects were "evicted" and sessions "released"
+        warnings.warn("planner.DropObject is deprecated; use planner.EvictObject.", DeprecationWarning, stacklevel=2)
+        return EvictObject
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
