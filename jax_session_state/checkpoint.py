@@ -71,7 +71,11 @@ from jax_session_state._manifest import FORMAT, VERSION, ArrayTable
 from jax_session_state._orbax_io import AS_NUMPY, Destination
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CheckpointError
-from jax_session_state.manager import ManagerSnapshot, SessionStateManager, SnapshotSession
+from jax_session_state.manager import (
+    ManagerSnapshot,
+    SessionStateManager,
+    SnapshotSession,
+)
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 

@@ -180,8 +180,8 @@ class Refusal:
     message: str
 
 
-class _Ledger:
-    """Usage as a plan evolves, with the keys still over budget."""
+class _Projection:
+    """Projected usage as a plan grows, with the keys still over budget."""
 
     def __init__(self, usage: Mapping[str, int], budgets: Mapping[str, int], host_room: int | None):
         self.usage = dict(usage)
@@ -264,7 +264,7 @@ def _parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]
 
 
 def _drop_phase(
-    ledger: _Ledger,
+    ledger: _Projection,
     actors: Sequence[SessionUsage],
     allowed: Mapping[int, Collection[str]] | None = None,
     room_keys: Collection[str] = (),
@@ -311,7 +311,7 @@ def _drop_phase(
 
 
 def _park_phase(
-    ledger: _Ledger, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+    ledger: _Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
 ) -> None:
     """Parks, LRU session first, larger objects first, where room allows."""
     for index, session in enumerate(actors):
@@ -342,7 +342,7 @@ def _park_phase(
             ledger.acted_on[index, obj.name] = action
 
 
-def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
+def _preempt_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
     """Preempts LRU sessions that still hold bytes on an over-budget key, then leaves out the
     ones that later preemptions made needless (each loses a session's history)."""
     taken: list[tuple[PreemptSession, dict[str, int]]] = []
@@ -388,7 +388,7 @@ def _searched_plan(
     search_limit: int,
 ) -> tuple[Plan | None, bool]:
     """The exact search's drops and parks, replayed in rule order; (None, proven) if none fit."""
-    start = _Ledger(usage, budgets, host_room)
+    start = _Projection(usage, budgets, host_room)
     over = start.over
 
     def candidates() -> Iterator[_plan_search.Candidates]:
@@ -402,7 +402,7 @@ def _searched_plan(
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
     if selection is None:
         return None, proven
-    replay = _Ledger(usage, budgets, host_room)
+    replay = _Projection(usage, budgets, host_room)
     parks = {i: option.parks for i, option in selection.items()}
     room_keys = {
         parking_destination(k)
@@ -494,7 +494,7 @@ def plan(
     usage: dict[str, int] = {}
     for session in sessions:
         _add_footprint(usage, session)
-    greedy = _Ledger(usage, budgets, host_room)
+    greedy = _Projection(usage, budgets, host_room)
     if not greedy.over:
         return greedy.to_plan()
     actors = _actors(sessions, protect, greedy.over)
