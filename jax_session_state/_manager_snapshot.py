@@ -11,15 +11,13 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Hashable, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Self
 
 from jax_session_state import offload
 from jax_session_state._manager_core import COUNTERS, ManagerCore
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerSnapshot", "ManagerSnapshots", "SnapshotSession"]
-
-M = TypeVar("M", bound="ManagerSnapshots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +127,7 @@ class ManagerSnapshots(ManagerCore):
             return ManagerSnapshot(self.settings(), tuple(sessions))
 
     @classmethod
-    def from_snapshot(cls: type[M], snapshot: ManagerSnapshot, **settings: Any) -> M:
+    def from_snapshot(cls, snapshot: ManagerSnapshot, **settings: Any) -> Self:
         """A new manager with the snapshot's settings (``settings`` override them), loaded with it."""
         manager = cls(**{**snapshot.settings, **settings})
         manager.load(snapshot)

@@ -11,7 +11,57 @@ one option per session.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # annotations only: the planner imports this module
+    from jax_session_state.planner import ObjectUsage, SessionUsage
+
+PINNED_HOST_SUFFIX = "/pinned_host"
+
+def parking_destination(device_key: str) -> str | None:
+    """The key that parked bytes of ``device_key`` move to.
+
+    Only default memory kinds are parked: ``"cuda:1"`` -> ``"cuda:1/pinned_host"``.
+    Keys that already name a memory kind (``"cpu:0/pinned_host"``) and
+    ``"host"`` give None.
+    """
+    if "/" in device_key or device_key == "host":
+        return None
+    return device_key + PINNED_HOST_SUFFIX
+
+
+def add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int]:
+    """Adds all bytes of a session (attrs, non-evicted objects) to ``total``."""
+    for key, count in session.attrs_bytes_by_device.items():
+        total[key] = total.get(key, 0) + count
+    for obj in session.objects:
+        if obj.state != "evicted":
+            for key, count in obj.bytes_by_device.items():
+                total[key] = total.get(key, 0) + count
+    return total
+
+
+def evictable(session: SessionUsage) -> list[ObjectUsage]:
+    """Objects evictable before planning: resident, rebuildable, sources resident,
+    and not a source of an already evicted object."""
+    resident = {o.name for o in session.objects if o.state == "resident"}
+    needed = {s for o in session.objects if o.state == "evicted" for s in o.sources}
+    return [
+        o
+        for o in session.objects
+        if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
+    ]
+
+
+def parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
+    """Resident objects with their default-kind bytes, largest first."""
+    parks = []
+    for obj in session.objects:
+        moved = {k: b for k, b in obj.bytes_by_device.items() if parking_destination(k)}
+        if obj.state == "resident" and moved:
+            parks.append((obj, moved))
+    parks.sort(key=lambda p: (-sum(p[1].values()), p[0].name))
+    return parks
 
 
 class Candidates(NamedTuple):

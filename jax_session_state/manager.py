@@ -269,35 +269,34 @@ class SessionStateManager(ManagerSnapshots):
         """
         new = Entry.of(checked_session(session, "create", session_id))
         events: list[ManagerEvent] = []
-        with self._delivering(events):
-            with self._lock:
-                if session_id in self._entries:
-                    raise ValueError(
-                        f"create({session_id!r}): that session exists already. put() replaces it; "
-                        "release() it first to start over."
-                    )
-                victim = None
-                if len(self._entries) >= self.max_sessions:
-                    victim = self._count_cap_victim()
-                    if victim is None or not self.evict_when_full:
-                        self._refuse_admission(session_id, events)
-                removed = list(self._entries[victim].storages()) if victim is not None else []
-                action = f"creating session {session_id!r}"
-                self._make_room(
-                    session_id,
-                    action,
-                    new,
-                    removed=removed,
-                    added=list(new.storages()),
-                    exclude=victim,
-                    events=events,
+        with self._delivering(events), self._lock:  # events go out once the lock is released
+            if session_id in self._entries:
+                raise ValueError(
+                    f"create({session_id!r}): that session exists already. put() replaces it; "
+                    "release() it first to start over."
                 )
-                if victim is not None:
-                    reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
-                    self._preempt(victim, reason, events)
-                self._ledger.apply((), new.storages())
-                self._store(session_id, new)
-                self._lost.pop(session_id, None)
+            victim = None
+            if len(self._entries) >= self.max_sessions:
+                victim = self._count_cap_victim()
+                if victim is None or not self.evict_when_full:
+                    self._refuse_admission(session_id, events)
+            removed = list(self._entries[victim].storages()) if victim is not None else []
+            action = f"creating session {session_id!r}"
+            self._make_room(
+                session_id,
+                action,
+                new,
+                removed=removed,
+                added=list(new.storages()),
+                exclude=victim,
+                events=events,
+            )
+            if victim is not None:
+                reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
+                self._preempt(victim, reason, events)
+            self._ledger.apply((), new.storages())
+            self._store(session_id, new)
+            self._lost.pop(session_id, None)
 
     def put(self, session_id: Hashable, session: Session) -> Session:
         """Replaces the session (typically with a step's result) and returns it.
@@ -310,22 +309,21 @@ class SessionStateManager(ManagerSnapshots):
         """
         new = Entry.of(checked_session(session, "put", session_id))
         events: list[ManagerEvent] = []
-        with self._delivering(events):
-            with self._lock:
-                old = self._wait_idle(session_id)
-                removed, added = list(old.storages()), list(new.storages())
-                self._make_room(
-                    session_id,
-                    f"putting session {session_id!r}",
-                    new,
-                    removed=removed,
-                    added=added,
-                    events=events,
-                )
-                self._ledger.apply(old.storages(), new.storages())
-                self._store(session_id, new.carrying(old))
-                self._recency.move_to_end(session_id)
-                return session
+        with self._delivering(events), self._lock:  # events go out once the lock is released
+            old = self._wait_idle(session_id)
+            removed, added = list(old.storages()), list(new.storages())
+            self._make_room(
+                session_id,
+                f"putting session {session_id!r}",
+                new,
+                removed=removed,
+                added=added,
+                events=events,
+            )
+            self._ledger.apply(old.storages(), new.storages())
+            self._store(session_id, new.carrying(old))
+            self._recency.move_to_end(session_id)
+            return session
 
     def release(self, session_id: Hashable) -> bool:
         """Releases the session, pinned or not; True if it was held (releasing twice is fine: False).

@@ -29,6 +29,12 @@ from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Literal
 
 from jax_session_state import _plan_search
+from jax_session_state._plan_search import (
+    add_footprint,
+    evictable,
+    parkable,
+    parking_destination,
+)
 
 __all__ = [
     "Action",
@@ -43,21 +49,7 @@ __all__ = [
     "plan",
 ]
 
-PINNED_HOST_SUFFIX = "/pinned_host"
-
 ObjectState = Literal["resident", "evicted", "parked"]
-
-
-def parking_destination(device_key: str) -> str | None:
-    """The key that parked bytes of ``device_key`` move to.
-
-    Only default memory kinds are parked: ``"cuda:1"`` -> ``"cuda:1/pinned_host"``.
-    Keys that already name a memory kind (``"cpu:0/pinned_host"``) and
-    ``"host"`` give None.
-    """
-    if "/" in device_key or device_key == "host":
-        return None
-    return device_key + PINNED_HOST_SUFFIX
 
 
 def _frozen_bytes(bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
@@ -211,17 +203,6 @@ class _Projection:
         return Plan(actions, types.MappingProxyType({k: b for k, b in sorted(self.usage.items()) if b}))
 
 
-def _add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int]:
-    """Adds all bytes of a session (attrs, non-evicted objects) to ``total``."""
-    for key, count in session.attrs_bytes_by_device.items():
-        total[key] = total.get(key, 0) + count
-    for obj in session.objects:
-        if obj.state != "evicted":
-            for key, count in obj.bytes_by_device.items():
-                total[key] = total.get(key, 0) + count
-    return total
-
-
 def _actors(
     sessions: Sequence[SessionUsage], protect: Hashable | None, over: Collection[str]
 ) -> list[SessionUsage]:
@@ -240,27 +221,7 @@ def _actors(
     return actors
 
 
-def _droppable(session: SessionUsage) -> list[ObjectUsage]:
-    """Objects droppable before planning: resident, rebuildable, sources resident,
-    and not a source of an already evicted object."""
-    resident = {o.name for o in session.objects if o.state == "resident"}
-    needed = {s for o in session.objects if o.state == "evicted" for s in o.sources}
-    return [
-        o
-        for o in session.objects
-        if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
-    ]
 
-
-def _parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
-    """Resident objects with their default-kind bytes, largest first."""
-    parks = []
-    for obj in session.objects:
-        moved = {k: b for k, b in obj.bytes_by_device.items() if parking_destination(k)}
-        if obj.state == "resident" and moved:
-            parks.append((obj, moved))
-    parks.sort(key=lambda p: (-sum(p[1].values()), p[0].name))
-    return parks
 
 
 def _drop_phase(
@@ -278,7 +239,7 @@ def _drop_phase(
     for index, session in enumerate(actors):
         if not ledger.over:
             return
-        candidates = _droppable(session)
+        candidates = evictable(session)
         if allowed is not None:
             candidates = [o for o in candidates if o.name in allowed.get(index, ())]
         evicted: set[str] = set()
@@ -317,7 +278,7 @@ def _park_phase(
     for index, session in enumerate(actors):
         if not ledger.over or ledger.room_left <= 0:  # every parkable object moves bytes
             return
-        for obj, moved in _parkable(session):
+        for obj, moved in parkable(session):
             if not ledger.over:
                 return
             total = sum(moved.values())
@@ -361,7 +322,7 @@ def _preempt_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
         if ledger.gain(current):
             for key, count in current.items():
                 ledger.shift(key, -count)
-            preempt = PreemptSession(session.session_id, types.MappingProxyType(_add_footprint({}, session)))
+            preempt = PreemptSession(session.session_id, types.MappingProxyType(add_footprint({}, session)))
             ledger.actions.append(preempt)
             taken.append((preempt, current))
     if ledger.over:
@@ -395,8 +356,8 @@ def _searched_plan(
         for index, session in enumerate(actors):
             yield _plan_search.Candidates(
                 index,
-                [o for o in _droppable(session) if any(k in over for k in o.bytes_by_device)],
-                [(o, m) for o, m in _parkable(session) if any(k in over for k in m)] if park else [],
+                [o for o in evictable(session) if any(k in over for k in o.bytes_by_device)],
+                [(o, m) for o, m in parkable(session) if any(k in over for k in m)] if park else [],
             )
 
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
@@ -407,7 +368,7 @@ def _searched_plan(
     room_keys = {
         parking_destination(k)
         for i, names in parks.items()
-        for obj, moved in _parkable(actors[i])
+        for obj, moved in parkable(actors[i])
         if obj.name in names
         for k in moved
     } & budgets.keys()
@@ -493,7 +454,7 @@ def plan(
     """
     usage: dict[str, int] = {}
     for session in sessions:
-        _add_footprint(usage, session)
+        add_footprint(usage, session)
     greedy = _Projection(usage, budgets, host_room)
     if not greedy.over:
         return greedy.to_plan()

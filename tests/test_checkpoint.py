@@ -11,18 +11,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devices import DEVICE
 from jax.sharding import AxisType
 
 import jax_session_state as jss
 from jax_session_state import _digest, checkpoint
-from devices import DEVICE
 
 B, H, D = 2, 2, 4
 

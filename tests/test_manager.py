@@ -6,11 +6,19 @@ import threading
 import jax
 import numpy as np
 import pytest
+from devices import DEVICE, PINNED
+from world import (
+    TRACES,
+    assert_same,
+    contents,
+    make_session,
+    rebuild_cond,
+    session_bytes,
+    step,
+)
 from world import _step as world_step
-from world import TRACES, assert_same, contents, make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
-from devices import DEVICE, PINNED
 
 SIZES = session_bytes()
 ONE = SIZES["session"]
@@ -504,10 +512,10 @@ def test_a_listener_that_raises_leaves_no_pin_or_update_hold_behind():
     m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10})
     for sid in "ab":
         m.create(sid, make_session(ord(sid)))
-    m.on_event, seen = listener_failing_on(set(range(100)))
-    with pytest.raises(ExceptionGroup):  # "a" is restored, "b" parked: the listener raises on each event
-        with m.pin("a"):
-            pytest.fail("the block of a pin whose lookup raised must not run")
+    m.on_event, _ = listener_failing_on(set(range(100)))
+    # "a" is restored, "b" parked: the listener raises on each event
+    with pytest.raises(ExceptionGroup), m.pin("a"):
+        pytest.fail("the block of a pin whose lookup raised must not run")
     assert not m.held()["a"].pinned
     with pytest.raises(ExceptionGroup):
         m.update("b", lambda s: pytest.fail("fn of an update whose lookup raised must not run"))

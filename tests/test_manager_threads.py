@@ -5,11 +5,10 @@ import random
 import threading
 
 import pytest
-
+from devices import DEVICE, PINNED
 from world import make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
-from devices import DEVICE, PINNED
 
 THREADS, OPERATIONS, SESSIONS = 8, 2000, 100
 ONE = session_bytes(capacity=8)["session"]
