@@ -54,7 +54,7 @@ class SessionStateManager(ManagerSnapshots):
       byte_budget: the most bytes held per device key (``{"cuda:0": 40 << 30}``);
         keys not named are unlimited; None: no byte budget.
       evict_when_full: whether the manager may release whole least recently
-        used sessions (at the count cap, or when dropping and parking objects
+        used sessions (at the count cap, or when evicting and parking objects
         is not enough); if not, it refuses with
         :class:`~jax_session_state.errors.SessionAdmissionError` /
         :class:`~jax_session_state.errors.BudgetExceededError`.

@@ -2,7 +2,7 @@
 
 A pure function over byte figures: no arrays, locks, clocks or I/O.  The
 session manager hands it a snapshot of every session and either applies the
-returned :class:`Plan` (drops, parks, preemptions, in order) or raises
+returned :class:`Plan` (evictions, parks, preemptions, in order) or raises
 :class:`~jax_session_state.errors.BudgetExceededError` from the returned
 :class:`Refusal`.
 
@@ -195,7 +195,7 @@ class _Projection:
         return sum(b for k, b in bytes_by_device.items() if k in self.over)
 
     def to_plan(self) -> Plan:
-        """The plan so far, less drops and parks superseded by a preemption."""
+        """The plan so far, less evictions and parks superseded by a preemption."""
         preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
         actions = tuple(
             a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted
@@ -224,7 +224,7 @@ def _actors(
 
 
 
-def _drop_phase(
+def _evict_phase(
     ledger: _Projection,
     actors: Sequence[SessionUsage],
     allowed: Mapping[int, Collection[str]] | None = None,
@@ -232,7 +232,7 @@ def _drop_phase(
 ) -> None:
     """Drops, LRU session first, cheapest recompute per over-budget byte first.
 
-    A drop must free bytes on an over-budget key or, when replaying a searched
+    An eviction must free bytes on an over-budget key or, when replaying a searched
     selection (``allowed``), on a destination key its parks need room in
     (``room_keys``).
     """
@@ -243,13 +243,13 @@ def _drop_phase(
         if allowed is not None:
             candidates = [o for o in candidates if o.name in allowed.get(index, ())]
         evicted: set[str] = set()
-        needed_by_dropped: set[str] = set()
+        needed_by_evicted: set[str] = set()
         while ledger.over:
             best = None
             for obj in candidates:
                 if (
                     obj.name in evicted
-                    or obj.name in needed_by_dropped
+                    or obj.name in needed_by_evicted
                     or not evicted.isdisjoint(obj.sources)
                 ):
                     continue
@@ -263,7 +263,7 @@ def _drop_phase(
                 break
             obj = best[1]
             evicted.add(obj.name)
-            needed_by_dropped.update(obj.sources)
+            needed_by_evicted.update(obj.sources)
             for key, count in obj.bytes_by_device.items():
                 ledger.shift(key, -count)
             action = EvictObject(session.session_id, obj.name, obj.bytes_by_device)
@@ -348,7 +348,7 @@ def _searched_plan(
     park: bool,
     search_limit: int,
 ) -> tuple[Plan | None, bool]:
-    """The exact search's drops and parks, replayed in rule order; (None, proven) if none fit."""
+    """The exact search's evictions and parks, replayed in rule order; (None, proven) if none fit."""
     start = _Projection(usage, budgets, host_room)
     over = start.over
 
@@ -372,7 +372,7 @@ def _searched_plan(
         if obj.name in names
         for k in moved
     } & budgets.keys()
-    _drop_phase(replay, actors, {i: option.drops for i, option in selection.items()}, room_keys)
+    _evict_phase(replay, actors, {i: option.evictions for i, option in selection.items()}, room_keys)
     _park_phase(replay, actors, parks)
     return replay.to_plan(), True
 
@@ -387,7 +387,7 @@ def plan(
     allow_preempt: bool = False,
     search_limit: int = 100_000,
 ) -> Plan | Refusal:
-    """Plans drops, parks and preemptions that bring usage within ``budgets``.
+    """Plans evictions, parks and preemptions that bring usage within ``budgets``.
 
     Usage of a key is the bytes of every non-evicted object (parked bytes sit
     under the pinned_host keys) plus session attrs.  Pinned sessions and the
@@ -395,32 +395,32 @@ def plan(
     *candidate* if it is on another session and frees bytes on a key over
     budget before planning:
 
-    - drop: an object that is resident, rebuildable, whose sources are all
+    - evict: an object that is resident, rebuildable, whose sources are all
       resident, and that no evicted object (before or earlier in the plan)
       lists as a source;
     - park (if ``park``): a resident object; its default-kind bytes on k move
       to k + "/pinned_host";
     - preempt (if ``allow_preempt``): a session; frees all its bytes.
 
-    A *valid* plan is drops, then parks, then preemptions, all candidates,
-    where the drops are droppable in turn, the parks move at most
+    A *valid* plan is evictions, then parks, then preemptions, all candidates,
+    where the evictions are evictable in turn, the parks move at most
     ``host_room`` bytes in total (None: unlimited), and each park leaves its
     budgeted destination keys within budget.  It *fits* if every budgeted key
     ends within budget.
 
-    Rules: while a key is over budget, (1) drop, LRU session first, cheapest
+    Rules: while a key is over budget, (1) evict, LRU session first, cheapest
     ``recompute_cost`` per byte freed on over-budget keys first (ties by
     name); (2) park, LRU session first, larger objects first; (3) preempt LRU
     sessions first.  Each action frees bytes on a key over budget when taken
-    (a replayed search drop may instead free room its parks need), and the
+    (a replayed search evict may instead free room its parks need), and the
     plan stops as soon as every key fits.  A preemption that later ones made
     needless is left out (preemption loses history, so the plan keeps as few
     as this greedy order allows).
 
     Completeness: a Plan is returned whenever some valid plan fits.  Greedy
-    choices can block each other (dropping a dependent pins its source), so
+    choices can block each other (evicting a dependent pins its source), so
     when they fall short an exact search over per-session Pareto-optimal
-    drop/park options replaces them (before resorting to preemption), and the
+    evict/park options replaces them (before resorting to preemption), and the
     chosen actions are replayed in rule order.  With ``allow_preempt`` this is
     complete always: preempting every candidate session is the least usage
     any plan reaches.  Without it the search is exact unless a session has
@@ -440,8 +440,8 @@ def plan(
       A :class:`Plan`, or a :class:`Refusal` if no valid plan fits.
 
     Example:
-      The greedy pass drops the cheap ``cond_kv`` first, which pins
-      ``prompt``; the search sees that only dropping ``prompt`` fits:
+      The greedy pass evictions the cheap ``cond_kv`` first, which pins
+      ``prompt``; the search sees that only evicting ``prompt`` fits:
 
       >>> prompt = ObjectUsage("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=500.0)
       >>> cond_kv = ObjectUsage("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True,
@@ -459,7 +459,7 @@ def plan(
     if not greedy.over:
         return greedy.to_plan()
     actors = _actors(sessions, protect, greedy.over)
-    _drop_phase(greedy, actors)
+    _evict_phase(greedy, actors)
     if park:
         _park_phase(greedy, actors)
     if not greedy.over:
