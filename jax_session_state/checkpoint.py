@@ -76,6 +76,7 @@ from jax_session_state.manager import (
     SessionStateManager,
     SnapshotSession,
 )
+from jax_session_state.offload import place
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 
@@ -179,7 +180,7 @@ def restore(
         )
     entries = manifest["arrays"]
     with _decoding(directory):
-        destinations, assemble = content.plan(manifest["record"], entries, target, shardings)
+        destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings)
         layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
         expected = {key: (entry["digest"], entry["where"]) for key, entry in entries.items()}
     arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, destinations) if entries else {}
@@ -191,7 +192,7 @@ def restore(
                 f"{directory / _ARRAYS} are damaged. Nothing was restored."
             )
     with _decoding(directory):
-        values = {key: _finish(arrays.pop(key), entry) for key, entry in entries.items()}
+        values = {key: _finish(arrays.pop(key), entry, key not in uncommitted) for key, entry in entries.items()}
     return assemble(values)
 
 
@@ -206,9 +207,17 @@ def _decoding(directory: Path) -> Iterator[None]:
         raise _manifest.malformed(directory, error) from error
 
 
-def _finish(x: Any, entry: dict[str, Any]) -> Any:
-    """A verified array as the session holds it: in runtime-owned buffers, typed keys wrapped."""
-    if isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
+def _finish(x: Any, entry: dict[str, Any], committed: bool) -> Any:
+    """A verified array as the session holds it: in runtime-owned buffers, committed or not, typed keys wrapped.
+
+    Orbax returns arrays committed to their sharding; an array a session made
+    with ``jnp`` on the default device is not, and a jitted step compiles
+    once more for the other kind, so those come back uncommitted.
+    """
+    if isinstance(x, jax.Array) and not committed:
+        x, read = jax.block_until_ready(place(x, x.sharding, committed=False)), x  # one copy, runtime-owned
+        read.delete()
+    elif isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
         # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
         # buffers and a donated step cannot reuse them (the first step would copy the whole
         # state). Copied into runtime-owned buffers one array at a time: the peak stays the
@@ -263,12 +272,13 @@ def _encode_attr(leaf: Any, where: str, table: ArrayTable) -> dict[str, Any]:
 
 def _plan_session(
     record: dict[str, Any], entries: dict[str, Any], target: Session | None, shardings: ShardingRules | None
-) -> tuple[dict[str, Destination], Callable[[dict[str, Any]], Session]]:
+) -> tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], Session]]:
     """Where each array of a session record goes, and how to build the session from them."""
     if target is not None:
         _check_matches(record, entries, target)
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     destinations: dict[str, Destination] = {}
+    uncommitted: set[str] = set()  # placed like arrays jnp makes: on the default device, not committed to it
     objects: dict[str, StateObject] = {}
     storages: dict[str, tuple[Any, list[str]]] = {}
     for name, obj_record in record["objects"].items():
@@ -291,9 +301,12 @@ def _plan_session(
         if rules is not None:
             where = jax.tree_util.tree_leaves(rules.shardings(obj.storage_axes(), shapes, owner=obj.describe()))
         elif known is not None and known.resident:
-            where = [x.sharding for x in jax.tree_util.tree_leaves({f: getattr(known, f) for f in known.storage_fields()})]
+            known_leaves = jax.tree_util.tree_leaves({f: getattr(known, f) for f in known.storage_fields()})
+            where = [x.sharding for x in known_leaves]
+            uncommitted.update(k for k, x in zip(keys, known_leaves) if not x.committed)
         else:
             where = [default] * len(keys)
+            uncommitted.update(keys)
         destinations.update(zip(keys, where))
         storages[name] = (treedef, keys)
     attr_treedef = _codec.decode_treedef(record["attrs"]["treedef"])
@@ -307,8 +320,11 @@ def _plan_session(
                 destinations[leaf["array"]] = shardings.replicated()
             elif known_attrs is not None and isinstance(known_attrs[i], jax.Array):
                 destinations[leaf["array"]] = known_attrs[i].sharding
+                if not known_attrs[i].committed:
+                    uncommitted.add(leaf["array"])
             else:
                 destinations[leaf["array"]] = default
+                uncommitted.add(leaf["array"])
 
     def assemble(arrays: dict[str, Any]) -> Session:
         for name, (treedef, keys) in storages.items():
@@ -317,7 +333,7 @@ def _plan_session(
         attrs = [arrays[leaf["array"]] if "array" in leaf else leaf["value"] for leaf in record["attrs"]["leaves"]]
         return Session(objects=objects, attrs=attr_treedef.unflatten(attrs))
 
-    return destinations, assemble
+    return destinations, uncommitted, assemble
 
 
 def _check_table(entries: dict[str, Any], keys: list[str], leaves: list[Any], where: str) -> None:
@@ -368,7 +384,7 @@ class _Content:
     name: str
     type: type
     encode: Callable[[Any, ArrayTable], dict[str, Any]]
-    plan: Callable[..., tuple[dict[str, Destination], Callable[[dict[str, Any]], Any]]]
+    plan: Callable[..., tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], Any]]]
 
 
 # ------------------------------------------------------------- managers
@@ -394,16 +410,18 @@ def _plan_manager(
     entries: dict[str, Any],
     target: SessionStateManager | None,
     shardings: ShardingRules | None,
-) -> tuple[dict[str, Destination], Callable[[dict[str, Any]], SessionStateManager]]:
+) -> tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], SessionStateManager]]:
     """Each session planned as a session checkpoint; the manager filled in LRU order."""
     if target is not None and len(target):
         raise CheckpointError(f"restore(target=manager): the manager must be empty; it holds {len(target)} sessions.")
     settings = dict(record["settings"])
     destinations: dict[str, Destination] = {}
+    uncommitted: set[str] = set()
     sessions = []
     for saved in record["sessions"]:
-        where, assemble = _plan_session(saved["session"], entries, None, shardings)
+        where, not_committed, assemble = _plan_session(saved["session"], entries, None, shardings)
         destinations.update(where)
+        uncommitted |= not_committed
         sessions.append((_codec.decode_value(saved["id"]), assemble, frozenset(saved["evicted"])))
 
     def assemble_manager(arrays: dict[str, Any]) -> SessionStateManager:
@@ -415,7 +433,7 @@ def _plan_manager(
         target.load(snapshot)
         return target
 
-    return destinations, assemble_manager
+    return destinations, uncommitted, assemble_manager
 
 
 _CONTENTS = {

@@ -38,7 +38,7 @@ from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
 from jax_session_state.errors import NotResidentError
 
-__all__ = ["Parked", "Placement", "is_donated", "park", "restore"]
+__all__ = ["Parked", "Placement", "is_donated", "park", "place", "restore"]
 
 T = TypeVar("T", bound=StateObject)
 
@@ -93,11 +93,12 @@ class Placement:
                 f"cannot place {_name(obj)} where an object of another structure was: expected "
                 f"{self.treedef}, got {treedef}. Rebuild it with the same spec as the original."
             )
-        placed = [_place(x, s, c) for x, s, c in zip(leaves, self.shardings, self.committed)]
+        placed = [place(x, s, committed=c) for x, s, c in zip(leaves, self.shardings, self.committed)]
         return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def _place(x: Any, sharding: jax.sharding.Sharding | None, committed: bool) -> Any:
+def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) -> Any:
+    """``x`` on ``sharding``, committed to it or not (None: ``x`` as it is)."""
     if sharding is None:
         return x
     if committed:
@@ -105,7 +106,7 @@ def _place(x: Any, sharding: jax.sharding.Sharding | None, committed: bool) -> A
     if isinstance(x, jax.Array) and not x.committed and x.sharding == sharding:
         return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(_place(jax.random.key_data(x), sharding, False), impl=jax.random.key_impl(x))
+        return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding, committed=False), impl=jax.random.key_impl(x))
     # Only uncommitted arrays on one device exist, and only a transfer from the host makes one:
     # jax.device_put onto a device or sharding commits what it returns.
     (device,) = sharding.device_set

@@ -132,6 +132,32 @@ def test_restored_session_continues_a_jitted_rollout_bit_for_bit(tmp_path):
     assert len(traces) == 1  # the restored session reuses the original's trace: same structure, shapes, dtypes
 
 
+BACKEND_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, seconds, **kw: BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+)
+
+
+def committed(tree):
+    return [x.committed for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
+def test_a_restored_session_is_committed_as_the_original_so_its_step_does_not_compile_again(tmp_path):
+    step = jax.jit(lambda s: s.commit().append(kv=(jnp.ones((B, 1, H, D)), jnp.ones((B, 1, H, D)))))
+    original = jss.Session(objects={"kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=8)}, attrs={"rng": jax.random.key(0)})
+    original = step(original)  # made by jnp: nothing committed
+    assert not any(committed(original))
+    checkpoint.save(tmp_path, original)
+    checkpoint.restore(tmp_path)  # compiles the copies a restore makes, once
+    before = len(BACKEND_COMPILES)
+    for restored in (checkpoint.restore(tmp_path), checkpoint.restore(tmp_path, target=original)):
+        assert committed(restored) == committed(original)
+        assert_same(step(restored), step(original))
+    assert len(BACKEND_COMPILES) == before  # the step runs the executable it compiled for the original
+    pinned = jax.device_put(original, jax.devices()[0])  # committed: a target that is keeps it so
+    assert all(committed(checkpoint.restore(tmp_path, target=pinned)))
+
+
 def test_a_save_replaces_the_previous_checkpoint_only_once_complete(tmp_path):
     first, second = random_session(seed=2), random_session(seed=3)
     assert checkpoint.save(tmp_path, first) == tmp_path / "ckpt-000001"
