@@ -20,7 +20,7 @@ from jax_session_state.offload import Parked, Placement
 from jax_session_state.planner import ObjectUsage, SessionUsage
 from jax_session_state.session import Session
 
-HeldState = Literal["resident", "parked", "evicted", "absent"]
+RecordState = Literal["resident", "parked", "evicted", "absent"]
 
 
 def distinct_bytes(storages: Iterable[Storage]) -> dict[str, int]:
@@ -53,7 +53,7 @@ class ObjectRecord:
       placement: where an evicted object's arrays go when it is rebuilt.
     """
 
-    state: HeldState
+    state: RecordState
     storages: tuple[Storage, ...]
     home_bytes: Mapping[str, int]
     parked: Parked | None = None
@@ -146,7 +146,7 @@ class Entry:
             yield from record.storages
         yield from self.attrs_storages
 
-    def names(self, state: HeldState) -> list[str]:
+    def names(self, state: RecordState) -> list[str]:
         return [name for name, record in self.records.items() if record.state == state]
 
     def usage(
