@@ -331,7 +331,10 @@ def _plan_session(
             storage = treedef.unflatten([arrays[k] for k in keys])
             objects[name] = objects[name].replace(**storage)
         attrs = [arrays[leaf["array"]] if "array" in leaf else leaf["value"] for leaf in record["attrs"]["leaves"]]
-        return Session(objects=objects, attrs=attr_treedef.unflatten(attrs))
+        try:
+            return Session(objects=objects, attrs=attr_treedef.unflatten(attrs))
+        except (ValueError, TypeError) as error:  # e.g. a recompute source that names no object
+            raise CheckpointError(f"the checkpoint's record does not make a valid session: {error}") from error
 
     return destinations, uncommitted, assemble
 

@@ -271,6 +271,10 @@ def flip_bytes(path):
         ),
         (lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].update(dtype="uint33")), "'uint33'.*do not fit its spec"),
         (lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].pop("digest")), "manifest.json is malformed"),
+        (
+            lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["cond"].update(recompute_source=["nowhere"])),
+            "does not make a valid session",
+        ),
         (lambda root: edit_manifest(root, lambda m: m.pop("record")), "manifest.json is malformed"),
         (
             lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["kv"].update(kind="nowhere:KVCache")),
