@@ -153,13 +153,13 @@ def pressure_timings(managers: dict, *, rounds: int) -> dict[int, dict]:
             manager.put(count - 1, grown)
             samples[count].append(time.perf_counter() - start)
             manager.put(count - 1, small)
-            for event in events[-4:]:  # rebuild what was dropped: the manager is full again
+            for event in events[-4:]:  # rebuild what was evicted: the manager is full again
                 manager.get(event.session_id)
             manager.on_event = None
     out = {}
     for count, (_, _, _, events) in puts.items():
         kinds = collections.Counter(e.kind for e in events)
-        assert kinds == {"drop": 4 * rounds, "rebuild": 4 * rounds}, kinds
+        assert kinds == {"evict": 4 * rounds, "rebuild": 4 * rounds}, kinds
         out[count] = {"seconds": statistics.median(samples[count]), "drops_per_put": 4}
     return out
 

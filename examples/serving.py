@@ -142,7 +142,7 @@ def main() -> None:
     counters = ("hits", "misses", "evictions", "parks", "restores", "rebuilds", "preemptions", "refusals")
     print("\n" + ", ".join(f"{key} {stats[key]}" for key in counters))
     print("bytes held:", {key: f"{nbytes:,}" for key, nbytes in stats["bytes"].items()})
-    whole = sum(not h.parked and not h.dropped for h in manager.held().values())
+    whole = sum(not h.parked and not h.evicted for h in manager.held().values())
     print(f"sessions whole on cpu:0: {whole}, partly parked or dropped: {len(manager) - whole}")
     served = manager.get(7)
     show("final lookup of session 7:", events)

@@ -1,9 +1,9 @@
-"""The planner's exact search for drops and parks that fit every budget.
+"""The planner's exact search for evictions and parks that fit every budget.
 
 Used when the planner's greedy, rule-ordered pass falls short: greedy choices
-can block each other (dropping a dependent pins its source, parking a large
+can block each other (evicting a dependent pins its source, parking a large
 object can leave no host room for the two that would have fitted).  Each
-session contributes its Pareto-optimal drop/park options; a depth-first
+session contributes its Pareto-optimal evict/park options; a depth-first
 search with a lower bound on what the remaining sessions can still free picks
 one option per session.
 """
@@ -11,20 +11,70 @@ one option per session.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # annotations only: the planner imports this module
+    from jax_session_state.planner import ObjectUsage, SessionUsage
+
+PINNED_HOST_SUFFIX = "/pinned_host"
+
+def parking_destination(device_key: str) -> str | None:
+    """The key that parked bytes of ``device_key`` move to.
+
+    Only default memory kinds are parked: ``"cuda:1"`` -> ``"cuda:1/pinned_host"``.
+    Keys that already name a memory kind (``"cpu:0/pinned_host"``) and
+    ``"host"`` give None.
+    """
+    if "/" in device_key or device_key == "host":
+        return None
+    return device_key + PINNED_HOST_SUFFIX
+
+
+def add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int]:
+    """Adds all bytes of a session (attrs, non-evicted objects) to ``total``."""
+    for key, count in session.attrs_bytes_by_device.items():
+        total[key] = total.get(key, 0) + count
+    for obj in session.objects:
+        if obj.state != "evicted":
+            for key, count in obj.bytes_by_device.items():
+                total[key] = total.get(key, 0) + count
+    return total
+
+
+def evictable(session: SessionUsage) -> list[ObjectUsage]:
+    """Objects evictable before planning: resident, rebuildable, sources resident,
+    and not a source of an already evicted object."""
+    resident = {o.name for o in session.objects if o.state == "resident"}
+    needed = {s for o in session.objects if o.state == "evicted" for s in o.sources}
+    return [
+        o
+        for o in session.objects
+        if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
+    ]
+
+
+def parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
+    """Resident objects with their default-kind bytes, largest first."""
+    parks = []
+    for obj in session.objects:
+        moved = {k: b for k, b in obj.bytes_by_device.items() if parking_destination(k)}
+        if obj.state == "resident" and moved:
+            parks.append((obj, moved))
+    parks.sort(key=lambda p: (-sum(p[1].values()), p[0].name))
+    return parks
 
 
 class Candidates(NamedTuple):
-    """A session's objects a drop or park of which frees an over-budget key.
+    """A session's objects an eviction or park of which frees an over-budget key.
 
     Attributes:
       index: the session's position among the planner's actors.
-      drops: droppable objects (``ObjectUsage``).
+      evictions: evictable objects (``ObjectUsage``).
       parks: ``(object, moved bytes by device key)`` of parkable objects.
     """
 
     index: int
-    drops: list[Any]
+    evictions: list[Any]
     parks: list[tuple[Any, dict[str, int]]]
 
 
@@ -33,24 +83,24 @@ class Option(NamedTuple):
 
     delta: tuple[int, ...]  # usage change per constrained key
     room: int  # bytes moved into parked storage
-    drops: frozenset[str]
+    evictions: frozenset[str]
     parks: frozenset[str]
 
 
 def _may_fit(start: Any, candidates: Iterable[Candidates]) -> bool:
-    """Cheap necessary condition for drops and parks to fit, ignoring conflicts."""
-    drop_free = dict.fromkeys(start.over, 0)
+    """Cheap necessary condition for evictions and parks to fit, ignoring conflicts."""
+    evict_free = dict.fromkeys(start.over, 0)
     park_free = dict.fromkeys(start.over, 0)
-    for _, drops, parks in candidates:
-        for obj in drops:
+    for _, evictions, parks in candidates:
+        for obj in evictions:
             for key, count in obj.bytes_by_device.items():
-                if key in drop_free:
-                    drop_free[key] += count
+                if key in evict_free:
+                    evict_free[key] += count
         for _, moved in parks:
             for key, count in moved.items():
                 if key in park_free:
                     park_free[key] += count
-    missing = {k: start.usage[k] - start.budgets[k] - drop_free[k] for k in start.over}
+    missing = {k: start.usage[k] - start.budgets[k] - evict_free[k] for k in start.over}
     return (
         all(m <= park_free[k] for k, m in missing.items())
         and sum(max(m, 0) for m in missing.values()) <= start.room_left
@@ -64,18 +114,18 @@ def _session_menu(
     destination: Callable[[str], str | None],
     limit: int,
 ) -> list[Option] | None:
-    """Pareto-optimal drop/park options of one session; None if over ``limit``."""
+    """Pareto-optimal evict/park options of one session; None if over ``limit``."""
     width = len(column)
     menu = [Option((0,) * width, 0, frozenset(), frozenset())]
-    droppable = {obj.name: obj for obj in candidates.drops}
+    by_name = {obj.name: obj for obj in candidates.evictions}
     parkable = {obj.name: moved for obj, moved in candidates.parks}
-    objects = {obj.name: obj for obj, _ in candidates.parks} | droppable
+    objects = {obj.name: obj for obj, _ in candidates.parks} | by_name
     for name in sorted(objects):
         obj = objects[name]
-        drop_delta = [0] * width
+        evict_delta = [0] * width
         for key, count in obj.bytes_by_device.items():
             if key in column:
-                drop_delta[column[key]] -= count
+                evict_delta[column[key]] -= count
         park_delta = [0] * width
         for key, count in parkable.get(name, {}).items():
             for k, sign in ((key, -1), (destination(key), 1)):
@@ -86,15 +136,15 @@ def _session_menu(
         for option in menu:
             grown.append(option)
             if (
-                name in droppable
-                and option.drops.isdisjoint(obj.sources)
-                and not any(name in droppable[d].sources for d in option.drops)
+                name in by_name
+                and option.evictions.isdisjoint(obj.sources)
+                and not any(name in by_name[d].sources for d in option.evictions)
             ):
-                delta = tuple(map(sum, zip(option.delta, drop_delta)))
-                grown.append(Option(delta, option.room, option.drops | {name}, option.parks))
+                delta = tuple(map(sum, zip(option.delta, evict_delta)))
+                grown.append(Option(delta, option.room, option.evictions | {name}, option.parks))
             if name in parkable and option.room + park_room <= room_left:
                 delta = tuple(map(sum, zip(option.delta, park_delta)))
-                grown.append(Option(delta, option.room + park_room, option.drops, option.parks | {name}))
+                grown.append(Option(delta, option.room + park_room, option.evictions, option.parks | {name}))
         if len(grown) > limit:
             return None
         menu = grown
@@ -113,7 +163,7 @@ def search(
     destination: Callable[[str], str | None],
     limit: int,
 ) -> tuple[dict[int, Option] | None, bool]:
-    """Exact search for drops and parks (no preemption) that fit every budget.
+    """Exact search for evictions and parks (no preemption) that fit every budget.
 
     Args:
       start: the planner's ledger before any action (``usage``, ``budgets``,
@@ -130,7 +180,7 @@ def search(
     """
     if not _may_fit(start, candidates()):
         return None, True
-    kept = [c for c in candidates() if c.drops or c.parks]
+    kept = [c for c in candidates() if c.evictions or c.parks]
     destinations = {destination(k) for c in kept for _, moved in c.parks for k in moved}
     keys = sorted(start.over | (destinations & start.budgets.keys()))
     column = {key: j for j, key in enumerate(keys)}

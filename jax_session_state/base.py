@@ -191,6 +191,21 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         )
         return self.replace(**jax.jit(self._empty_storage, out_shardings=shardings)())
 
+    def storage_shapes(self) -> dict[str, Any]:
+        """The shape and dtype of every storage leaf of this spec, allocating nothing.
+
+        Returns:
+          A dict like the storage (field name -> pytree) of
+          :class:`jax.ShapeDtypeStruct`, what ``jax.eval_shape`` gives for an
+          empty object's storage.
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> jss.FixedState.allocate(shapes=(2, 3)).storage_shapes()["value"]
+          ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+        """
+        return jax.eval_shape(self._empty_storage)
+
     def storage_axes(self) -> dict[str, Any]:
         """The logical name of each axis of each storage leaf.
 
@@ -203,10 +218,6 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
           it is replicated on a mesh.
         """
         return jax.tree_util.tree_map(lambda leaf: (None,) * leaf.ndim, self.storage_shapes())
-
-    def storage_shapes(self) -> dict[str, Any]:
-        """The shape and dtype of every storage leaf of this spec (``jax.ShapeDtypeStruct``), allocating nothing."""
-        return jax.eval_shape(self._empty_storage)
 
     def with_storage(self: Self, **storage: Any) -> Self:
         """A copy holding this new storage; what every write returns.

@@ -1,13 +1,14 @@
-"""Crash-safe checkpoints of sessions, written with Orbax.
+"""Crash-safe, verified checkpoints of sessions and managers, written with Orbax.
 
 A checkpoint is a directory::
 
     path/
       ckpt-000007/           the newest complete checkpoint
-        manifest.json        format and version, what is saved ("session"), its
-                             record (kinds, specs, residency, attrs structure, RNG
-                             key implementations) and a table of its arrays with
-                             shapes, dtypes and fingerprints
+        manifest.json        format and version, what is saved ("session" or
+                             "manager"), its record (kinds, specs, residency,
+                             attrs structure, RNG key implementations), a table
+                             of its arrays with shapes, dtypes and digests, and
+                             a digest of the whole manifest
         arrays/              an Orbax PyTree checkpoint of those arrays
       .partial-000008/       a save in progress, or one that crashed: never read
       .superseded-000006/    an older checkpoint being deleted: never read
@@ -15,17 +16,23 @@ A checkpoint is a directory::
 :func:`save` writes a whole checkpoint into a partial directory, flushes it,
 renames it to the next ``ckpt-N`` (a rename is atomic) and only then removes
 older ones: a crash at any moment leaves the previous checkpoint complete.
-:func:`restore` reads the newest ``ckpt-N``, checks every array against its
-fingerprint, and returns the whole session or raises :class:`CheckpointError`.
+
+**What a restore verifies.**  :func:`restore` reads the newest ``ckpt-N`` and
+checks, before it returns anything: that ``manifest.json`` parses, is of this
+format and version, and matches its BLAKE2b digest (so every name, spec,
+attr value, key implementation and array entry is the one saved); and that
+every array's bytes, in row-major order, match their BLAKE2b digest in the
+manifest (so no changed, swapped or moved value is returned).  A
+:class:`~jax_session_state.errors.CheckpointError` means the checkpoint was
+not restored, and says which file and what was wrong: none found, another
+format or version, a damaged or truncated file, or a ``target`` that does not
+match.  Nothing is half-restored.  The digests detect damage, not forgery:
+whoever can write the files can write matching digests.
 
 Arrays are placed on restore, not as they were saved, so a checkpoint written
 on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
 every object, attrs replicated), or a ``target`` session to copy placement
 from, or neither for the default device.
-
-What a checkpoint holds is dispatched on type through ``_CONTENTS``: a new
-content (a manager's sessions, LRU order and parked objects) adds an entry
-whose record reuses the session records and whose arrays share the one table.
 
 Example:
   >>> import tempfile
@@ -46,48 +53,36 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
-import logging
 import os
-import re
-import shutil
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
-from jax_session_state import _codec
-from jax_session_state._fingerprint import fingerprint
+from jax_session_state import _atomic, _codec, _manifest, _orbax_io
+from jax_session_state._digest import array_digests
+from jax_session_state._manifest import FORMAT, VERSION, ArrayTable
+from jax_session_state._orbax_io import AS_NUMPY, Destination
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CheckpointError
-from jax_session_state.manager import SessionStateManager
+from jax_session_state.manager import (
+    ManagerSnapshot,
+    SessionStateManager,
+    SnapshotSession,
+)
+from jax_session_state.offload import place
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 
 __all__ = ["FORMAT", "VERSION", "restore", "save"]
 
-FORMAT = "jax_session_state.checkpoint"
-VERSION = 3
-"""The on-disk format version this library writes and reads (2: ``KVCache``,
-``LatentBuffer`` and ``RetrievalStore`` keep their counts in one
-``bookkeeping`` array; 3: ``EncodeOnceKV`` keeps one ``phase`` for its two
-flags, ``FixedState`` keeps the committed value as ``undo_value`` while one
-is staged)."""
-
-_COMPLETE = re.compile(r"ckpt-(\d+)")
-_PARTIAL = ".partial-"
-_TRASH = ".superseded-"
-_MANIFEST = "manifest.json"
 _ARRAYS = "arrays"
-
-Placement = Any  # a jax.sharding.Sharding for device arrays, or HOST for numpy arrays
-HOST = "host"
 
 
 # --------------------------------------------------------------------- API
@@ -104,11 +99,12 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
         typed PRNG keys, lengths, flags and static specs; non-resident
         objects are saved as non-resident), or a
         :class:`~jax_session_state.SessionStateManager`: its settings and
-        every session it holds, least recently used first, parked objects
-        included (read from host memory, nothing is brought back), dropped
-        objects recorded as dropped.  Pins, counters, callbacks and rebuild
-        functions are not saved.  Sessions between a ``get`` and the ``put``
-        of a step that donated them cannot be saved.
+        every session it holds (:meth:`~SessionStateManager.snapshot`),
+        least recently used first, parked objects included (read from host
+        memory, nothing is brought back), evicted objects recorded as
+        evicted.  Pins, counters, callbacks and rebuild functions are not
+        saved.  Sessions between a ``get`` and the ``put`` of a step that
+        donated them cannot be saved.
 
     Returns:
       The directory of the new checkpoint.
@@ -126,29 +122,15 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
             "checkpoint.save() writes from one process; multi-process saves need one primary process "
             "to write the manifest and rename after Orbax's barrier, which is not implemented yet."
         )
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    for leftover in (*root.glob(f"{_PARTIAL}*"), *root.glob(f"{_TRASH}*")):  # left by a crashed save
-        shutil.rmtree(leftover, ignore_errors=True)
-    number = max((n for n, _ in _complete(root)), default=0) + 1
-    partial, final = root / f"{_PARTIAL}{number:06d}", root / f"ckpt-{number:06d}"
-    table = _ArrayTable()
-    manifest = {"format": FORMAT, "version": VERSION, "content": content.name, "record": content.encode(state, table)}
-    partial.mkdir()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # fingerprints (numpy, GIL released) beside Orbax's writes
-        fingerprints = pool.submit(table.fingerprints)
+    table = ArrayTable()
+    record = content.encode(state, table)
+    partial, final = _atomic.begin(Path(path))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # digests (hashlib releases the GIL) beside Orbax's writes
+        entries = pool.submit(table.digested_entries)
         if table.values:
-            _checkpointer().save(partial / _ARRAYS, args=ocp.args.PyTreeSave(table.values))
-        manifest["arrays"] = fingerprints.result()
-    _write_durably(partial / _MANIFEST, json.dumps(manifest, indent=1))
-    _fsync_directory(partial)
-    os.rename(partial, final)
-    _fsync_directory(root)
-    # Older checkpoints leave by an atomic rename; their files are deleted off the caller's path.
-    trash = [older.rename(root / f"{_TRASH}{n:06d}") for n, older in _complete(root)[:-1]]
-    if trash:
-        threading.Thread(target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash], daemon=True).start()
-    return final
+            _orbax_io.write_arrays(partial / _ARRAYS, table.values)
+        _manifest.write(partial, content.name, record, entries.result())
+    return _atomic.publish(partial, final)
 
 
 def restore(
@@ -157,7 +139,7 @@ def restore(
     target: Session | SessionStateManager | None = None,
     shardings: ShardingRules | None = None,
 ) -> Session | SessionStateManager:
-    """Restores the newest checkpoint in directory ``path``.
+    """Restores the newest checkpoint in directory ``path``, verified.
 
     Args:
       path: the checkpoint directory given to :func:`save`.
@@ -173,21 +155,22 @@ def restore(
     Without ``target`` or ``shardings`` everything lands on the default
     device.  A restored session continues a rollout bit for bit.  A restored
     manager admits the sessions least recently used first, by its usual
-    rules (so under a smaller budget it parks or preempts as ``create``
-    would); objects dropped when saved are rebuilt if a rebuild is
-    registered on it, else left non-resident; its counters start at zero.
+    rules (:meth:`SessionStateManager.load`).
 
     Raises:
-      CheckpointError: no checkpoint, another format version, damaged or
-        truncated files, or a target that does not match.  Nothing is
-        half-restored.
+      CheckpointError: no checkpoint, another format version, a manifest or
+        array that does not match its digest (damaged files), truncated
+        files, or a target that does not match; naming the file and what is
+        wrong.  Nothing is half-restored.
+      BudgetExceededError, SessionAdmissionError: a manager's sessions do
+        not fit ``target``; it is left empty.
     """
     if target is not None and not isinstance(target, (Session, SessionStateManager)):
         raise TypeError(f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}.")
     if shardings is not None and not isinstance(shardings, ShardingRules):
         raise TypeError(f"restore(shardings=...) takes ShardingRules; got {type(shardings).__name__}.")
-    directory = _newest(Path(path))
-    manifest = _read_manifest(directory)
+    directory = _atomic.newest(Path(path))
+    manifest = _manifest.read(directory)
     content = _CONTENTS.get(manifest.get("content"))
     if content is None:
         raise CheckpointError(f"{directory}: holds {manifest.get('content')!r}, which this library cannot restore.")
@@ -195,15 +178,61 @@ def restore(
         raise CheckpointError(
             f"{directory} holds a {content.type.__name__}; restore(target=...) got a {type(target).__name__}."
         )
+    entries = manifest["arrays"]
+    with _decoding(directory):
+        destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings)
+        layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
+        expected = {key: (entry["digest"], entry["where"]) for key, entry in entries.items()}
+    arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, destinations) if entries else {}
+    digests = array_digests(arrays)
+    for key, (digest, where) in expected.items():
+        if digests[key] != digest:
+            raise CheckpointError(
+                f"{directory}: array {where} does not match its digest: its files under "
+                f"{directory / _ARRAYS} are damaged. Nothing was restored."
+            )
+    with _decoding(directory):
+        values = {key: _finish(arrays.pop(key), entry, key not in uncommitted) for key, entry in entries.items()}
+    return assemble(values)
+
+
+@contextlib.contextmanager
+def _decoding(directory: Path) -> Iterator[None]:
+    """Turns what a record that does not decode raises into a CheckpointError naming the manifest."""
     try:
-        placements, assemble = content.plan(manifest["record"], manifest["arrays"], target, shardings)
-    except (KeyError, TypeError, IndexError, AttributeError) as error:
-        raise CheckpointError(f"{directory}/{_MANIFEST} is malformed: {error!r}.") from error
-    return assemble(_read_arrays(directory, manifest["arrays"], placements))
+        yield
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory / _manifest.MANIFEST}: {error}") from error
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise _manifest.malformed(directory, error) from error
+
+
+def _finish(x: Any, entry: dict[str, Any], committed: bool) -> Any:
+    """A verified array as the session holds it: in runtime-owned buffers, committed or not, typed keys wrapped.
+
+    Orbax returns arrays committed to their sharding; an array a session made
+    with ``jnp`` on the default device is not, and a jitted step compiles
+    once more for the other kind, so those come back uncommitted.
+    """
+    if isinstance(x, jax.Array) and not committed:
+        x, read = jax.block_until_ready(place(x, x.sharding, committed=False)), x  # one copy, runtime-owned
+        read.delete()
+    elif isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
+        # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
+        # buffers and a donated step cannot reuse them (the first step would copy the whole
+        # state). Copied into runtime-owned buffers one array at a time: the peak stays the
+        # state plus its largest array.
+        x, wrapped = jnp.copy(x), x
+        wrapped.delete()
+    if entry["type"] == "key":
+        return jax.random.wrap_key_data(x, impl=entry["impl"])
+    if entry["type"] == "numpy_scalar":
+        return np.asarray(x)[()]
+    return x
 
 
 # ------------------------------------------------------------- sessions
-def _encode_session(session: Session, table: _ArrayTable) -> dict[str, Any]:
+def _encode_session(session: Session, table: ArrayTable) -> dict[str, Any]:
     objects = {}
     for name, obj in session.objects.items():
         where = f"session object {name!r}"
@@ -230,7 +259,7 @@ def _object_spec(obj: StateObject, where: str) -> dict[str, Any]:
     }
 
 
-def _encode_attr(leaf: Any, where: str, table: _ArrayTable) -> dict[str, Any]:
+def _encode_attr(leaf: Any, where: str, table: ArrayTable) -> dict[str, Any]:
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return {"array": table.add(leaf, where)}
     if isinstance(leaf, (bool, int, float, str)):
@@ -243,12 +272,13 @@ def _encode_attr(leaf: Any, where: str, table: _ArrayTable) -> dict[str, Any]:
 
 def _plan_session(
     record: dict[str, Any], entries: dict[str, Any], target: Session | None, shardings: ShardingRules | None
-) -> tuple[dict[str, Placement], Callable[[dict[str, Any]], Session]]:
+) -> tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], Session]]:
     """Where each array of a session record goes, and how to build the session from them."""
     if target is not None:
         _check_matches(record, entries, target)
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    placements: dict[str, Placement] = {}
+    destinations: dict[str, Destination] = {}
+    uncommitted: set[str] = set()  # placed like arrays jnp makes: on the default device, not committed to it
     objects: dict[str, StateObject] = {}
     storages: dict[str, tuple[Any, list[str]]] = {}
     for name, obj_record in record["objects"].items():
@@ -264,17 +294,20 @@ def _plan_session(
         objects[name] = obj
         if obj_record["storage"] is None:
             continue
-        shapes = jax.eval_shape(obj._empty_storage)
+        shapes = obj.storage_shapes()
         leaves, treedef = jax.tree_util.tree_flatten(shapes)
         keys = obj_record["storage"]
         _check_table(entries, keys, leaves, f"session object {name!r}")
         if rules is not None:
             where = jax.tree_util.tree_leaves(rules.shardings(obj.storage_axes(), shapes, owner=obj.describe()))
         elif known is not None and known.resident:
-            where = [x.sharding for x in jax.tree_util.tree_leaves({f: getattr(known, f) for f in known.storage_fields()})]
+            known_leaves = jax.tree_util.tree_leaves({f: getattr(known, f) for f in known.storage_fields()})
+            where = [x.sharding for x in known_leaves]
+            uncommitted.update(k for k, x in zip(keys, known_leaves) if not x.committed)
         else:
             where = [default] * len(keys)
-        placements.update(zip(keys, where))
+            uncommitted.update(keys)
+        destinations.update(zip(keys, where))
         storages[name] = (treedef, keys)
     attr_treedef = _codec.decode_treedef(record["attrs"]["treedef"])
     known_attrs = jax.tree_util.tree_leaves(target.attrs) if target is not None else None
@@ -282,22 +315,28 @@ def _plan_session(
         if "array" in leaf:
             entry = entries[leaf["array"]]
             if entry["type"] in ("numpy", "numpy_scalar"):
-                placements[leaf["array"]] = HOST
+                destinations[leaf["array"]] = AS_NUMPY
             elif shardings is not None:
-                placements[leaf["array"]] = shardings.replicated()
+                destinations[leaf["array"]] = shardings.replicated()
             elif known_attrs is not None and isinstance(known_attrs[i], jax.Array):
-                placements[leaf["array"]] = known_attrs[i].sharding
+                destinations[leaf["array"]] = known_attrs[i].sharding
+                if not known_attrs[i].committed:
+                    uncommitted.add(leaf["array"])
             else:
-                placements[leaf["array"]] = default
+                destinations[leaf["array"]] = default
+                uncommitted.add(leaf["array"])
 
     def assemble(arrays: dict[str, Any]) -> Session:
         for name, (treedef, keys) in storages.items():
             storage = treedef.unflatten([arrays[k] for k in keys])
             objects[name] = objects[name].replace(**storage)
         attrs = [arrays[leaf["array"]] if "array" in leaf else leaf["value"] for leaf in record["attrs"]["leaves"]]
-        return Session(objects=objects, attrs=attr_treedef.unflatten(attrs))
+        try:
+            return Session(objects=objects, attrs=attr_treedef.unflatten(attrs))
+        except (ValueError, TypeError) as error:  # e.g. a recompute source that names no object
+            raise CheckpointError(f"the checkpoint's record does not make a valid session: {error}") from error
 
-    return placements, assemble
+    return destinations, uncommitted, assemble
 
 
 def _check_table(entries: dict[str, Any], keys: list[str], leaves: list[Any], where: str) -> None:
@@ -318,7 +357,7 @@ def _check_matches(record: dict[str, Any], entries: dict[str, Any], target: Sess
         del obj_record["storage"]
         if obj_record != json.loads(json.dumps(_object_spec(target[name], f"target object {name!r}"))):
             problems.append(f"object {name!r} is {_describe(obj_record)} in the checkpoint, {target[name].describe()} in the target")
-    table = _ArrayTable(keep_values=False)
+    table = ArrayTable(keep_values=False)
     target_attrs = json.loads(json.dumps(_encode_session(Session(objects={}, attrs=target.attrs), table)["attrs"]))
     saved_attrs = [_signature(leaf, entries) for leaf in record["attrs"]["leaves"]]
     wanted_attrs = [_signature(leaf, table.entries) for leaf in target_attrs["leaves"]]
@@ -340,35 +379,33 @@ def _describe(obj_record: dict[str, Any]) -> str:
     return f"{obj_record['kind'].rpartition(':')[2]}({spec})"
 
 
+
 @dataclasses.dataclass(frozen=True)
 class _Content:
     """One kind of thing a checkpoint holds: how to record it and how to plan its restore."""
 
     name: str
     type: type
-    encode: Callable[[Any, _ArrayTable], dict[str, Any]]
-    plan: Callable[..., tuple[dict[str, Placement], Callable[[dict[str, Any]], Any]]]
+    encode: Callable[[Any, ArrayTable], dict[str, Any]]
+    plan: Callable[..., tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], Any]]]
 
 
 # ------------------------------------------------------------- managers
-def _encode_manager(manager: SessionStateManager, table: _ArrayTable) -> dict[str, Any]:
-    """Every session held, least recently used first; parked objects saved with their host arrays."""
-    sessions = []
-    for session_id, held in manager.held().items():
-        if held.donated:
-            raise CheckpointError(
-                f"session {session_id!r} is in use: its arrays were donated to a step that has not been "
-                "put back. put() it (or drop() it) before saving the manager."
-            )
-        objects = {name: held.parked[name].obj if name in held.parked else obj for name, obj in held.session.objects.items()}
-        sessions.append(
-            {
-                "id": _codec.encode_value(session_id, where=f"session id {session_id!r}"),
-                "session": _encode_session(held.session.replace(objects=objects), table),
-                "dropped": sorted(held.dropped),
-            }
-        )
-    return {"config": manager.config(), "sessions": sessions}
+def _encode_manager(manager: SessionStateManager, table: ArrayTable) -> dict[str, Any]:
+    """The manager's snapshot: settings and every session, parked objects with their host arrays."""
+    try:
+        snapshot = manager.snapshot()
+    except RuntimeError as error:  # a session donated to a step that has not been put back
+        raise CheckpointError(f"cannot save the manager: {error}") from None
+    sessions = [
+        {
+            "id": _codec.encode_value(held.session_id, where=f"session id {held.session_id!r}"),
+            "session": _encode_session(held.session, table),
+            "evicted": sorted(held.evicted),
+        }
+        for held in snapshot.sessions
+    ]
+    return {"settings": dict(snapshot.settings), "sessions": sessions}
 
 
 def _plan_manager(
@@ -376,23 +413,30 @@ def _plan_manager(
     entries: dict[str, Any],
     target: SessionStateManager | None,
     shardings: ShardingRules | None,
-) -> tuple[dict[str, Placement], Callable[[dict[str, Any]], SessionStateManager]]:
+) -> tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], SessionStateManager]]:
     """Each session planned as a session checkpoint; the manager filled in LRU order."""
-    manager = SessionStateManager(**record["config"]) if target is None else target
-    if len(manager):
-        raise CheckpointError(f"restore(target=manager): the manager must be empty; it holds {len(manager)} sessions.")
-    placements: dict[str, Placement] = {}
+    if target is not None and len(target):
+        raise CheckpointError(f"restore(target=manager): the manager must be empty; it holds {len(target)} sessions.")
+    settings = dict(record["settings"])
+    destinations: dict[str, Destination] = {}
+    uncommitted: set[str] = set()
     sessions = []
     for saved in record["sessions"]:
-        where, assemble = _plan_session(saved["session"], entries, None, shardings)
-        placements.update(where)
-        sessions.append((_codec.decode_value(saved["id"]), assemble, frozenset(saved["dropped"])))
+        where, not_committed, assemble = _plan_session(saved["session"], entries, None, shardings)
+        destinations.update(where)
+        uncommitted |= not_committed
+        sessions.append((_codec.decode_value(saved["id"]), assemble, frozenset(saved["evicted"])))
 
     def assemble_manager(arrays: dict[str, Any]) -> SessionStateManager:
-        manager._load((session_id, assemble(arrays), dropped) for session_id, assemble, dropped in sessions)
-        return manager
+        snapshot = ManagerSnapshot(
+            settings, tuple(SnapshotSession(sid, assemble(arrays), evicted) for sid, assemble, evicted in sessions)
+        )
+        if target is None:
+            return SessionStateManager.from_snapshot(snapshot)
+        target.load(snapshot)
+        return target
 
-    return placements, assemble_manager
+    return destinations, uncommitted, assemble_manager
 
 
 _CONTENTS = {
@@ -400,143 +444,3 @@ _CONTENTS = {
     "manager": _Content("manager", SessionStateManager, _encode_manager, _plan_manager),
 }
 """What checkpoints hold, by the name in the manifest."""
-
-
-# --------------------------------------------------------------- arrays
-class _ArrayTable:
-    """The arrays of one checkpoint, keyed ``"0"``, ``"1"``, ..., with their manifest entries."""
-
-    def __init__(self, *, keep_values: bool = True) -> None:
-        self.keep_values = keep_values
-        self.values: dict[str, Any] = {}
-        self.entries: dict[str, dict[str, Any]] = {}
-
-    def add(self, x: Any, where: str) -> str:
-        key = str(len(self.entries))
-        entry: dict[str, Any] = {"where": where}
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            entry.update(type="key", impl=str(jax.random.key_impl(x)))
-            x = jax.random.key_data(x)
-        elif isinstance(x, jax.Array):
-            entry["type"] = "jax"
-        else:
-            entry["type"] = "numpy_scalar" if isinstance(x, np.generic) else "numpy"
-            x = np.asarray(x)
-        entry.update(shape=list(x.shape), dtype=np.dtype(x.dtype).name)
-        if self.keep_values:
-            self.values[key] = x
-        self.entries[key] = entry
-        return key
-
-    def fingerprints(self) -> dict[str, dict[str, Any]]:
-        """The manifest entries, each with its array's fingerprint."""
-        return {key: {**entry, "fingerprint": fingerprint(self.values[key])} for key, entry in self.entries.items()}
-
-
-def _read_arrays(directory: Path, entries: dict[str, Any], placements: dict[str, Placement]) -> dict[str, Any]:
-    """Reads every array of the checkpoint, placed, and checks its fingerprint."""
-    if not entries:
-        return {}
-    item, restore_args = {}, {}
-    for key, entry in entries.items():
-        place = placements[key]
-        dtype = jnp.dtype(entry["dtype"])
-        item[key] = jax.ShapeDtypeStruct(tuple(entry["shape"]), dtype, sharding=None if place == HOST else place)
-        restore_args[key] = (
-            ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-            if place == HOST
-            else ocp.ArrayRestoreArgs(sharding=place, dtype=dtype)
-        )
-    try:
-        arrays = _checkpointer().restore(
-            directory / _ARRAYS, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
-        )
-    except Exception as error:  # Orbax and TensorStore raise many types for damaged files
-        raise CheckpointError(f"{directory}: the arrays cannot be read (damaged or truncated files?): {error}") from error
-    out = {}
-    for key, entry in entries.items():
-        x = arrays.pop(key)
-        if fingerprint(x) != entry["fingerprint"]:
-            raise CheckpointError(
-                f"{directory}: array {entry['where']} does not match its fingerprint: its files are damaged."
-            )
-        if isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
-            # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
-            # buffers and a donated step cannot reuse them (the first step would copy the whole
-            # state). Copied into runtime-owned buffers one array at a time: the peak stays the
-            # state plus its largest array.
-            x, wrapped = jnp.copy(x), x
-            wrapped.delete()
-        if entry["type"] == "key":
-            x = jax.random.wrap_key_data(x, impl=entry["impl"])
-        elif entry["type"] == "numpy_scalar":
-            x = np.asarray(x)[()]
-        out[key] = x
-    return out
-
-
-_ORBAX_OPTIONS = {"use_ocdbt": False, "use_compression": False}
-"""How arrays are written, chosen by measurement (``benchmarks/sharded.py``): session
-state is a few large arrays of incompressible floats, so compression only costs
-time, and plain zarr files saved faster than OCDBT's single data file."""
-
-
-def _checkpointer() -> ocp.Checkpointer:
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_ORBAX_OPTIONS))
-
-
-class _WithoutOcdbtMergeWarning(logging.Filter):
-    """Drops the warning Orbax logs on every save without OCDBT (there is nothing to merge)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_WithoutOcdbtMergeWarning())
-
-
-# ---------------------------------------------------------------- files
-def _complete(root: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in ``root``, oldest first."""
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir()]
-    return sorted(found)
-
-
-def _newest(root: Path) -> Path:
-    if not root.is_dir():
-        raise CheckpointError(f"no checkpoint at {root}: it is not a directory.")
-    complete = _complete(root)
-    if not complete:
-        raise CheckpointError(f"no complete checkpoint in {root} (a save that crashed leaves none).")
-    return complete[-1][1]
-
-
-def _read_manifest(directory: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((directory / _MANIFEST).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{directory}/{_MANIFEST} cannot be read (damaged or truncated?): {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{directory} is not a {FORMAT} checkpoint.")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{directory} was written in checkpoint format version {manifest.get('version')!r}; this "
-            f"library reads version {VERSION}. Restore it with the jax_session_state that wrote it."
-        )
-    return manifest
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-

@@ -4,99 +4,48 @@ The protocol: ``create`` a session, then for every step ``get`` it, run the
 jitted (donating) step, and ``put`` the result back — or let ``update(sid, fn)``
 do all three atomically.  When a put, a create or a restore would exceed a
 byte budget the manager frees bytes in this order (see
-:func:`jax_session_state.planner.plan`): it drops objects it can rebuild
+:func:`jax_session_state.planner.plan`): it evicts objects it can rebuild
 (registered with :meth:`SessionStateManager.register_rebuild`), parks others to
 host memory, and, if ``evict_when_full``, preempts least recently used
 sessions; otherwise it refuses and changes nothing.  A later ``get`` brings
-dropped and parked objects back before returning the session.  Nothing is
+evicted and parked objects back before returning the session.  Nothing is
 lost silently: every action is reported through ``on_event`` and a preempted
 session raises :class:`~jax_session_state.errors.SessionStateLostError`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal
 
 from jax_session_state import offload
-from jax_session_state._held import Entry, Ledger, ObjectRecord, Rebuild, distinct_bytes
-from jax_session_state.accounting import Storage
+from jax_session_state._manager_core import ManagerCore, checked_session
+from jax_session_state._manager_events import ManagerEvent
+from jax_session_state._manager_snapshot import (
+    Held,
+    ManagerSnapshot,
+    ManagerSnapshots,
+    SnapshotSession,
+)
+from jax_session_state._table import Entry, Rebuild
 from jax_session_state.base import StateObject
-from jax_session_state.errors import BudgetExceededError, SessionAdmissionError, SessionStateLostError
-from jax_session_state.planner import Action, DropObject, Plan, PreemptSession, SessionUsage, plan
+from jax_session_state.errors import BudgetExceededError, SessionStateLostError
 from jax_session_state.session import Session
 
-__all__ = ["Held", "ManagerEvent", "SessionStateManager"]
-
-EventKind = Literal["drop", "park", "restore", "rebuild", "preempt", "refusal"]
-
-LOST_REASONS_KEPT = 4096
-"""How many lost (dropped or preempted) session ids keep their reason for later lookups."""
-
-_COUNTERS = ("evictions", "preemptions", "parks", "restores", "rebuilds", "refusals")
+__all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "SnapshotSession"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ManagerEvent:
-    """Something the manager did to a session, or refused to do.
 
-    Attributes:
-      kind: ``"drop"`` (an object evicted, to be rebuilt), ``"park"`` (an
-        object moved to host memory), ``"restore"`` (a parked object copied
-        back), ``"rebuild"`` (a dropped object rebuilt), ``"preempt"`` (a whole
-        session released: later lookups raise SessionStateLostError) or
-        ``"refusal"`` (a create, put or restore refused; nothing changed).
-      session_id: the session acted on (for a refusal, the one refused).
-      object_name: the object acted on; None for whole sessions.
-      bytes_by_device: the bytes moved, freed or taken, by device key (for a
-        refusal, the shortfall).
-      reason: why, in words.
-    """
-
-    kind: EventKind
-    session_id: Hashable
-    object_name: str | None
-    bytes_by_device: Mapping[str, int]
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Held:
-    """How the manager holds one session now (see :meth:`SessionStateManager.held`).
-
-    Attributes:
-      session: the session; its parked and dropped objects are not resident here.
-      parked: the parked objects by name (their arrays in host memory).
-      dropped: names of the objects dropped, to be rebuilt on the next lookup.
-      donated: whether its arrays were deleted by a step in progress (between
-        a ``get`` and its ``put``).
-    """
-
-    session: Session
-    parked: Mapping[str, offload.Parked]
-    dropped: frozenset[str]
-    donated: bool
-
-
-class _Donated(Exception):
-    """Sessions a plan would act on whose arrays a step in progress has donated."""
-
-    def __init__(self, session_ids: set[Hashable]):
-        super().__init__(session_ids)
-        self.session_ids = session_ids
-
-
-class SessionStateManager:
+class SessionStateManager(ManagerSnapshots):
     """Sessions by id on the host, under a count cap and per-device byte budgets; thread-safe.
 
     Use ``get`` / ``put``: ``get`` hands out the stored session itself, so a
     step that donates it deletes the stored copy's arrays; ``put`` the step's
     result back before anything else needs that session.  Between the two the
-    manager leaves that session alone (it never drops, parks or preempts a
+    manager leaves that session alone (it never evicts, parks or preempts a
     session whose arrays were donated).  ``update(sid, fn)`` does get, fn, put
     atomically for that id and is safe by construction.
 
@@ -105,7 +54,7 @@ class SessionStateManager:
       byte_budget: the most bytes held per device key (``{"cuda:0": 40 << 30}``);
         keys not named are unlimited; None: no byte budget.
       evict_when_full: whether the manager may release whole least recently
-        used sessions (at the count cap, or when dropping and parking objects
+        used sessions (at the count cap, or when evicting and parking objects
         is not enough); if not, it refuses with
         :class:`~jax_session_state.errors.SessionAdmissionError` /
         :class:`~jax_session_state.errors.BudgetExceededError`.
@@ -117,10 +66,13 @@ class SessionStateManager:
         :class:`threading.Condition` accepts: ``threading.RLock`` (a rebuild
         function, which runs under the lock, may then call the manager) or
         ``threading.Lock``.
-      on_event: called with a :class:`ManagerEvent` for every drop, park,
+      on_event: called with a :class:`ManagerEvent` for every eviction, park,
         restore, rebuild, preemption and refusal, after the manager's lock is
-        released and the operation is done (an exception it raises reaches
-        the caller of that completed operation).
+        released and the operation is done.  Every event of an operation
+        reaches it even if it raises; its errors are raised to the caller
+        of that completed operation after the last event (one error as
+        itself, several as an ``ExceptionGroup``), or, when the operation
+        itself failed, logged and noted on the operation's error.
 
     A manager is always truthy (so ``manager or default`` never replaces an
     empty one); ``len(manager)`` is the number of sessions held.
@@ -170,24 +122,16 @@ class SessionStateManager:
             raise ValueError(
                 f"SessionStateManager: host_budget must be bytes >= 0 or None; got {host_budget!r}."
             )
-        self.max_sessions = max_sessions
-        self.byte_budget = budgets
-        self.evict_when_full = evict_when_full
-        self.park_memory_kind = park_memory_kind
-        self.host_budget = host_budget
-        self.on_event = on_event
-        self._lock = lock_factory()
-        self._idle = threading.Condition(self._lock)  # signalled when an update() ends
-        self._entries: dict[Hashable, Entry] = {}
-        # Recency, least recently used first; the value is the session while a lookup may hand it out
-        # at once (whole, not in an update), else None: a hit reads nothing else.
-        self._recency: collections.OrderedDict[Hashable, Session | None] = collections.OrderedDict()
-        self._lost: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
-        self._ledger = Ledger()
-        self._rebuilds: dict[str, Rebuild] = {}
-        self._rebuilds_version = 0
-        self._hits = self._misses = 0
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        ManagerCore.__init__(
+            self,
+            max_sessions=max_sessions,
+            byte_budget=budgets,
+            evict_when_full=evict_when_full,
+            park_memory_kind=park_memory_kind,
+            host_budget=host_budget,
+            lock=lock_factory(),
+            on_event=on_event,
+        )
 
     # ------------------------------------------------------------ mapping
     def __contains__(self, session_id: object) -> bool:
@@ -201,13 +145,13 @@ class SessionStateManager:
 
     # ------------------------------------------------------------ lookups
     def get(self, session_id: Hashable) -> Session:
-        """The session, with anything dropped or parked brought back first.
+        """The session, with anything evicted or parked brought back first.
 
         The session returned is the one stored: donating it to a jitted step
         deletes the stored copy's arrays, so ``put`` the step's result back.
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted
+          SessionStateLostError: the id is unknown, released or preempted
             (nothing is created).
           BudgetExceededError: bringing its objects back does not fit; the
             session stays as it was.
@@ -218,20 +162,22 @@ class SessionStateManager:
                 self._recency.move_to_end(session_id)
                 self._hits += 1
                 return session
-        return self._checkout(session_id)[0]
+        events: list[ManagerEvent] = []
+        with self._delivering(events):
+            return self._lookup(session_id, events)[0]
 
     def update(self, session_id: Hashable, fn: Callable[[Session], Session]) -> Session:
         """Gets the session, applies ``fn`` and puts the result back, atomically for this id.
 
         While ``fn`` runs (outside the manager's lock) other lookups, puts and
-        drops of this id wait, and the manager does not touch the session, so
+        releases of this id wait, and the manager does not touch the session, so
         ``fn`` may donate it.
 
         Returns:
           The new session, as stored.
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted.
+          SessionStateLostError: the id is unknown, released or preempted.
           BudgetExceededError: the result does not fit; it is attached to the
             error as ``session`` and the stored session is the one ``fn`` got
             (dead if ``fn`` donated it: ``put`` the result once there is room).
@@ -244,8 +190,10 @@ class SessionStateManager:
             entry = self._entries.get(session_id)
             if entry is not None and entry.busy == me:
                 raise RuntimeError(f"update({session_id!r}) called inside update({session_id!r})'s own fn.")
-        session, entry = self._checkout(session_id, hold=True)
+        events: list[ManagerEvent] = []
         try:
+            with self._delivering(events):  # a listener that raises leaves no hold behind (finally)
+                session, _ = self._lookup(session_id, events, hold=True)
             new = fn(session)
             try:
                 return self.put(session_id, new)
@@ -262,70 +210,48 @@ class SessionStateManager:
 
     @contextlib.contextmanager
     def pin(self, session_id: Hashable) -> Iterator[Session]:
-        """Keeps the session whole while the block runs: nothing is dropped, parked or preempted.
+        """Keeps the session whole while the block runs: nothing is evicted, parked or preempted.
 
         Yields the session (brought back first, like ``get``).  Pins nest;
-        ``put`` inside the block keeps the pin; ``drop`` ends it.
+        ``put`` inside the block keeps the pin; ``release`` ends it.
         """
-        session, entry = self._checkout(session_id, pin=True)
+        events: list[ManagerEvent] = []
+        entry = None
         try:
+            with self._delivering(events):  # a listener that raises leaves no pin behind (finally)
+                session, entry = self._lookup(session_id, events, pin=True)
             yield session
         finally:
             with self._lock:
                 current = self._entries.get(session_id)
-                if current is not None and current.origin is entry.origin:  # not dropped and created again
-                    current.pins -= 1
+                if entry is not None and current is not None and current.origin is entry.origin:
+                    current.pins -= 1  # (not when released and created again meanwhile)
 
-    def _checkout(
-        self, session_id: Hashable, *, hold: bool = False, pin: bool = False
+    def _lookup(
+        self, session_id: Hashable, events: list[ManagerEvent], *, hold: bool = False, pin: bool = False
     ) -> tuple[Session, Entry]:
-        """The slow lookup: waits for an update in progress, restores what is missing, counts."""
-        events: list[ManagerEvent] = []
-        try:
-            with self._lock:
-                try:
-                    entry = self._wait_idle(session_id)
-                except SessionStateLostError:
-                    self._misses += 1
-                    raise
-                if entry.whole:
-                    self._hits += 1
-                else:
-                    self._misses += 1
-                    entry = self._restore(session_id, entry, events)
-                self._recency.move_to_end(session_id)
-                if pin:
-                    entry.pins += 1
-                if hold:
-                    entry.busy = threading.get_ident()
-                    self._store(session_id, entry)
-                return entry.session, entry
-        finally:
-            self._emit(events)
+        """The slow lookup: waits for an update in progress, restores what is missing, counts.
 
-    def _wait_idle(self, session_id: Hashable) -> Entry:
-        me = threading.get_ident()
-        while True:
-            entry = self._entries.get(session_id)
-            if entry is None:
-                raise self._lost_error(session_id)
-            if entry.busy is None or entry.busy == me:
-                return entry
-            self._idle.wait()
-
-    def _lost_error(self, session_id: Hashable) -> SessionStateLostError:
-        reason = self._lost.get(session_id)
-        if reason is None:
-            return SessionStateLostError(
-                f"session {session_id!r} is unknown to this manager: it was never created (or was lost "
-                f"longer ago than the last {LOST_REASONS_KEPT} losses). Nothing was created; call "
-                f"create({session_id!r}, session) to start it."
-            )
-        return SessionStateLostError(
-            f"session {session_id!r} is gone: {reason}. Its state cannot be returned and nothing was "
-            f"created; start it again with create({session_id!r}, session) (from a checkpoint if you keep "
-            "them), and pin() sessions that must not be lost."
-        )
+        ``hold`` marks the entry as in this thread's update(); ``pin`` adds a pin.
+        """
+        with self._lock:
+            try:
+                entry = self._wait_idle(session_id)
+            except SessionStateLostError:
+                self._misses += 1
+                raise
+            if entry.whole:
+                self._hits += 1
+            else:
+                self._misses += 1
+                entry = self._restore(session_id, entry, events)
+            self._recency.move_to_end(session_id)
+            if pin:
+                entry.pins += 1
+            if hold:
+                entry.busy = threading.get_ident()
+                self._store(session_id, entry)
+            return entry.session, entry
 
     # -------------------------------------------------------------- writes
     def create(self, session_id: Hashable, session: Session) -> None:
@@ -341,74 +267,68 @@ class SessionStateManager:
             preempted; nothing changed.
           BudgetExceededError: the session does not fit; nothing changed.
         """
-        new = Entry.of(_checked_session(session, "create", session_id))
+        new = Entry.of(checked_session(session, "create", session_id))
         events: list[ManagerEvent] = []
-        try:
-            with self._lock:
-                if session_id in self._entries:
-                    raise ValueError(
-                        f"create({session_id!r}): that session exists already. put() replaces it; "
-                        "drop() it first to start over."
-                    )
-                victim = None
-                if len(self._entries) >= self.max_sessions:
-                    victim = self._count_cap_victim()
-                    if victim is None or not self.evict_when_full:
-                        self._refuse_admission(session_id, events)
-                removed = list(self._entries[victim].storages()) if victim is not None else []
-                action = f"creating session {session_id!r}"
-                self._make_room(
-                    session_id,
-                    action,
-                    new,
-                    removed=removed,
-                    added=list(new.storages()),
-                    exclude=victim,
-                    events=events,
+        with self._delivering(events), self._lock:  # events go out once the lock is released
+            if session_id in self._entries:
+                raise ValueError(
+                    f"create({session_id!r}): that session exists already. put() replaces it; "
+                    "release() it first to start over."
                 )
-                if victim is not None:
-                    reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
-                    self._preempt(victim, reason, events)
-                self._ledger.apply((), new.storages())
-                self._store(session_id, new)
-                self._lost.pop(session_id, None)
-        finally:
-            self._emit(events)
+            victim = None
+            if len(self._entries) >= self.max_sessions:
+                victim = self._count_cap_victim()
+                if victim is None or not self.evict_when_full:
+                    self._refuse_admission(session_id, events)
+            removed = list(self._entries[victim].storages()) if victim is not None else []
+            action = f"creating session {session_id!r}"
+            self._make_room(
+                session_id,
+                action,
+                new,
+                removed=removed,
+                added=list(new.storages()),
+                exclude=victim,
+                events=events,
+            )
+            if victim is not None:
+                reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
+                self._preempt(victim, reason, events)
+            self._ledger.apply((), new.storages())
+            self._store(session_id, new)
+            self._lost.pop(session_id, None)
 
     def put(self, session_id: Hashable, session: Session) -> Session:
         """Replaces the session (typically with a step's result) and returns it.
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted (use
+          SessionStateLostError: the id is unknown, released or preempted (use
             ``create`` to admit it again).
           BudgetExceededError: the session does not fit; the stored session
             stays as it was.
         """
-        new = Entry.of(_checked_session(session, "put", session_id))
+        new = Entry.of(checked_session(session, "put", session_id))
         events: list[ManagerEvent] = []
-        try:
-            with self._lock:
-                old = self._wait_idle(session_id)
-                removed, added = list(old.storages()), list(new.storages())
-                self._make_room(
-                    session_id,
-                    f"putting session {session_id!r}",
-                    new,
-                    removed=removed,
-                    added=added,
-                    events=events,
-                )
-                self._ledger.apply(old.storages(), new.storages())
-                self._store(session_id, new.carrying(old))
-                self._recency.move_to_end(session_id)
-                return session
-        finally:
-            self._emit(events)
+        with self._delivering(events), self._lock:  # events go out once the lock is released
+            old = self._wait_idle(session_id)
+            removed, added = list(old.storages()), list(new.storages())
+            self._make_room(
+                session_id,
+                f"putting session {session_id!r}",
+                new,
+                removed=removed,
+                added=added,
+                events=events,
+            )
+            self._ledger.apply(old.storages(), new.storages())
+            self._store(session_id, new.carrying(old))
+            self._recency.move_to_end(session_id)
+            return session
 
-    def drop(self, session_id: Hashable) -> bool:
-        """Releases the session, pinned or not; True if it was held (dropping twice is fine: False).
+    def release(self, session_id: Hashable) -> bool:
+        """Releases the session, pinned or not; True if it was held (releasing twice is fine: False).
 
-        Later lookups raise SessionStateLostError saying it was dropped.
+        Later lookups raise SessionStateLostError saying it was released.
         """
         with self._lock:
             try:
@@ -417,15 +337,20 @@ class SessionStateManager:
                 return False
             self._forget(session_id)
             self._ledger.apply(entry.storages(), ())
-            self._remember_loss(session_id, "it was dropped with drop()")
+            self._remember_loss(session_id, "it was released with release()")
             return True
+
+    def drop(self, session_id: Hashable) -> bool:
+        """Deprecated: use :meth:`release` (objects are evicted, sessions are released)."""
+        warnings.warn("SessionStateManager.drop() is deprecated; use release().", DeprecationWarning, stacklevel=2)
+        return self.release(session_id)
 
     def register_rebuild(
         self, name: str, fn: Callable[[Session], StateObject], *, cost: float | None = None
     ) -> None:
-        """Lets the manager drop objects called ``name`` and rebuild them on the next lookup.
+        """Lets the manager evict objects called ``name`` and rebuild them on the next lookup.
 
-        Only objects that declare a ``recompute_source`` are ever dropped.
+        Only objects that declare a ``recompute_source`` are ever evicted.
 
         Args:
           name: the object name, in every session.
@@ -434,7 +359,7 @@ class SessionStateManager:
             spec (``describe()``), and is placed on the original's shardings.
             It runs under the manager's lock.
           cost: the rebuild's cost for the planner (cheapest per byte is
-            dropped first); None uses the object's ``recompute_cost``.
+            evicted first); None uses the object's ``recompute_cost``.
         """
         if not callable(fn):
             raise TypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
@@ -456,7 +381,7 @@ class SessionStateManager:
         Returns:
           ``sessions``; ``hits`` and ``misses`` (lookups by get, update and
           pin: a miss found the id lost or had to bring objects back) and
-          their sum ``lookups``; ``evictions`` (objects dropped to be
+          their sum ``lookups``; ``evictions`` (objects evicted to be
           rebuilt), ``preemptions`` (whole sessions released), ``parks``,
           ``restores`` (parked objects copied back), ``rebuilds``, ``refusals``;
           ``bytes`` by device key.
@@ -482,321 +407,9 @@ class SessionStateManager:
                 session_id: Held(
                     entry.session,
                     {name: entry.records[name].parked for name in entry.names("parked")},
-                    frozenset(entry.names("dropped")),
+                    frozenset(entry.names("evicted")),
                     offload.is_donated(entry.session),
+                    bool(entry.pins),
                 )
                 for session_id, entry in self._by_recency()
             }
-
-    def config(self) -> dict[str, Any]:
-        """The constructor's settings a checkpoint records (not the lock, callbacks or rebuilds)."""
-        return {
-            "max_sessions": self.max_sessions,
-            "byte_budget": dict(self.byte_budget),
-            "evict_when_full": self.evict_when_full,
-            "park_memory_kind": self.park_memory_kind,
-            "host_budget": self.host_budget,
-        }
-
-    def _load(self, sessions: Iterable[tuple[Hashable, Session, frozenset[str]]]) -> None:
-        """Fills an empty manager from a checkpoint, least recently used first; counters start at 0.
-
-        Objects named in each ``frozenset`` were dropped when saved: those with
-        a registered rebuild are rebuilt before the session is admitted, the
-        others stay non-resident.  Admission follows ``create``'s rules.  No
-        other thread may use the manager meanwhile.  If a session cannot be
-        admitted, every session loaded so far is dropped again and the error
-        raised: nothing is half-restored.
-        """
-        with self._lock:
-            if self._entries:
-                raise ValueError(
-                    f"restoring a manager checkpoint needs an empty manager; this one holds {len(self)} sessions."
-                )
-        loaded = []
-        try:
-            for session_id, session, dropped in sessions:
-                objects = dict(session.objects)
-                for name in sorted(dropped & self._rebuilds.keys()):
-                    objects[name] = self._rebuild(session_id, name, session, None)
-                self.create(session_id, session.replace(objects=objects))
-                loaded.append(session_id)
-        except Exception:
-            for session_id in loaded:
-                self.drop(session_id)
-            with self._lock:
-                self._lost.clear()
-            raise
-        with self._lock:
-            self._hits = self._misses = 0
-            self._counts = dict.fromkeys(_COUNTERS, 0)
-
-    # --------------------------------------------------------- internals
-    def _store(self, session_id: Hashable, entry: Entry) -> None:
-        """Holds ``entry`` for the id (a new id is the most recently used)."""
-        self._entries[session_id] = entry
-        self._recency[session_id] = entry.session if entry.ready else None
-
-    def _forget(self, session_id: Hashable) -> Entry:
-        del self._recency[session_id]
-        return self._entries.pop(session_id)
-
-    def _by_recency(self) -> Iterator[tuple[Hashable, Entry]]:
-        """Every (id, entry), least recently used first."""
-        for session_id in self._recency:
-            yield session_id, self._entries[session_id]
-
-    def _emit(self, events: list[ManagerEvent]) -> None:
-        if self.on_event is not None:
-            for event in events:
-                self.on_event(event)
-
-    def _remember_loss(self, session_id: Hashable, reason: str) -> None:
-        self._lost[session_id] = reason
-        self._lost.move_to_end(session_id)
-        while len(self._lost) > LOST_REASONS_KEPT:
-            self._lost.popitem(last=False)
-
-    def _count_cap_victim(self) -> Hashable | None:
-        for session_id, entry in self._by_recency():
-            if not entry.pins and entry.busy is None and not offload.is_donated(entry.session):
-                return session_id
-        return None
-
-    def _refuse_admission(self, session_id: Hashable, events: list[ManagerEvent]) -> None:
-        why = (
-            "every held session is pinned or in use"
-            if self.evict_when_full
-            else "it may not evict (evict_when_full=False)"
-        )
-        message = (
-            f"cannot create session {session_id!r}: the manager holds max_sessions={self.max_sessions} "
-            f"sessions and {why}. Nothing changed; drop() a session, raise max_sessions, or allow eviction."
-        )
-        self._counts["refusals"] += 1
-        events.append(ManagerEvent("refusal", session_id, None, {}, message))
-        raise SessionAdmissionError(message)
-
-    def _make_room(
-        self,
-        session_id: Hashable,
-        action: str,
-        proposal: Entry,
-        *,
-        removed: Iterable[Storage] = (),
-        added: Iterable[Storage] = (),
-        restored: Mapping[str, int] | None = None,
-        exclude: Hashable | None = None,
-        events: list[ManagerEvent],
-    ) -> None:
-        """Frees bytes, if need be, so that ``action`` fits every budget; else refuses, changing nothing.
-
-        The action releases storages ``removed``, takes ``added`` and, for a
-        restore, brings back ``restored`` bytes (``proposal`` is then the
-        entry restored, else the entry as it will be); ``exclude`` is a
-        session leaving at the same time.
-        """
-        change = self._ledger.delta(removed, added)
-        for key, nbytes in (restored or {}).items():
-            change[key] = change.get(key, 0) + nbytes
-        over = {
-            key: self._ledger.totals.get(key, 0) + change.get(key, 0) - budget
-            for key, budget in self.byte_budget.items()
-            if self._ledger.totals.get(key, 0) + change.get(key, 0) > budget
-        }
-        if not over:
-            return
-        reason = ", ".join(
-            f"{key} over its budget of {self.byte_budget[key]} bytes by {n}" for key, n in over.items()
-        )
-        reason = f"{reason} while {action}"
-        untouchable: set[Hashable] = set()
-        while True:
-            result = plan(
-                self._usages(session_id, proposal, exclude, untouchable, restoring=restored is not None),
-                budgets=self.byte_budget,
-                protect=session_id,
-                park=self.park_memory_kind is not None,
-                host_room=self._host_room(),
-                allow_preempt=self.evict_when_full,
-            )
-            if not isinstance(result, Plan):
-                self._counts["refusals"] += 1
-                message = (
-                    f"{action} does not fit the byte budget ({reason}); after everything the manager may "
-                    f"free it is still {result.message}. Nothing changed. Raise byte_budget, drop() or unpin "
-                    "sessions, register rebuild functions, or allow parking and eviction."
-                )
-                events.append(
-                    ManagerEvent("refusal", session_id, None, dict(result.shortfall_by_device), message)
-                )
-                raise BudgetExceededError(message)
-            try:
-                prepared = self._prepare(result)
-            except _Donated as donated:
-                untouchable |= donated.session_ids
-                continue
-            self._apply(prepared, reason, events)
-            return
-
-    def _host_room(self) -> int | None:
-        if self.host_budget is None:
-            return None
-        suffix = f"/{self.park_memory_kind}"
-        parked = sum(nbytes for key, nbytes in self._ledger.totals.items() if key.endswith(suffix))
-        return max(self.host_budget - parked, 0)
-
-    def _usages(
-        self,
-        session_id: Hashable,
-        proposal: Entry,
-        exclude: Hashable | None,
-        untouchable: set[Hashable],
-        *,
-        restoring: bool,
-    ) -> list[SessionUsage]:
-        """The planner's view: every session, least recently used first, the proposal last."""
-        usages = []
-        for tick, (other_id, entry) in enumerate(self._by_recency()):
-            if other_id != session_id and other_id != exclude:
-                pinned = bool(entry.pins) or entry.busy is not None or other_id in untouchable
-                usages.append(entry.usage(other_id, tick, pinned, self._rebuilds, self._rebuilds_version))
-        last = len(self._entries)
-        if restoring:
-            usages.append(proposal.restored_usage(session_id, last, self._rebuilds))
-        else:
-            usages.append(proposal.usage(session_id, last, True, self._rebuilds, self._rebuilds_version))
-        return usages
-
-    def _prepare(self, result: Plan) -> list[tuple[Action, tuple[StateObject, ObjectRecord] | None]]:
-        """Each action's new object (evicted or parked), computed before anything changes.
-
-        Raises:
-          _Donated: naming every acted-on session whose arrays were donated.
-        """
-        donated = set()
-        prepared = []
-        for action in result.actions:
-            entry = self._entries[action.session_id]
-            if offload.is_donated(entry.session):  # a step in progress holds it: untouchable till its put
-                donated.add(action.session_id)
-            elif isinstance(action, PreemptSession):
-                prepared.append((action, None))
-            elif isinstance(action, DropObject):
-                obj = entry.session[action.name]
-                record = entry.records[action.name].dropped(offload.Placement.of(obj))
-                prepared.append((action, (obj.evict()[0], record)))
-            else:
-                obj = entry.session[action.name]
-                record = entry.records[action.name].parked_as(offload.park(obj, self.park_memory_kind))
-                prepared.append((action, (obj.reset(), record)))
-        if donated:
-            raise _Donated(donated)
-        return prepared
-
-    def _apply(
-        self,
-        prepared: list[tuple[Action, tuple[StateObject, ObjectRecord] | None]],
-        reason: str,
-        events: list[ManagerEvent],
-    ) -> None:
-        for action, change in prepared:
-            session_id = action.session_id
-            if isinstance(action, PreemptSession):
-                self._preempt(session_id, f"preempted ({reason})", events)
-                continue
-            entry = self._entries[session_id]
-            obj, record = change
-            new = entry.with_object(action.name, obj, record)
-            self._ledger.apply(entry.records[action.name].storages, record.storages)
-            self._store(session_id, new)
-            if isinstance(action, DropObject):
-                self._counts["evictions"] += 1
-                events.append(ManagerEvent("drop", session_id, action.name, dict(action.freed), reason))
-            else:
-                self._counts["parks"] += 1
-                events.append(ManagerEvent("park", session_id, action.name, dict(action.moved), reason))
-
-    def _preempt(self, session_id: Hashable, reason: str, events: list[ManagerEvent]) -> None:
-        entry = self._forget(session_id)
-        freed = distinct_bytes(entry.storages())
-        self._ledger.apply(entry.storages(), ())
-        self._remember_loss(session_id, reason)
-        self._counts["preemptions"] += 1
-        events.append(ManagerEvent("preempt", session_id, None, freed, reason))
-
-    def _restore(self, session_id: Hashable, entry: Entry, events: list[ManagerEvent]) -> Entry:
-        """Brings the session's parked and dropped objects back (making room first); the new entry."""
-        parked, dropped = entry.names("parked"), entry.names("dropped")
-        released = [storage for name in parked for storage in entry.records[name].storages]
-        restored: dict[str, int] = {}
-        for name in parked + dropped:
-            for key, nbytes in entry.records[name].home_bytes.items():
-                restored[key] = restored.get(key, 0) + nbytes
-        self._make_room(
-            session_id,
-            f"restoring session {session_id!r}",
-            entry,
-            removed=released,
-            restored=restored,
-            events=events,
-        )
-        objects = dict(entry.session.objects)
-        for name in parked:
-            objects[name] = offload.restore(entry.records[name].parked)
-        session = entry.session.replace(objects=objects)
-        for name in dropped:
-            objects[name] = self._rebuild(session_id, name, session, entry.records[name].placement)
-        new = Entry.of(entry.session.replace(objects=objects)).carrying(entry)
-        self._ledger.apply(entry.storages(), new.storages())
-        self._store(session_id, new)
-        reason = f"session {session_id!r} looked up"
-        for name in parked:
-            self._counts["restores"] += 1
-            events.append(ManagerEvent("restore", session_id, name, new.records[name].home_bytes, reason))
-        for name in dropped:
-            self._counts["rebuilds"] += 1
-            events.append(ManagerEvent("rebuild", session_id, name, new.records[name].home_bytes, reason))
-        return new
-
-    def _rebuild(
-        self, session_id: Hashable, name: str, session: Session, placement: offload.Placement | None
-    ) -> StateObject:
-        original = session[name]
-        where = f"rebuilding {name!r} of session {session_id!r}"
-        try:
-            rebuilt = self._rebuilds[name].fn(session)
-        except Exception as error:
-            raise RuntimeError(
-                f"{where}: the registered rebuild function raised {type(error).__name__}: {error}. The "
-                f"session is unchanged ({name!r} is still dropped); fix the function given to "
-                f"register_rebuild({name!r})."
-            ) from error
-        if not isinstance(rebuilt, StateObject):
-            got = type(rebuilt).__name__
-        elif not rebuilt.resident:
-            got = f"{rebuilt.describe()} (not resident)"
-        else:
-            got = rebuilt.describe()
-        if got != original.describe():
-            raise ValueError(
-                f"{where}: the rebuild function must return a resident {original.describe()}; it returned "
-                f"{got}. The session is unchanged; fix the function given to register_rebuild({name!r})."
-            )
-        rebuilt = rebuilt.replace(
-            recompute_source=original.recompute_source, recompute_cost=original.recompute_cost
-        )
-        return rebuilt if placement is None else placement.apply(rebuilt)
-
-
-def _checked_session(session: Any, operation: str, session_id: Hashable) -> Session:
-    if not isinstance(session, Session):
-        raise TypeError(
-            f"{operation}({session_id!r}, session): expected a jss.Session; got {type(session).__name__}."
-        )
-    if offload.is_donated(session):
-        raise ValueError(
-            f"{operation}({session_id!r}, session): some of its arrays were deleted (donated to a jitted "
-            "step). Pass the step's output instead. Nothing changed."
-        )
-    return session

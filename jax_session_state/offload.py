@@ -5,8 +5,9 @@ same devices (``jax.device_put`` with the array's sharding carrying
 ``memory_kind="pinned_host"``), so the accounting moves its bytes from
 ``"cpu:0"`` to ``"cpu:0/pinned_host"`` (``"cuda:0"`` to
 ``"cuda:0/pinned_host"``).  :func:`restore` puts them back on their original
-shardings — same devices, same memory kind, bit for bit — so a jitted step
-sees exactly what it saw before and does not retrace.
+shardings — same devices, same memory kind, committed or not as they were,
+bit for bit — so a jitted step sees exactly what it saw before: it neither
+retraces nor compiles again.
 
 A :class:`Parked` is deliberately not a pytree: a jitted step cannot take it
 by accident (``jit`` rejects it), it must be restored first.
@@ -30,12 +31,14 @@ import dataclasses
 from typing import Any, Generic, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
 from jax_session_state.errors import NotResidentError
 
-__all__ = ["Parked", "Placement", "is_donated", "park", "restore"]
+__all__ = ["Parked", "Placement", "is_donated", "park", "place", "restore"]
 
 T = TypeVar("T", bound=StateObject)
 
@@ -47,25 +50,38 @@ def is_donated(tree: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where each array of an object lives: its pytree structure and each leaf's sharding.
+    """Where each array of an object lives: its pytree structure, each leaf's sharding and commitment.
+
+    JAX compiles a jitted function once per placement of its arguments, and
+    whether an array is *committed* to its device is part of that: an array
+    made by ``jnp`` ops on the default device is not, one ``device_put`` on a
+    sharding is.  A placement records both, so :meth:`apply` gives back
+    arrays a jitted step takes without compiling again.
 
     Attributes:
       treedef: the object's pytree structure (its static spec included).
       shardings: one :class:`jax.sharding.Sharding` per leaf; None for leaves
         that are not jax arrays (they are left as they are).
+      committed: per leaf, whether the array was committed to its sharding.
     """
 
     treedef: jax.tree_util.PyTreeDef
     shardings: tuple[jax.sharding.Sharding | None, ...]
+    committed: tuple[bool, ...]
 
     @classmethod
     def of(cls, obj: Any) -> Placement:
         """The placement of ``obj``'s arrays now."""
         leaves, treedef = jax.tree_util.tree_flatten(obj)
-        return cls(treedef, tuple(leaf.sharding if isinstance(leaf, jax.Array) else None for leaf in leaves))
+        arrays = [leaf if isinstance(leaf, jax.Array) else None for leaf in leaves]
+        return cls(
+            treedef,
+            tuple(None if x is None else x.sharding for x in arrays),
+            tuple(x is None or x.committed for x in arrays),
+        )
 
     def apply(self, obj: T) -> T:
-        """``obj`` with every array put on its sharding here (a no-op where it is there already).
+        """``obj`` with every array put on its sharding here, committed as it was (a no-op where it is so).
 
         Raises:
           ValueError: ``obj`` has another structure or spec than the object
@@ -77,8 +93,27 @@ class Placement:
                 f"cannot place {_name(obj)} where an object of another structure was: expected "
                 f"{self.treedef}, got {treedef}. Rebuild it with the same spec as the original."
             )
-        placed = [leaf if s is None else jax.device_put(leaf, s) for leaf, s in zip(leaves, self.shardings)]
+        placed = [place(x, s, committed=c) for x, s, c in zip(leaves, self.shardings, self.committed)]
         return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) -> Any:
+    """``x`` on ``sharding``, committed to it or not (None: ``x`` as it is)."""
+    if sharding is None:
+        return x
+    if committed:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.committed and x.sharding == sharding:
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding, committed=False), impl=jax.random.key_impl(x))
+    # Only uncommitted arrays on one device exist, and only a transfer from the host makes one:
+    # jax.device_put onto a device or sharding commits what it returns.
+    (device,) = sharding.device_set
+    with jax.default_device(device):
+        uncommitted = jax.device_put(np.asarray(x))
+        # On CPU that wraps the host buffer without copying; a donated step could not reuse it.
+        return jnp.copy(uncommitted) if device.platform == "cpu" else uncommitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +179,7 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
 
 
 def restore(parked: Parked[T]) -> T:
-    """The parked object back on its original shardings (devices and memory kind), bit for bit."""
+    """The parked object back on its original shardings (devices, memory kind, committed or not), bit for bit."""
     return parked.placement.apply(parked.obj)
 
 

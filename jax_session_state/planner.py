@@ -2,7 +2,7 @@
 
 A pure function over byte figures: no arrays, locks, clocks or I/O.  The
 session manager hands it a snapshot of every session and either applies the
-returned :class:`Plan` (drops, parks, preemptions, in order) or raises
+returned :class:`Plan` (evictions, parks, preemptions, in order) or raises
 :class:`~jax_session_state.errors.BudgetExceededError` from the returned
 :class:`Refusal`.
 
@@ -14,7 +14,7 @@ Example:
   >>> result = plan([SessionUsage("s", (kv, cond, prompt), last_used=0)],
   ...               budgets={"cuda:0": 800}, park=True)
   >>> [(type(a).__name__, a.name) for a in result.actions]
-  [('DropObject', 'cond')]
+  [('EvictObject', 'cond')]
   >>> dict(result.usage_after)
   {'cuda:0': 700}
 """
@@ -24,14 +24,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+import warnings
 from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Literal
 
 from jax_session_state import _plan_search
+from jax_session_state._plan_search import (
+    add_footprint,
+    evictable,
+    parkable,
+    parking_destination,
+)
 
 __all__ = [
     "Action",
-    "DropObject",
+    "EvictObject",
     "ObjectUsage",
     "ParkObject",
     "Plan",
@@ -42,21 +49,7 @@ __all__ = [
     "plan",
 ]
 
-PINNED_HOST_SUFFIX = "/pinned_host"
-
-ObjectState = Literal["resident", "dropped", "parked"]
-
-
-def parking_destination(device_key: str) -> str | None:
-    """The key that parked bytes of ``device_key`` move to.
-
-    Only default memory kinds are parked: ``"cuda:1"`` -> ``"cuda:1/pinned_host"``.
-    Keys that already name a memory kind (``"cpu:0/pinned_host"``) and
-    ``"host"`` give None.
-    """
-    if "/" in device_key or device_key == "host":
-        return None
-    return device_key + PINNED_HOST_SUFFIX
+ObjectState = Literal["resident", "evicted", "parked"]
 
 
 def _frozen_bytes(bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
@@ -72,9 +65,9 @@ class ObjectUsage:
     Attributes:
       name: object name, unique within its session.
       bytes_by_device: bytes per device key where the storage is now; for a
-        parked object that is under the pinned_host keys, for a dropped object
+        parked object that is under the pinned_host keys, for an evicted object
         where a rebuild would put it (not counted as usage).
-      state: ``"resident"``, ``"dropped"`` or ``"parked"``.
+      state: ``"resident"``, ``"evicted"`` or ``"parked"``.
       sources: names of sibling objects the object is rebuilt from.
       recompute_cost: estimated work to rebuild the object, >= 0.
       rebuildable: whether a rebuild function is registered for the object.
@@ -88,7 +81,10 @@ class ObjectUsage:
     rebuildable: bool = False
 
     def __post_init__(self) -> None:
-        if self.state not in ("resident", "dropped", "parked"):
+        if self.state == "dropped":
+            warnings.warn('ObjectUsage state "dropped" is deprecated; use "evicted".', DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "state", "evicted")
+        if self.state not in ("resident", "evicted", "parked"):
             raise ValueError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
         if not self.recompute_cost >= 0:
             raise ValueError(
@@ -107,7 +103,7 @@ class SessionUsage:
       objects: the session's objects.
       last_used: recency tick; larger is more recent.
       pinned: pinned sessions are never touched.
-      attrs_bytes_by_device: bytes of carried values that are never dropped
+      attrs_bytes_by_device: bytes of carried values that are never evicted
         or parked individually.
     """
 
@@ -123,8 +119,8 @@ class SessionUsage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class DropObject:
-    """Release an object's storage; ``freed`` is its bytes per device key."""
+class EvictObject:
+    """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key."""
 
     session_id: Hashable
     name: str
@@ -148,7 +144,7 @@ class PreemptSession:
     freed: Mapping[str, int]
 
 
-Action = DropObject | ParkObject | PreemptSession
+Action = EvictObject | ParkObject | PreemptSession
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,8 +172,8 @@ class Refusal:
     message: str
 
 
-class _Ledger:
-    """Usage as a plan evolves, with the keys still over budget."""
+class _Projection:
+    """Projected usage as a plan grows, with the keys still over budget."""
 
     def __init__(self, usage: Mapping[str, int], budgets: Mapping[str, int], host_room: int | None):
         self.usage = dict(usage)
@@ -199,23 +195,12 @@ class _Ledger:
         return sum(b for k, b in bytes_by_device.items() if k in self.over)
 
     def to_plan(self) -> Plan:
-        """The plan so far, less drops and parks superseded by a preemption."""
+        """The plan so far, less evictions and parks superseded by a preemption."""
         preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
         actions = tuple(
             a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted
         )
         return Plan(actions, types.MappingProxyType({k: b for k, b in sorted(self.usage.items()) if b}))
-
-
-def _add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int]:
-    """Adds all bytes of a session (attrs, non-dropped objects) to ``total``."""
-    for key, count in session.attrs_bytes_by_device.items():
-        total[key] = total.get(key, 0) + count
-    for obj in session.objects:
-        if obj.state != "dropped":
-            for key, count in obj.bytes_by_device.items():
-                total[key] = total.get(key, 0) + count
-    return total
 
 
 def _actors(
@@ -229,63 +214,43 @@ def _actors(
         and (protect is None or s.session_id != protect)
         and (
             any(k in over for k in s.attrs_bytes_by_device)
-            or any(k in over for o in s.objects if o.state != "dropped" for k in o.bytes_by_device)
+            or any(k in over for o in s.objects if o.state != "evicted" for k in o.bytes_by_device)
         )
     ]
     actors.sort(key=lambda s: s.last_used)  # stable: input order breaks ties
     return actors
 
 
-def _droppable(session: SessionUsage) -> list[ObjectUsage]:
-    """Objects droppable before planning: resident, rebuildable, sources resident,
-    and not a source of an already dropped object."""
-    resident = {o.name for o in session.objects if o.state == "resident"}
-    needed = {s for o in session.objects if o.state == "dropped" for s in o.sources}
-    return [
-        o
-        for o in session.objects
-        if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
-    ]
 
 
-def _parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
-    """Resident objects with their default-kind bytes, largest first."""
-    parks = []
-    for obj in session.objects:
-        moved = {k: b for k, b in obj.bytes_by_device.items() if parking_destination(k)}
-        if obj.state == "resident" and moved:
-            parks.append((obj, moved))
-    parks.sort(key=lambda p: (-sum(p[1].values()), p[0].name))
-    return parks
 
-
-def _drop_phase(
-    ledger: _Ledger,
+def _evict_phase(
+    ledger: _Projection,
     actors: Sequence[SessionUsage],
     allowed: Mapping[int, Collection[str]] | None = None,
     room_keys: Collection[str] = (),
 ) -> None:
     """Drops, LRU session first, cheapest recompute per over-budget byte first.
 
-    A drop must free bytes on an over-budget key or, when replaying a searched
+    An eviction must free bytes on an over-budget key or, when replaying a searched
     selection (``allowed``), on a destination key its parks need room in
     (``room_keys``).
     """
     for index, session in enumerate(actors):
         if not ledger.over:
             return
-        candidates = _droppable(session)
+        candidates = evictable(session)
         if allowed is not None:
             candidates = [o for o in candidates if o.name in allowed.get(index, ())]
-        dropped: set[str] = set()
-        needed_by_dropped: set[str] = set()
+        evicted: set[str] = set()
+        needed_by_evicted: set[str] = set()
         while ledger.over:
             best = None
             for obj in candidates:
                 if (
-                    obj.name in dropped
-                    or obj.name in needed_by_dropped
-                    or not dropped.isdisjoint(obj.sources)
+                    obj.name in evicted
+                    or obj.name in needed_by_evicted
+                    or not evicted.isdisjoint(obj.sources)
                 ):
                     continue
                 gain = ledger.gain(obj.bytes_by_device)
@@ -297,23 +262,23 @@ def _drop_phase(
             if best is None:
                 break
             obj = best[1]
-            dropped.add(obj.name)
-            needed_by_dropped.update(obj.sources)
+            evicted.add(obj.name)
+            needed_by_evicted.update(obj.sources)
             for key, count in obj.bytes_by_device.items():
                 ledger.shift(key, -count)
-            action = DropObject(session.session_id, obj.name, obj.bytes_by_device)
+            action = EvictObject(session.session_id, obj.name, obj.bytes_by_device)
             ledger.actions.append(action)
             ledger.acted_on[index, obj.name] = action
 
 
 def _park_phase(
-    ledger: _Ledger, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+    ledger: _Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
 ) -> None:
     """Parks, LRU session first, larger objects first, where room allows."""
     for index, session in enumerate(actors):
         if not ledger.over or ledger.room_left <= 0:  # every parkable object moves bytes
             return
-        for obj, moved in _parkable(session):
+        for obj, moved in parkable(session):
             if not ledger.over:
                 return
             total = sum(moved.values())
@@ -338,7 +303,7 @@ def _park_phase(
             ledger.acted_on[index, obj.name] = action
 
 
-def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
+def _preempt_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
     """Preempts LRU sessions that still hold bytes on an over-budget key, then leaves out the
     ones that later preemptions made needless (each loses a session's history)."""
     taken: list[tuple[PreemptSession, dict[str, int]]] = []
@@ -348,7 +313,7 @@ def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
         current = dict(session.attrs_bytes_by_device)
         for obj in session.objects:
             action = ledger.acted_on.get((index, obj.name))
-            if obj.state == "dropped" or isinstance(action, DropObject):
+            if obj.state == "evicted" or isinstance(action, EvictObject):
                 continue
             for key, count in obj.bytes_by_device.items():
                 if isinstance(action, ParkObject) and key in action.moved:
@@ -357,7 +322,7 @@ def _preempt_phase(ledger: _Ledger, actors: Sequence[SessionUsage]) -> None:
         if ledger.gain(current):
             for key, count in current.items():
                 ledger.shift(key, -count)
-            preempt = PreemptSession(session.session_id, types.MappingProxyType(_add_footprint({}, session)))
+            preempt = PreemptSession(session.session_id, types.MappingProxyType(add_footprint({}, session)))
             ledger.actions.append(preempt)
             taken.append((preempt, current))
     if ledger.over:
@@ -383,31 +348,31 @@ def _searched_plan(
     park: bool,
     search_limit: int,
 ) -> tuple[Plan | None, bool]:
-    """The exact search's drops and parks, replayed in rule order; (None, proven) if none fit."""
-    start = _Ledger(usage, budgets, host_room)
+    """The exact search's evictions and parks, replayed in rule order; (None, proven) if none fit."""
+    start = _Projection(usage, budgets, host_room)
     over = start.over
 
     def candidates() -> Iterator[_plan_search.Candidates]:
         for index, session in enumerate(actors):
             yield _plan_search.Candidates(
                 index,
-                [o for o in _droppable(session) if any(k in over for k in o.bytes_by_device)],
-                [(o, m) for o, m in _parkable(session) if any(k in over for k in m)] if park else [],
+                [o for o in evictable(session) if any(k in over for k in o.bytes_by_device)],
+                [(o, m) for o, m in parkable(session) if any(k in over for k in m)] if park else [],
             )
 
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
     if selection is None:
         return None, proven
-    replay = _Ledger(usage, budgets, host_room)
+    replay = _Projection(usage, budgets, host_room)
     parks = {i: option.parks for i, option in selection.items()}
     room_keys = {
         parking_destination(k)
         for i, names in parks.items()
-        for obj, moved in _parkable(actors[i])
+        for obj, moved in parkable(actors[i])
         if obj.name in names
         for k in moved
     } & budgets.keys()
-    _drop_phase(replay, actors, {i: option.drops for i, option in selection.items()}, room_keys)
+    _evict_phase(replay, actors, {i: option.evictions for i, option in selection.items()}, room_keys)
     _park_phase(replay, actors, parks)
     return replay.to_plan(), True
 
@@ -422,40 +387,40 @@ def plan(
     allow_preempt: bool = False,
     search_limit: int = 100_000,
 ) -> Plan | Refusal:
-    """Plans drops, parks and preemptions that bring usage within ``budgets``.
+    """Plans evictions, parks and preemptions that bring usage within ``budgets``.
 
-    Usage of a key is the bytes of every non-dropped object (parked bytes sit
+    Usage of a key is the bytes of every non-evicted object (parked bytes sit
     under the pinned_host keys) plus session attrs.  Pinned sessions and the
     ``protect`` session count but are never touched.  An action is a
     *candidate* if it is on another session and frees bytes on a key over
     budget before planning:
 
-    - drop: an object that is resident, rebuildable, whose sources are all
-      resident, and that no dropped object (before or earlier in the plan)
+    - evict: an object that is resident, rebuildable, whose sources are all
+      resident, and that no evicted object (before or earlier in the plan)
       lists as a source;
     - park (if ``park``): a resident object; its default-kind bytes on k move
       to k + "/pinned_host";
     - preempt (if ``allow_preempt``): a session; frees all its bytes.
 
-    A *valid* plan is drops, then parks, then preemptions, all candidates,
-    where the drops are droppable in turn, the parks move at most
+    A *valid* plan is evictions, then parks, then preemptions, all candidates,
+    where the evictions are evictable in turn, the parks move at most
     ``host_room`` bytes in total (None: unlimited), and each park leaves its
     budgeted destination keys within budget.  It *fits* if every budgeted key
     ends within budget.
 
-    Rules: while a key is over budget, (1) drop, LRU session first, cheapest
+    Rules: while a key is over budget, (1) evict, LRU session first, cheapest
     ``recompute_cost`` per byte freed on over-budget keys first (ties by
     name); (2) park, LRU session first, larger objects first; (3) preempt LRU
     sessions first.  Each action frees bytes on a key over budget when taken
-    (a replayed search drop may instead free room its parks need), and the
+    (a replayed search evict may instead free room its parks need), and the
     plan stops as soon as every key fits.  A preemption that later ones made
     needless is left out (preemption loses history, so the plan keeps as few
     as this greedy order allows).
 
     Completeness: a Plan is returned whenever some valid plan fits.  Greedy
-    choices can block each other (dropping a dependent pins its source), so
+    choices can block each other (evicting a dependent pins its source), so
     when they fall short an exact search over per-session Pareto-optimal
-    drop/park options replaces them (before resorting to preemption), and the
+    evict/park options replaces them (before resorting to preemption), and the
     chosen actions are replayed in rule order.  With ``allow_preempt`` this is
     complete always: preempting every candidate session is the least usage
     any plan reaches.  Without it the search is exact unless a session has
@@ -475,26 +440,26 @@ def plan(
       A :class:`Plan`, or a :class:`Refusal` if no valid plan fits.
 
     Example:
-      The greedy pass drops the cheap ``cond_kv`` first, which pins
-      ``prompt``; the search sees that only dropping ``prompt`` fits:
+      The greedy pass evictions the cheap ``cond_kv`` first, which pins
+      ``prompt``; the search sees that only evicting ``prompt`` fits:
 
       >>> prompt = ObjectUsage("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=500.0)
       >>> cond_kv = ObjectUsage("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True,
       ...                       recompute_cost=1.0)
       >>> result = plan([SessionUsage("s", (prompt, cond_kv), last_used=1)], budgets={"cuda:0": 500})
       >>> [(type(a).__name__, a.name) for a in result.actions]
-      [('DropObject', 'prompt')]
+      [('EvictObject', 'prompt')]
       >>> dict(result.usage_after)
       {'cuda:0': 10}
     """
     usage: dict[str, int] = {}
     for session in sessions:
-        _add_footprint(usage, session)
-    greedy = _Ledger(usage, budgets, host_room)
+        add_footprint(usage, session)
+    greedy = _Projection(usage, budgets, host_room)
     if not greedy.over:
         return greedy.to_plan()
     actors = _actors(sessions, protect, greedy.over)
-    _drop_phase(greedy, actors)
+    _evict_phase(greedy, actors)
     if park:
         _park_phase(greedy, actors)
     if not greedy.over:
@@ -512,3 +477,10 @@ def plan(
     if not proven:
         message += f" (search gave up at search_limit={search_limit})"
     return Refusal(types.MappingProxyType(shortfall), proven, message)
+
+
+def __getattr__(name: str) -> type:
+    if name == "DropObject":  # the name before objects were "evicted" and sessions "released"
+        warnings.warn("planner.DropObject is deprecated; use planner.EvictObject.", DeprecationWarning, stacklevel=2)
+        return EvictObject
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -156,7 +156,7 @@ def held_rows(session_id: Any, held: Held, seen: SeenStorages) -> list[dict[str,
             state = "parked"
         else:
             row = object_row(name, held.session[name], seen)
-            state = "dropped" if name in held.dropped else "resident"
+            state = "evicted" if name in held.evicted else "resident"
         rows.append({**extra, "held": state, **row})
     return rows + _attrs_rows(held.session, seen, extra)
 
@@ -168,7 +168,7 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
       tree: a state object, a :class:`Session`, a
         :class:`~jax_session_state.SessionStateManager` (every session it
         holds, least recently used first, with a ``held`` column: resident,
-        parked or dropped; nothing is brought back), or a mapping of names /
+        parked or evicted; nothing is brought back), or a mapping of names /
         session ids to sessions or objects.  Bytes are de-duplicated across
         everything shown.
 

@@ -11,18 +11,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devices import DEVICE
 from jax.sharding import AxisType
 
 import jax_session_state as jss
-from jax_session_state import _fingerprint, checkpoint
-from devices import DEVICE
+from jax_session_state import _digest, checkpoint
 
 B, H, D = 2, 2, 4
 
@@ -133,6 +132,32 @@ def test_restored_session_continues_a_jitted_rollout_bit_for_bit(tmp_path):
     assert len(traces) == 1  # the restored session reuses the original's trace: same structure, shapes, dtypes
 
 
+BACKEND_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, seconds, **kw: BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+)
+
+
+def committed(tree):
+    return [x.committed for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
+def test_a_restored_session_is_committed_as_the_original_so_its_step_does_not_compile_again(tmp_path):
+    step = jax.jit(lambda s: s.commit().append(kv=(jnp.ones((B, 1, H, D)), jnp.ones((B, 1, H, D)))))
+    original = jss.Session(objects={"kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=8)}, attrs={"rng": jax.random.key(0)})
+    original = step(original)  # made by jnp: nothing committed
+    assert not any(committed(original))
+    checkpoint.save(tmp_path, original)
+    checkpoint.restore(tmp_path)  # compiles the copies a restore makes, once
+    before = len(BACKEND_COMPILES)
+    for restored in (checkpoint.restore(tmp_path), checkpoint.restore(tmp_path, target=original)):
+        assert committed(restored) == committed(original)
+        assert_same(step(restored), step(original))
+    assert len(BACKEND_COMPILES) == before  # the step runs the executable it compiled for the original
+    pinned = jax.device_put(original, jax.devices()[0])  # committed: a target that is keeps it so
+    assert all(committed(checkpoint.restore(tmp_path, target=pinned)))
+
+
 def test_a_save_replaces_the_previous_checkpoint_only_once_complete(tmp_path):
     first, second = random_session(seed=2), random_session(seed=3)
     assert checkpoint.save(tmp_path, first) == tmp_path / "ckpt-000001"
@@ -215,9 +240,13 @@ def largest_data_file(root):
     return max((f for f in (root / "ckpt-000001" / "arrays").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
 
 
-def edit_manifest(root, edit):
+def edit_manifest(root, edit, *, resign=True):
+    """Edits the manifest; ``resign``: with a matching digest, as a writer with a bug would."""
     manifest = json.loads(newest_manifest(root).read_text())
     edit(manifest)
+    if resign:
+        manifest.pop("digest")
+        manifest["digest"] = _digest.manifest_digest(manifest)
     newest_manifest(root).write_text(json.dumps(manifest))
 
 
@@ -236,6 +265,16 @@ def flip_bytes(path):
         ),
         (lambda root: edit_manifest(root, lambda m: m.update(format="other")), "is not a jax_session_state.checkpoint"),
         (lambda root: edit_manifest(root, lambda m: m.update(content="queue")), "holds 'queue'"),
+        (
+            lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["kv"].update(recompute_cost=2.0), resign=False),
+            r"manifest.json does not match its digest: the file is damaged",
+        ),
+        (lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].update(dtype="uint33")), "'uint33'.*do not fit its spec"),
+        (lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].pop("digest")), "manifest.json is malformed"),
+        (
+            lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["cond"].update(recompute_source=["nowhere"])),
+            "does not make a valid session",
+        ),
         (lambda root: edit_manifest(root, lambda m: m.pop("record")), "manifest.json is malformed"),
         (
             lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["kv"].update(kind="nowhere:KVCache")),
@@ -247,7 +286,7 @@ def flip_bytes(path):
         ),
         (lambda root: os.truncate(newest_manifest(root), 100), "manifest.json cannot be read"),
         (lambda root: os.truncate(largest_data_file(root), largest_data_file(root).stat().st_size // 2), "cannot be read"),
-        (lambda root: flip_bytes(largest_data_file(root)), "does not match its fingerprint"),
+        (lambda root: flip_bytes(largest_data_file(root)), "does not match its digest"),
     ],
 )
 # When one array cannot be read, Orbax leaves the reads of the others to the garbage collector
@@ -262,20 +301,68 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_clearly(tmp_path, damage, ma
     gc.collect()
 
 
-def test_a_checkpoint_fingerprinted_on_accelerators_checks_on_cpu(tmp_path, monkeypatch):
-    def on_device(x):  # how a save on accelerators sums its jax arrays
-        return [int(v) for v in _fingerprint._on_device(x)] if isinstance(x, jax.Array) else _fingerprint.fingerprint(x)
-
-    monkeypatch.setattr(checkpoint, "fingerprint", on_device)
+def test_two_values_swapped_inside_a_row_are_caught(tmp_path):
     big = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=4096)
     rows = jax.random.normal(jax.random.key(1), (2, B, 4096, H, D))
-    session = random_session(seed=6).with_objects(big=big.append((rows[0], rows[1])))
-    checkpoint.save(tmp_path, session)
-    monkeypatch.undo()  # restore sums with numpy, as on CPU
-    assert_same(checkpoint.restore(tmp_path), session)
-    flip_bytes(largest_data_file(tmp_path))
-    with pytest.raises(jss.CheckpointError, match=r"array big\.\['[kv]'\] does not match its fingerprint"):
+    checkpoint.save(tmp_path, random_session(seed=6).with_objects(big=big.append((rows[0], rows[1]))))
+    path = largest_data_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    assert data[0:4] != data[4:8]
+    data[0:4], data[4:8] = data[4:8], data[0:4]  # two float32 values of one row trade places
+    path.write_bytes(bytes(data))
+    with pytest.raises(jss.CheckpointError, match=r"array big\.\['[kv]'\] does not match its digest"):
         checkpoint.restore(tmp_path)
+
+
+def test_an_edited_attr_value_is_refused_not_restored(tmp_path):
+    session = jss.Session(objects={"c": jss.FixedState.allocate(shapes=(2,)).commit(jnp.ones(2))}, attrs={"step": 3})
+    manifest = checkpoint.save(tmp_path, session) / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"value": 3', '"value": 4'))
+    with pytest.raises(jss.CheckpointError, match=r"ckpt-000001/manifest.json does not match its digest"):
+        checkpoint.restore(tmp_path)
+
+
+def fuzz_session():
+    """What the review's edits changed silently: names, FixedState keys, attrs, a typed key, a sink, costs."""
+    session = jss.Session(
+        objects={
+            "kv": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4, recompute_source="cond", recompute_cost=2.5),
+            "ring": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=2, sink=0, max_chunk=1),
+            "cond": jss.FixedState.allocate(shapes={"h": (1, 2), "c": (3,)}),
+        },
+        attrs={"rng": jax.random.key(3), "step": 3, "ratio": 0.5, "name": "run", "table": np.arange(3.0)},
+    )
+    ones = jnp.ones((1, 1, 1, 2))
+    return session.append(kv=(ones, 2 * ones), ring=(3 * ones, ones), cond={"h": jnp.full((1, 2), 0.25), "c": jnp.arange(3.0)})
+
+
+def test_every_single_character_edit_of_a_manifest_restores_the_same_session_or_raises(tmp_path):
+    session = fuzz_session()
+    path = checkpoint.save(tmp_path, session) / "manifest.json"
+    text = path.read_text()
+    rng = np.random.default_rng(0)
+    alphabet = '0123456789abcdefghijklmnopqrstuvwxyz"{}[],:. -_eE'
+    outcomes = {"same": 0, "refused": 0}
+    for trial in range(600):
+        i = int(rng.integers(len(text)))
+        how = ("replace", "delete", "insert")[trial % 3]
+        char = alphabet[int(rng.integers(len(alphabet)))]
+        edited = {
+            "replace": text[:i] + char + text[i + 1 :],
+            "delete": text[:i] + text[i + 1 :],
+            "insert": text[:i] + char + text[i:],
+        }[how]
+        if edited == text:
+            continue
+        path.write_text(edited)
+        try:
+            restored = checkpoint.restore(tmp_path)
+        except jss.CheckpointError:
+            outcomes["refused"] += 1
+            continue
+        assert_same(restored, session)  # anything else would be wrong data restored silently
+        outcomes["same"] += 1
+    assert outcomes["refused"] > 300 and outcomes["same"] > 0, outcomes  # both happen: whitespace edits change nothing
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):
@@ -376,7 +463,7 @@ def _manager(budget_sessions=3, **kwargs):
 
 
 def _holdings(manager):
-    return {sid: (sorted(h.parked), sorted(h.dropped)) for sid, h in manager.held().items()}
+    return {sid: (sorted(h.parked), sorted(h.evicted)) for sid, h in manager.held().items()}
 
 
 def test_a_manager_round_trips_its_sessions_lru_order_parks_and_drops(tmp_path):
@@ -395,7 +482,7 @@ def test_a_manager_round_trips_its_sessions_lru_order_parks_and_drops(tmp_path):
     assert _holdings(restored) == saved_holdings  # the same rules, the same holdings
     stats = restored.stats()
     assert stats["sessions"] == 5 and stats["lookups"] == stats["parks"] == stats["evictions"] == 0
-    assert not any(restored._entries[sid].pins for sid in restored.held())  # pins are not persisted
+    assert not any(h.pinned for h in restored.held().values())  # pins are not persisted
     for sid, session in originals.items():
         back = restored.get(sid)  # parked objects copied back, dropped ones rebuilt
         for name in session.objects:
@@ -409,7 +496,7 @@ def test_a_manager_restores_without_a_target_with_its_saved_settings(tmp_path):
     manager.create("only", _served_session(1))
     checkpoint.save(tmp_path, manager)
     restored = checkpoint.restore(tmp_path)
-    assert isinstance(restored, jss.SessionStateManager) and restored.config() == manager.config()
+    assert isinstance(restored, jss.SessionStateManager) and restored.settings() == manager.settings()
     assert list(restored.held()) == ["only"]
 
 

@@ -6,10 +6,19 @@ import threading
 import jax
 import numpy as np
 import pytest
-from world import TRACES, assert_same, contents, make_session, rebuild_cond, session_bytes, step
+from devices import DEVICE, PINNED
+from world import (
+    TRACES,
+    assert_same,
+    contents,
+    make_session,
+    rebuild_cond,
+    session_bytes,
+    step,
+)
+from world import _step as world_step
 
 import jax_session_state as jss
-from devices import DEVICE, PINNED
 
 SIZES = session_bytes()
 ONE = SIZES["session"]
@@ -33,7 +42,7 @@ def frozen_state(m):
     held = {
         sid: (
             sorted(h.parked),
-            sorted(h.dropped),
+            sorted(h.evicted),
             contents(h.session),
             {n: contents(p.obj) for n, p in h.parked.items()},
         )
@@ -83,10 +92,10 @@ def test_refusal_when_not_evicting_then_resident_sessions_still_served_then_admi
     assert m.stats()["refusals"] == 1
     assert_same(m.get("s1"), sessions["s1"])  # a resident session is still served when full
     assert m.stats()["hits"] == 1
-    assert m.drop("s0") is True and m.drop("s0") is False  # idempotent
+    assert m.release("s0") is True and m.release("s0") is False  # idempotent
     m.create("s3", sessions["s3"])  # admitted again after a drop
     assert_same(m.get("s3"), sessions["s3"])
-    with pytest.raises(jss.SessionStateLostError, match=r"'s0' is gone: it was dropped with drop\(\)"):
+    with pytest.raises(jss.SessionStateLostError, match=r"'s0' is gone: it was released with release\(\)"):
         m.get("s0")
 
 
@@ -116,9 +125,9 @@ def test_a_hundred_create_drop_cycles_leak_nothing():
         m.get(i % 7)
         m.create("other", make_session(i + 1000))  # over budget: parks and drops objects of i % 7
         m.get(i % 7)
-        assert m.drop(i % 7) and m.drop("other")
+        assert m.release(i % 7) and m.release("other")
     assert len(m) == 0 and m.nbytes_by_device() == {} and m.stats()["bytes"] == {}
-    assert m._ledger.refs == {} and m._ledger.totals == {} and not m._entries and not m._recency
+    assert m.nbytes_by_device() == {} and m.stats()["bytes"] == {} and len(m) == 0 and m.held() == {}
     assert len(m._lost) == 8  # one reason per id, bounded by LOST_REASONS_KEPT
     gc.collect()
     assert len(jax.live_arrays()) == live
@@ -149,7 +158,7 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
     m.create("b", make_session(1))
     # Only "a" may give way; cond is rebuildable (dropped first), the rest is parked, largest first.
     assert kinds(events) == [
-        ("drop", "a", "cond"),
+        ("evict", "a", "cond"),
         ("park", "a", "kv"),
         ("park", "a", "prompt"),
         ("park", "a", "carry"),
@@ -157,7 +166,7 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
     assert events[0].bytes_by_device == {DEVICE: SIZES["cond"]}
     assert f"{DEVICE} over its budget" in events[0].reason and "creating session 'b'" in events[0].reason
     held = m.held()["a"]
-    assert held.dropped == {"cond"} and set(held.parked) == {"kv", "prompt", "carry"}
+    assert held.evicted == {"cond"} and set(held.parked) == {"kv", "prompt", "carry"}
     assert not any(held.session[name].resident for name in ("cond", "kv", "prompt", "carry"))
     parked_bytes = SIZES["kv"] + SIZES["prompt"] + SIZES["carry"]
     assert m.nbytes_by_device() == {DEVICE: ONE + 4, PINNED: parked_bytes}
@@ -168,7 +177,7 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
     events.clear()
     restored = m.get("a")  # "b" makes room the same way
     assert kinds(events)[:4] == [
-        ("drop", "b", "cond"),
+        ("evict", "b", "cond"),
         ("park", "b", "kv"),
         ("park", "b", "prompt"),
         ("park", "b", "carry"),
@@ -209,7 +218,7 @@ def test_put_within_budget_plans_nothing_and_over_budget_refusal_changes_nothing
     assert m.stats()["refusals"] == 1 and kinds(events) == [("refusal", "a", None)]
     assert events[0].bytes_by_device and all(v > 0 for v in events[0].bytes_by_device.values())
     m.put("a", make_session(3, capacity=28))  # 768 bytes more: fits once b's cond is dropped
-    assert kinds(events)[1:] == [("drop", "b", "cond")]
+    assert kinds(events)[1:] == [("evict", "b", "cond")]
 
 
 def test_preemption_when_parking_is_off_and_lost_reason_names_the_budget():
@@ -217,7 +226,7 @@ def test_preemption_when_parking_is_off_and_lost_reason_names_the_budget():
     for sid in "abc":
         m.create(sid, make_session(ord(sid)))
     # Greedy drops (a's cond, then b's) come before preemption; a's drop is superseded by its preemption.
-    assert kinds(events) == [("drop", "b", "cond"), ("preempt", "a", None)]
+    assert kinds(events) == [("evict", "b", "cond"), ("preempt", "a", None)]
     with pytest.raises(
         jss.SessionStateLostError,
         match=rf"preempted \({DEVICE} over its budget of \d+ bytes by \d+ while creating session 'c'\)",
@@ -272,7 +281,7 @@ def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorab
     m, events = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
-    m.drop("b")
+    m.release("b")
     m.register_rebuild("cond", lambda session: session["kv"])
     with pytest.raises(
         ValueError,
@@ -281,17 +290,17 @@ def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorab
         m.get("a")
     m.register_rebuild("cond", lambda session: 1 / 0)
     with pytest.raises(
-        RuntimeError, match=r"rebuild function raised ZeroDivisionError.*'cond' is still dropped"
+        RuntimeError, match=r"rebuild function raised ZeroDivisionError.*'cond' is still evicted"
     ):
         m.get("a")
-    assert m.held()["a"].dropped == {"cond"}
+    assert m.held()["a"].evicted == {"cond"}
     m.register_rebuild("cond", rebuild_cond, cost=3.0)
     assert_same(m.get("a"), make_session(0))
 
 
-def test_objects_without_a_rebuild_or_a_recompute_source_are_never_dropped():
-    m, events = manager(byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False)
-    m._rebuilds.clear()  # no rebuild registered: cond may not be dropped either
+def test_objects_without_a_rebuild_or_a_recompute_source_are_never_evicted():
+    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False)
+    # no rebuild registered for cond: it may not be evicted either
     m.register_rebuild("carry", lambda session: session["carry"])  # carry declares no source: never dropped
     m.create("a", make_session(0))
     with pytest.raises(jss.BudgetExceededError):
@@ -410,7 +419,7 @@ def test_summary_of_a_manager_shows_every_session_and_how_it_is_held():
     table = jss.summary(m)
     rows = {(row["session"], row["name"]): row for row in table.rows}
     assert {sid for sid, _ in rows} == {"a", "b"} and table.columns[:2] == ["session", "held"]
-    assert rows["a", "cond"]["held"] == "dropped" and rows["a", "cond"]["resident"] is False
+    assert rows["a", "cond"]["held"] == "evicted" and rows["a", "cond"]["resident"] is False
     assert rows["a", "kv"]["held"] == "parked" and rows["a", "kv"][PINNED] == SIZES["kv"]
     assert rows["b", "kv"]["held"] == "resident" and rows["b", "kv"][DEVICE] == SIZES["kv"]
     totals = {}
@@ -418,7 +427,7 @@ def test_summary_of_a_manager_shows_every_session_and_how_it_is_held():
         for key in (DEVICE, PINNED):
             totals[key] = totals.get(key, 0) + row.get(key, 0)
     assert totals == m.nbytes_by_device()
-    assert "parked" in str(table) and "dropped" in str(table)
+    assert "parked" in str(table) and "evicted" in str(table)
     new = step(m.get("b"))  # b's stored copy dies until it is put back: shown, not read
     rows = [row for row in jss.summary(m).rows if row["session"] == "b"]
     assert {row["held"] for row in rows} == {"in use (donated)"} and len(rows) == 4
@@ -452,12 +461,96 @@ def test_the_lock_comes_from_lock_factory():
     assert made[1].locked() is False and int(plain.get("a").attrs["step"]) == 1
 
 
-def test_an_event_callback_that_raises_reaches_the_caller_after_the_operation():
-    def fail(event):
-        raise RuntimeError(f"callback saw {event.kind}")
+def listener_failing_on(calls):
+    """An on_event that records every event and raises on the given (0-based) calls."""
+    seen = []
 
-    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, on_event=fail)
-    m.create("a", make_session(0))
-    with pytest.raises(RuntimeError, match="callback saw park"):
+    def listener(event):
+        seen.append(event)
+        if len(seen) - 1 in calls:
+            raise RuntimeError(f"listener failed on {event.kind}")
+
+    return listener, seen
+
+
+def test_every_event_reaches_a_listener_that_raises_and_the_manager_is_as_if_it_had_not():
+    def build(on_event):
+        m = jss.SessionStateManager(byte_budget={DEVICE: 2 * ONE + 10}, host_budget=SIZES["kv"], on_event=on_event)
+        m.create("a", make_session(0))
         m.create("b", make_session(1))
-    assert "b" in m and sorted(m.held()["a"].parked) == ["carry", "cond", "kv", "prompt"]
+        return m
+
+    calm_events = []
+    calm = build(calm_events.append)
+    calm_events.clear()
+    calm.create("c", make_session(2, capacity=32))  # host room for one K/V: parks a's, preempts b
+    assert kinds(calm_events) == [("park", "a", "kv"), ("preempt", "b", None)]
+    listener, seen = listener_failing_on({0})
+    m = build(listener)
+    seen.clear()
+    with pytest.raises(RuntimeError, match="listener failed on park"):
+        m.create("c", make_session(2, capacity=32))  # the listener raises on its first call: the park
+    assert kinds(seen) == kinds(calm_events)  # every event, the preemption included
+    assert m.stats() == calm.stats() and list(m.held()) == list(calm.held())
+    assert m.nbytes_by_device() == calm.nbytes_by_device()
+    assert_same(m.get("c"), make_session(2, capacity=32))  # the create completed
+
+
+def test_a_listener_raising_on_several_events_raises_them_all_together_after_the_last():
+    listener, seen = listener_failing_on({0, 1, 2, 3})
+    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, on_event=listener)
+    m.create("a", make_session(0))
+    with pytest.raises(ExceptionGroup, match="on_event raised for 4 of 4 events") as raised:
+        m.create("b", make_session(1))  # parks a's four objects
+    assert [str(e) for e in raised.value.exceptions] == ["listener failed on park"] * 4
+    assert len(seen) == 4 and m.stats()["parks"] == 4 and "b" in m
+
+
+def test_a_listener_that_raises_leaves_no_pin_or_update_hold_behind():
+    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10})
+    for sid in "ab":
+        m.create(sid, make_session(ord(sid)))
+    m.on_event, _ = listener_failing_on(set(range(100)))
+    # "a" is restored, "b" parked: the listener raises on each event
+    with pytest.raises(ExceptionGroup), m.pin("a"):
+        pytest.fail("the block of a pin whose lookup raised must not run")
+    assert not m.held()["a"].pinned
+    with pytest.raises(ExceptionGroup):
+        m.update("b", lambda s: pytest.fail("fn of an update whose lookup raised must not run"))
+    assert m.update("b", lambda s: s) is m.get("b")  # no hold was left: the next update runs
+
+
+def test_a_refusal_stays_the_error_when_the_listener_raises_too():
+    listener, seen = listener_failing_on({0})
+    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False, on_event=listener)
+    m.create("a", make_session(0))
+    with pytest.raises(jss.BudgetExceededError) as refused:
+        m.create("b", make_session(1))
+    assert [e.kind for e in seen] == ["refusal"] and "b" not in m
+    assert any("on_event also raised RuntimeError: listener failed on refusal" in n for n in refused.value.__notes__)
+
+
+BACKEND_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, seconds, **kw: BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+)
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["parked", "parked-and-rebuilt"])
+def test_parked_and_rebuilt_sessions_come_back_without_a_compile(rebuild):
+    fresh_step = jax.jit(world_step, donate_argnums=0)
+    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + ONE // 2})
+    if rebuild:
+        m.register_rebuild("cond", rebuild_cond)
+    m.create("a", fresh_step(make_session(0)))  # uncommitted arrays, as jnp makes them
+    m.create("b", fresh_step(make_session(1)))
+    compiles = []
+    for cycle in range(21):  # the first cycle compiles what parks, restores and rebuilds
+        compiles.append(len(BACKEND_COMPILES))
+        for sid in "ab":  # each get brings one session back and parks (or evicts) the other
+            m.put(sid, fresh_step(m.get(sid)))
+    stats = m.stats()
+    assert stats["restores"] >= 20 and (stats["rebuilds"] >= 20) is rebuild
+    assert compiles[1] == compiles[-1] == len(BACKEND_COMPILES)  # no compile after: one executable for the step
+
+

@@ -12,12 +12,12 @@ import contextlib
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from devices import DEVICE, PINNED
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from world import contents, make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
-from devices import DEVICE, PINNED
 
 IDS = st.sampled_from("abcd")
 CAPACITIES = st.sampled_from([8, 16, 32])
@@ -59,26 +59,26 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager.register_rebuild("cond", rebuild_cond)
         self.max_sessions = max_sessions
         self.model = {}  # sid -> {object name: contents}
-        self.held_as = {}  # sid -> {object name: "parked" / "dropped"}, from events only
-        self.lost = {}  # sid -> "dropped" (by the caller) or "preempted" (reported)
+        self.held_as = {}  # sid -> {object name: "parked" / "evicted"}, from events only
+        self.lost = {}  # sid -> "released" (by the caller) or "preempted" (reported)
         self.pins = {}  # sid -> open pin contexts
         self.read = 0
 
     # -------------------------------------------------------------- helpers
     def absorb_events(self):
         for event in self.events[self.read :]:
-            assert event.kind in ("drop", "park", "restore", "rebuild", "preempt", "refusal")
+            assert event.kind in ("evict", "park", "restore", "rebuild", "preempt", "refusal")
             sid, name = event.session_id, event.object_name
             if event.kind == "preempt":
                 assert not self.pins.get(sid), "a pinned session was preempted"
                 self.model.pop(sid)
                 self.held_as.pop(sid)
                 self.lost[sid] = "preempted"
-            elif event.kind in ("drop", "park"):
+            elif event.kind in ("evict", "park"):
                 assert name not in self.held_as[sid] and event.bytes_by_device
-                self.held_as[sid][name] = {"drop": "dropped", "park": "parked"}[event.kind]
+                self.held_as[sid][name] = {"evict": "evicted", "park": "parked"}[event.kind]
             elif event.kind in ("restore", "rebuild"):
-                assert self.held_as[sid].pop(name) == {"restore": "parked", "rebuild": "dropped"}[event.kind]
+                assert self.held_as[sid].pop(name) == {"restore": "parked", "rebuild": "evicted"}[event.kind]
         self.read = len(self.events)
 
     def stored(self, sid, expected):
@@ -182,10 +182,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(sid=IDS)
     def drop(self, sid):
-        assert self.manager.drop(sid) is (sid in self.model)
+        assert self.manager.release(sid) is (sid in self.model)
         if sid in self.model:
             del self.model[sid], self.held_as[sid]
-            self.lost[sid] = "dropped"
+            self.lost[sid] = "released"
             for pin in self.pins.pop(sid, []):
                 pin.close()
 
@@ -213,8 +213,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self.manager.get(sid)
         self.read = len(self.events)
         reason = self.lost.get(sid)
-        if reason == "dropped":
-            assert "dropped with drop()" in str(error.value)
+        if reason == "released":
+            assert "released with release()" in str(error.value)
         elif reason == "preempted":
             assert "preempted" in str(error.value)
         else:
@@ -242,13 +242,13 @@ class ManagerMachine(RuleBasedStateMachine):
             h = held[sid]
             reported = self.held_as[sid]  # nothing parked or dropped without an event
             assert set(h.parked) == {n for n, how in reported.items() if how == "parked"}
-            assert h.dropped == {n for n, how in reported.items() if how == "dropped"}
-            assert not (self.pins.get(sid) and (h.parked or h.dropped)), "a pinned session was touched"
+            assert h.evicted == {n for n, how in reported.items() if how == "evicted"}
+            assert not (self.pins.get(sid) and (h.parked or h.evicted)), "a pinned session was touched"
             assert equal(contents(h.session.attrs), expected["attrs"])
             for name, obj in h.session.objects.items():
                 if name in h.parked:
                     assert equal(contents(h.parked[name].obj), expected[name])
-                elif name in h.dropped:
+                elif name in h.evicted:
                     assert not obj.resident and obj.recompute_source == ("prompt",)
                 else:
                     assert equal(contents(obj), expected[name])

@@ -4,10 +4,11 @@ import collections
 import random
 import threading
 
+import pytest
+from devices import DEVICE, PINNED
 from world import make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
-from devices import DEVICE, PINNED
 
 THREADS, OPERATIONS, SESSIONS = 8, 2000, 100
 ONE = session_bytes(capacity=8)["session"]
@@ -32,7 +33,7 @@ def test_eight_threads_of_random_operations():
         rng = random.Random(seed)
         for _ in range(OPERATIONS):
             sid = rng.randrange(SESSIONS)
-            op = rng.choice(["get", "get", "update", "update", "put", "create", "drop", "pin"])
+            op = rng.choice(["get", "get", "update", "update", "put", "create", "release", "pin"])
             try:
                 if op in ("get", "update", "pin"):
                     lookups[seed] += 1
@@ -45,8 +46,8 @@ def test_eight_threads_of_random_operations():
                 elif op == "create":
                     if sid not in manager:
                         manager.create(sid, templates[sid % 4].fork())
-                elif op == "drop":
-                    manager.drop(sid)
+                elif op == "release":
+                    manager.release(sid)
                 else:
                     with manager.pin(sid):
                         pass
@@ -71,9 +72,9 @@ def test_eight_threads_of_random_operations():
     assert sum(outcomes.values()) == THREADS * OPERATIONS
     assert outcomes["update", "ok"] > 1000 and outcomes["get", "ok"] > 1000
     kinds = collections.Counter(event.kind for event in events)
-    assert kinds["park"] and kinds["restore"] and kinds["drop"] and kinds["rebuild"]
+    assert kinds["park"] and kinds["restore"] and kinds["evict"] and kinds["rebuild"]
     assert stats["parks"] == kinds["park"] and stats["restores"] == kinds["restore"]
-    assert stats["evictions"] == kinds["drop"] and stats["preemptions"] == kinds["preempt"]
+    assert stats["evictions"] == kinds["evict"] and stats["preemptions"] == kinds["preempt"]
     # Final bytes: the running totals equal a recount over every session held, within budget.
     recount = collections.Counter()
     for row in jss.summary(manager).rows:

@@ -64,6 +64,33 @@ def test_park_refuses_what_it_cannot_park():
         offload.park(donated)
 
 
+BACKEND_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, seconds, **kw: BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+)
+
+
+@pytest.mark.parametrize("committed", [False, True], ids=["uncommitted", "committed"])
+def test_restored_arrays_are_committed_as_they_were_so_a_step_does_not_compile_again(committed):
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+    if committed:
+        cache = jax.device_put(cache, jax.devices()[0])
+    step = jax.jit(lambda c: c.append((jnp.ones((1, 1, 2, 4)), jnp.ones((1, 1, 2, 4)))).discard())
+    cache = step(cache)
+    compiles = []
+    for _ in range(4):  # the first cycle compiles the copies that parking and restoring make
+        compiles.append(len(BACKEND_COMPILES))
+        restored = offload.restore(offload.park(cache))
+        assert [x.committed for x in jax.tree_util.tree_leaves(restored)] == [x.committed for x in jax.tree_util.tree_leaves(cache)]
+        assert {x.committed for x in jax.tree_util.tree_leaves(cache)} == {committed}
+        assert_same(restored, cache)
+        cache = step(restored)
+        rebuilt = offload.Placement.of(cache).apply(cache.empty())  # what the manager does to a rebuilt object
+        assert [x.committed for x in jax.tree_util.tree_leaves(rebuilt)] == [committed] * len(jax.tree_util.tree_leaves(cache))
+        step(rebuilt)
+    assert compiles[1] == len(BACKEND_COMPILES)  # then nothing compiles: the step runs its one executable
+
+
 def test_placement_refuses_another_structure():
     cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
     other = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=16)

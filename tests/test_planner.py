@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 import pytest
 
 from jax_session_state.planner import (
-    DropObject,
+    EvictObject,
     ObjectUsage,
     ParkObject,
     Plan,
@@ -33,7 +33,7 @@ def steps(result):
     assert isinstance(result, Plan), result
     out = []
     for a in result.actions:
-        kind = {DropObject: "drop", ParkObject: "park", PreemptSession: "preempt"}[type(a)]
+        kind = {EvictObject: "drop", ParkObject: "park", PreemptSession: "preempt"}[type(a)]
         out.append((kind, a.session_id) if kind == "preempt" else (kind, a.session_id, a.name))
     return out
 
@@ -49,7 +49,7 @@ def usage_of(state):
         for key, b in s["attrs"].items():
             total[key] = total.get(key, 0) + b
         for st_, nbytes, _ in s["objects"].values():
-            if st_ != "dropped":
+            if st_ != "evicted":
                 for key, b in nbytes.items():
                     total[key] = total.get(key, 0) + b
     return {k: v for k, v in total.items() if v}
@@ -77,7 +77,7 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
     by_id = {s.session_id: s for s in sessions}
     state = initial_state(sessions)
     room = float("inf") if host_room is None else host_room
-    phase_rank = {DropObject: 0, ParkObject: 1, PreemptSession: 2}
+    phase_rank = {EvictObject: 0, ParkObject: 1, PreemptSession: 2}
     last_rank = 0
     touched = set()
     dests = {k + "/pinned_host" for a in result.actions if isinstance(a, ParkObject) for k in a.moved}
@@ -92,7 +92,7 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
         assert not by_id[sid].pinned, f"pinned session {sid} touched"
         assert protect is None or sid != protect, f"protected session {sid} touched"
         objects = state[sid]["objects"]
-        if isinstance(action, DropObject):
+        if isinstance(action, EvictObject):
             st_, nbytes, o = objects[action.name]
             assert st_ == "resident", f"drop of {st_} object"
             assert o.rebuildable, "drop of non-rebuildable object"
@@ -101,14 +101,14 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
                     f"drop of {action.name} whose source {src} is not resident"
                 )
             for other, (ost, _, oo) in objects.items():
-                assert not (ost == "dropped" and action.name in oo.sources), (
+                assert not (ost == "evicted" and action.name in oo.sources), (
                     f"drop of {action.name} needed by dropped {other}"
                 )
             assert dict(action.freed) == {k: b for k, b in nbytes.items() if b}
             helps = any(b and k in over for k, b in nbytes.items())
             makes_room = any(b and k in dests and k in budgets for k, b in nbytes.items())
             assert helps or makes_room, f"needless drop {action}"
-            objects[action.name][0] = "dropped"
+            objects[action.name][0] = "evicted"
             touched.add(sid)
         elif isinstance(action, ParkObject):
             assert park, "park while parking disabled"
@@ -143,7 +143,7 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
 def session_options(s, over, park):
     """All (drops, parks) of one session whose every action frees an over key."""
     objects = {o.name: o for o in s.objects}
-    dropped_before = [o for o in s.objects if o.state == "dropped"]
+    dropped_before = [o for o in s.objects if o.state == "evicted"]
 
     def on_over(nbytes, only_default=False):
         return any(b and k in over and (is_default_kind(k) or not only_default) for k, b in nbytes.items())
@@ -197,7 +197,7 @@ def brute_force_fits(sessions, budgets, protect=None, park=False, host_room=None
         state = initial_state(sessions)
         for s, (_, drops, _) in zip(actors, combo):
             for n in drops or ():
-                state[s.session_id]["objects"][n][0] = "dropped"
+                state[s.session_id]["objects"][n][0] = "evicted"
         moved_total, parked_into = 0, set()
         for s, (_, _, parks) in zip(actors, combo):
             for n in parks or ():
@@ -305,7 +305,7 @@ def test_chain_repair_avoids_preemption():
 
 
 def test_source_of_dropped_dependent_is_never_dropped():
-    result = plan([_prompt_chain(state="dropped")], budgets={"cuda:0": 500})
+    result = plan([_prompt_chain(state="evicted")], budgets={"cuda:0": 500})
     assert isinstance(result, Refusal) and result.proven
     assert dict(result.shortfall_by_device) == {"cuda:0": 500}
 
@@ -515,7 +515,7 @@ def scenarios(draw, max_sessions=3, max_objects=3):
         objects = []
         names = ["a", "b", "c"][: draw(st.integers(1, max_objects))]
         for i, name in enumerate(names):
-            state = draw(st.sampled_from(["resident"] * 6 + ["dropped", "parked"]))
+            state = draw(st.sampled_from(["resident"] * 6 + ["evicted", "parked"]))
             keys = draw(
                 st.lists(st.sampled_from(KEYS[:2] * 3 + KEYS[2:]), min_size=1, max_size=2, unique=True)
             )

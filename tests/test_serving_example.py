@@ -11,5 +11,5 @@ def test_serving_example_runs():
     result = subprocess.run([sys.executable, str(SERVING)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "equals its unmanaged rollout bit for bit: True" in result.stdout
-    for kind in ("drop", "park", "restore", "rebuild"):
+    for kind in ("evict", "park", "restore", "rebuild"):
         assert f"{kind} " in result.stdout

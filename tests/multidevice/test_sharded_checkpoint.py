@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from meshes import auto_mesh, shard_pointers, shardings
 
 import jax_session_state as jss
-from jax_session_state import _fingerprint, checkpoint
+from jax_session_state import _digest, checkpoint
 
 B, H, D, CAPACITY = 2, 8, 4, 32
 AXES = {"batch": "data", "kv_heads": "model", "hidden": "model"}
@@ -141,10 +141,9 @@ def test_restore_in_a_process_with_fewer_devices(tmp_path, devices):
 
 
 @pytest.mark.parametrize("spec", [P("data", "model"), P(None, ("data", "model")), P(None, None, None, "data"), P()])
-def test_fingerprints_do_not_depend_on_sharding(spec):
+def test_digests_do_not_depend_on_sharding(spec):
     x = jax.random.normal(jax.random.key(3), (B, H, 16, D))
-    whole = _fingerprint.fingerprint(np.asarray(x))
+    whole = _digest.array_digests({"x": np.asarray(x)})["x"]
     sharded = jax.device_put(x, jax.sharding.NamedSharding(RULES.mesh, spec))
-    assert _fingerprint.fingerprint(sharded) == whole  # numpy over each distinct shard
-    assert [int(v) for v in _fingerprint._on_device(sharded)] == whole  # summed on the devices
-    assert _fingerprint.fingerprint(sharded.at[1, 7, 9, 3].add(1.0)) != whole
+    assert _digest.array_digests({"x": sharded})["x"] == whole  # the whole array's bytes, in row-major order
+    assert _digest.array_digests({"x": sharded.at[1, 7, 9, 3].add(1.0)})["x"] != whole

@@ -20,7 +20,7 @@ from jax_session_state.offload import Parked, Placement
 from jax_session_state.planner import ObjectUsage, SessionUsage
 from jax_session_state.session import Session
 
-HeldState = Literal["resident", "parked", "dropped", "absent"]
+RecordState = Literal["resident", "parked", "evicted", "absent"]
 
 
 def distinct_bytes(storages: Iterable[Storage]) -> dict[str, int]:
@@ -45,15 +45,15 @@ class ObjectRecord:
 
     Attributes:
       state: ``resident``; ``parked`` (its arrays in host memory, ``parked``);
-        ``dropped`` (evicted by the manager, to be rebuilt onto
+        ``evicted`` (by the manager, to be rebuilt onto
         ``placement``); ``absent`` (non-resident when it was put: left alone).
       storages: the buffers held for it now (parked: the host copies).
       home_bytes: its bytes by device key when resident where it belongs.
       parked: the parked object, when parked.
-      placement: where a dropped object's arrays go when it is rebuilt.
+      placement: where an evicted object's arrays go when it is rebuilt.
     """
 
-    state: HeldState
+    state: RecordState
     storages: tuple[Storage, ...]
     home_bytes: Mapping[str, int]
     parked: Parked | None = None
@@ -64,9 +64,9 @@ class ObjectRecord:
         storages = tuple(tree_storages(obj))
         return cls("resident" if obj.resident else "absent", storages, distinct_bytes(storages))
 
-    def dropped(self, placement: Placement) -> ObjectRecord:
-        """The record once dropped from ``placement``."""
-        return ObjectRecord("dropped", (), self.home_bytes, placement=placement)
+    def evicted(self, placement: Placement) -> ObjectRecord:
+        """The record once evicted from ``placement``."""
+        return ObjectRecord("evicted", (), self.home_bytes, placement=placement)
 
     def parked_as(self, parked: Parked) -> ObjectRecord:
         """The record once parked as ``parked``."""
@@ -79,7 +79,7 @@ class ObjectRecord:
         rebuildable = rebuild is not None and bool(obj.recompute_source) and obj.evictable
         cost = rebuild.cost if rebuild is not None and rebuild.cost is not None else obj.recompute_cost
         if self.state == "absent":
-            state, nbytes = "dropped", {}
+            state, nbytes = "evicted", {}
         elif as_resident or self.state == "resident":
             state, nbytes = "resident", self.home_bytes
         else:
@@ -96,7 +96,7 @@ class ObjectRecord:
 
 
 class Entry:
-    """One held session: its objects (parked and dropped ones non-resident), records, pins and use."""
+    """One held session: its objects (parked and evicted ones non-resident), records, pins and use."""
 
     __slots__ = (
         "session",
@@ -146,7 +146,7 @@ class Entry:
             yield from record.storages
         yield from self.attrs_storages
 
-    def names(self, state: HeldState) -> list[str]:
+    def names(self, state: RecordState) -> list[str]:
         return [name for name, record in self.records.items() if record.state == state]
 
     def usage(
@@ -165,7 +165,7 @@ class Entry:
     def restored_usage(
         self, session_id: Hashable, last_used: int, rebuilds: Mapping[str, Rebuild]
     ) -> SessionUsage:
-        """The planner's figures of this session once its parked and dropped objects are back."""
+        """The planner's figures of this session once its parked and evicted objects are back."""
         objects = self._object_usage(rebuilds, as_resident=True)
         return SessionUsage(session_id, objects, last_used, True, self.attrs_bytes)
 

@@ -1,0 +1,171 @@
+"""What a session manager shows of what it holds: :class:`Held` per session, and :class:`ManagerSnapshot`.
+
+:class:`ManagerSnapshots` is the part of
+:class:`~jax_session_state.SessionStateManager` that exports its table
+(``snapshot()``) and imports one (``load()``, ``from_snapshot()``): what
+checkpoints save and restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Hashable, Mapping
+from typing import Any, NamedTuple, Self
+
+from jax_session_state import offload
+from jax_session_state._manager_core import COUNTERS, ManagerCore
+from jax_session_state.session import Session
+
+__all__ = ["Held", "ManagerSnapshot", "ManagerSnapshots", "SnapshotSession"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """How the manager holds one session now (see :meth:`SessionStateManager.held`).
+
+    Attributes:
+      session: the session; its parked and evicted objects are not resident here.
+      parked: the parked objects by name (their arrays in host memory).
+      evicted: names of the objects evicted, to be rebuilt on the next lookup.
+      donated: whether its arrays were deleted by a step in progress (between
+        a ``get`` and its ``put``).
+      pinned: whether a ``pin()`` block holds it.
+    """
+
+    session: Session
+    parked: Mapping[str, offload.Parked]
+    evicted: frozenset[str]
+    donated: bool
+    pinned: bool = False
+
+    @property
+    def dropped(self) -> frozenset[str]:
+        """Deprecated: use ``evicted``."""
+        warnings.warn("Held.dropped is deprecated; use Held.evicted.", DeprecationWarning, stacklevel=2)
+        return self.evicted
+
+
+class SnapshotSession(NamedTuple):
+    """One session of a :class:`ManagerSnapshot`.
+
+    Attributes:
+      session_id: its id.
+      session: the session; parked objects hold their arrays in host memory,
+        evicted objects are non-resident.
+      evicted: names of the objects the manager evicted (to be rebuilt).
+    """
+
+    session_id: Hashable
+    session: Session
+    evicted: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerSnapshot:
+    """What a manager holds (see :meth:`SessionStateManager.snapshot`).
+
+    Attributes:
+      settings: the manager's constructor settings (:meth:`SessionStateManager.settings`).
+      sessions: every session, least recently used first.
+    """
+
+    settings: Mapping[str, Any]
+    sessions: tuple[SnapshotSession, ...]
+
+
+class ManagerSnapshots(ManagerCore):
+    """Exports and imports of the manager's whole table."""
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor's settings that describe this manager (not the lock or ``on_event``)."""
+        return {
+            "max_sessions": self.max_sessions,
+            "byte_budget": dict(self.byte_budget),
+            "evict_when_full": self.evict_when_full,
+            "park_memory_kind": self.park_memory_kind,
+            "host_budget": self.host_budget,
+        }
+
+    def config(self) -> dict[str, Any]:
+        """Deprecated: use :meth:`settings`."""
+        warnings.warn("SessionStateManager.config() is deprecated; use settings().", DeprecationWarning, stacklevel=2)
+        return self.settings()
+
+    def snapshot(self) -> ManagerSnapshot:
+        """Everything this manager holds, as one consistent picture, to save or load elsewhere.
+
+        Nothing is brought back or copied: parked objects appear with their
+        arrays in host memory, evicted objects non-resident.  Pins, counters,
+        ``on_event`` and registered rebuilds are not part of it.
+
+        Raises:
+          RuntimeError: a session's arrays were donated to a step that has
+            not been put back (``put`` it first).
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> manager = jss.SessionStateManager(max_sessions=4)
+          >>> manager.create("a", jss.Session(objects={"c": jss.FixedState.allocate(shapes=(2,))}))
+          >>> snapshot = manager.snapshot()
+          >>> [s.session_id for s in snapshot.sessions], snapshot.settings["max_sessions"]
+          (['a'], 4)
+          >>> list(jss.SessionStateManager.from_snapshot(snapshot).held())
+          ['a']
+        """
+        with self._lock:
+            sessions = []
+            for session_id, entry in self._by_recency():
+                if offload.is_donated(entry.session):
+                    raise RuntimeError(
+                        f"session {session_id!r} is in use: its arrays were donated to a step that has not "
+                        "been put back. put() it (or release() it) first."
+                    )
+                objects = {name: entry.records[name].parked.obj for name in entry.names("parked")}
+                session = entry.session.with_objects(**objects) if objects else entry.session
+                sessions.append(SnapshotSession(session_id, session, frozenset(entry.names("evicted"))))
+            return ManagerSnapshot(self.settings(), tuple(sessions))
+
+    @classmethod
+    def from_snapshot(cls, snapshot: ManagerSnapshot, **settings: Any) -> Self:
+        """A new manager with the snapshot's settings (``settings`` override them), loaded with it."""
+        manager = cls(**{**snapshot.settings, **settings})
+        manager.load(snapshot)
+        return manager
+
+    def load(self, snapshot: ManagerSnapshot) -> None:
+        """Fills this empty manager with a snapshot's sessions, least recently used first.
+
+        This manager's own settings, ``on_event`` and registered rebuilds
+        apply: evicted objects with a registered rebuild are rebuilt before
+        their session is admitted, the others stay non-resident; admission
+        follows ``create``'s rules (so under a smaller budget it parks or
+        preempts as ``create`` would).  Counters start at zero.  No other
+        thread may use the manager meanwhile.
+
+        Raises:
+          ValueError: the manager holds sessions already.
+          BudgetExceededError, SessionAdmissionError: a session does not fit;
+            every session loaded so far is released again: nothing is
+            half-loaded.
+        """
+        with self._lock:
+            if self._entries:
+                raise ValueError(f"load() needs an empty manager; this one holds {len(self)} sessions.")
+        loaded = []
+        try:
+            for held in snapshot.sessions:
+                objects = dict(held.session.objects)
+                for name in sorted(held.evicted & self._rebuilds.keys()):
+                    objects[name] = self._rebuild(held.session_id, name, held.session, None)
+                self.create(held.session_id, held.session.replace(objects=objects))
+                loaded.append(held.session_id)
+        except Exception:
+            for session_id in loaded:
+                self.release(session_id)
+            with self._lock:
+                self._lost.clear()
+            raise
+        with self._lock:
+            self._hits = self._misses = 0
+            self._counts = dict.fromkeys(COUNTERS, 0)

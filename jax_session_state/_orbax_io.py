@@ -1,0 +1,82 @@
+"""A checkpoint's array bytes, written and read with Orbax.
+
+Arrays are written as one Orbax PyTree checkpoint keyed ``"0"``, ``"1"``, ...
+and read back placed where the restore wants them: on a sharding, or as
+numpy arrays.  Orbax's warnings about OCDBT merges (there is nothing to
+merge without OCDBT) are silenced only while these calls run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jax_session_state.errors import CheckpointError
+
+__all__ = ["AS_NUMPY", "Destination", "read_arrays", "write_arrays"]
+
+AS_NUMPY = "numpy"
+"""The destination of arrays restored as numpy arrays (saved from numpy)."""
+
+Destination = jax.sharding.Sharding | Literal["numpy"]
+"""Where one restored array goes."""
+
+_OPTIONS = {"use_ocdbt": False, "use_compression": False}
+"""How arrays are written, chosen by measurement (``benchmarks/sharded.py``): session
+state is a few large arrays of incompressible floats, so compression only costs
+time, and plain zarr files saved faster than OCDBT's single data file."""
+
+
+class _WithoutOcdbtMergeWarning(logging.Filter):
+    """Drops the warning Orbax logs on every save without OCDBT."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _checkpointer() -> Iterator[ocp.Checkpointer]:
+    """An Orbax checkpointer, with the OCDBT merge warning filtered while it is used."""
+    absl, quiet = logging.getLogger("absl"), _WithoutOcdbtMergeWarning()  # one filter per call: threads may overlap
+    absl.addFilter(quiet)
+    try:
+        yield ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_OPTIONS))
+    finally:
+        absl.removeFilter(quiet)
+
+
+def write_arrays(directory: Path, values: Mapping[str, Any]) -> None:
+    """Writes ``values`` (jax or numpy arrays by key) to ``directory``, which must not exist."""
+    with _checkpointer() as checkpointer:
+        checkpointer.save(directory, args=ocp.args.PyTreeSave(dict(values)))
+
+
+def read_arrays(
+    directory: Path, layout: Mapping[str, tuple[tuple[int, ...], str]], destinations: Mapping[str, Destination]
+) -> dict[str, Any]:
+    """Reads every array of ``layout`` (key -> shape, dtype name) onto its destination.
+
+    Raises:
+      CheckpointError: the files cannot be read (missing, damaged or truncated).
+    """
+    item, restore_args = {}, {}
+    for key, (shape, dtype_name) in layout.items():
+        place, dtype = destinations[key], jnp.dtype(dtype_name)
+        on_host = isinstance(place, str)
+        item[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=None if on_host else place)
+        restore_args[key] = (
+            ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype) if on_host else ocp.ArrayRestoreArgs(sharding=place, dtype=dtype)
+        )
+    try:
+        with _checkpointer() as checkpointer:
+            return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    except Exception as error:  # Orbax and TensorStore raise many types for damaged files
+        raise CheckpointError(f"{directory.parent}: the arrays cannot be read (damaged or truncated files?): {error}") from error
