@@ -55,7 +55,7 @@ def template(extra: int = 0) -> jss.Session:
     objects = {
         "prompt": jss.FixedState.allocate(shapes=(1, 4, 8)),
         "cond": jss.EncodeOnceKV.allocate(
-            batch=1, kv_heads=2, head_dim=4, length=4, recompute_source="prompt"
+            batch=1, kv_heads=2, head_dim=4, capacity=4, recompute_source="prompt"
         ),
         "carry": jss.FixedState.allocate(shapes=(1, 16)),
     }

@@ -327,7 +327,7 @@ def fuzz_session():
     session = jss.Session(
         objects={
             "kv": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4, recompute_source="cond", recompute_cost=2.5),
-            "ring": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=2, sink=0, max_chunk=1),
+            "ring": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=2, sink=0, max_staged=1),
             "cond": jss.FixedState.allocate(shapes={"h": (1, 2), "c": (3,)}),
         },
         attrs={"rng": jax.random.key(3), "step": 3, "ratio": 0.5, "name": "run", "table": np.arange(3.0)},

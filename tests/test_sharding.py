@@ -98,7 +98,7 @@ def test_kinds_name_their_axes_after_their_sizing_arguments():
         (lambda: jss.LatentBuffer.allocate(capacity=2, item_shape=(3,), axes="a"), "tuple of axis names"),
         (
             lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), axes=((1,),)),
-            "RetrievalStore.allocate: value_axes",
+            "RetrievalStore.allocate: axes",
         ),
         (
             lambda: jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, capacity=1, sharding={"kv_heads": "model"}),
