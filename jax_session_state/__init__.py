@@ -33,6 +33,7 @@ from jax_session_state.objects import (
     Retrieved,
 )
 from jax_session_state.offload import Parked
+from jax_session_state.pool import SessionPool
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard
 from jax_session_state.summary import Summary, summary
@@ -67,6 +68,7 @@ __all__ = [
     "SeenStorages",
     "Session",
     "SessionAdmissionError",
+    "SessionPool",
     "SessionStateError",
     "SessionStateLostError",
     "SessionStateManager",
