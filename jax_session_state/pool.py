@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._masked_step import run_masked
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
 from jax_session_state.errors import NotResidentError
@@ -255,12 +256,15 @@ class SessionPool(struct.PyTreeNode):
                     )
 
         def one(session: Session, live: jax.Array, *args: Any) -> tuple[Session, Any]:
-            stepped, out = step(session, *args)
+            (stepped, out), origins = run_masked(step, live, session, *args)
             if not isinstance(stepped, Session):
                 raise TypeError(f"SessionPool.map: {_name(step)} must return (session, out); got {type(stepped).__name__}.")
             _require_same(session, stepped, f"SessionPool.map: {_name(step)} returned a session that")
-            kept = jax.tree_util.tree_map(lambda new, old: _select(live, new, old), stepped, session)
-            return kept, jax.tree_util.tree_map(lambda x: _select(live, x, jnp.zeros_like(x)), out)
+            old, tree = jax.tree_util.tree_flatten(session)
+            new = jax.tree_util.tree_leaves(stepped)
+            # A leaf written in place by masked writes only is already unchanged where not live.
+            kept = [n if origins[i] == i else _select(live, n, o) for i, (n, o) in enumerate(zip(new, old))]
+            return tree.unflatten(kept), jax.tree_util.tree_map(lambda x: _select(live, x, jnp.zeros_like(x)), out)
 
         sessions, out = jax.vmap(one)(self.sessions, self.active, *per_slot)
         return self.replace(sessions=sessions), out
