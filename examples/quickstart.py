@@ -18,7 +18,7 @@ def make_session() -> jss.Session:
         objects={
             # Self-attention K/V: the first 4 tokens kept for ever, the last 64 in a ring.
             "kv": jss.KVCache.allocate(
-                batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, window=64, sink=4, max_chunk=CHUNK
+                batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, window=64, sink=4, max_staged=CHUNK
             ),
             # Conditioning K/V, written once, rebuildable from the prompt embedding.
             "cond": jss.EncodeOnceKV.allocate(
@@ -27,7 +27,7 @@ def make_session() -> jss.Session:
             "prompt": jss.FixedState.allocate(shapes=(BATCH, 16, HEADS * HEAD_DIM)),
             # A recurrent carry and the last 4 latent frames.
             "carry": jss.FixedState.allocate(shapes={"h": (BATCH, 32)}),
-            "frames": jss.LatentBuffer.allocate(maxlen=4, item_shape=(8, 8), ring=True, max_staged=1),
+            "frames": jss.LatentBuffer.allocate(capacity=4, item_shape=(8, 8), ring=True, max_staged=1),
         },
         attrs={"rng": jax.random.key(0)},
     )

@@ -88,7 +88,7 @@ def rebuild_condition(session: jss.Session) -> jss.EncodeOnceKV:
 def new_session(seed: int) -> jss.Session:
     prompt = jax.random.normal(jax.random.key(seed), (BATCH, PROMPT, WIDTH))
     cond = jss.EncodeOnceKV.allocate(
-        batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, length=PROMPT, recompute_source="prompt"
+        batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=PROMPT, recompute_source="prompt"
     )
     return jss.Session(
         objects={

@@ -177,7 +177,7 @@ def make_session(config: WorldModelConfig) -> jss.Session:
     """The empty session of a model of this config."""
     c = config
     if c.capacity is None:
-        kv = dict(window=c.window, sink=c.sink, max_chunk=c.tokens)
+        kv = dict(window=c.window, sink=c.sink, max_staged=c.tokens)
     else:
         kv = dict(capacity=c.capacity)
     caches = {
@@ -188,13 +188,13 @@ def make_session(config: WorldModelConfig) -> jss.Session:
         objects={
             **caches,
             "cond": jss.EncodeOnceKV.allocate(
-                batch=c.batch, kv_heads=c.kv_heads, head_dim=c.head_dim, length=c.prompt_tokens,
+                batch=c.batch, kv_heads=c.kv_heads, head_dim=c.head_dim, capacity=c.prompt_tokens,
                 recompute_source="prompt",
             ),
             "prompt": jss.FixedState.allocate(shapes=(c.batch, c.prompt_tokens, c.d_model)),
             "carry": jss.FixedState.allocate(shapes={"h": (c.batch, c.d_model)}),
             "frames": jss.LatentBuffer.allocate(
-                maxlen=c.context_frames, item_shape=(c.batch, *c.frame_shape), ring=True, max_staged=c.lane_frames
+                capacity=c.context_frames, item_shape=(c.batch, *c.frame_shape), ring=True, max_staged=c.lane_frames
             ),
         }
     )

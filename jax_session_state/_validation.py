@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import warnings
+
 import jax
 import numpy as np
 
+from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.sharding import ShardingRules
 
 ShapePattern = Sequence["int | str"]
@@ -45,13 +48,13 @@ def check_array(
       sizes: bindings of the free sizes, shared across calls; updated here.
 
     Raises:
-      TypeError: not an array, or the wrong dtype.
-      ValueError: the wrong rank or shape.
+      PayloadTypeError: not an array, or the wrong dtype.
+      PayloadError: the wrong rank or shape.
     """
     sizes = {} if sizes is None else sizes
     expected = f"shape {shape_str(shape)} and dtype {dtype_name(dtype)}"
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{owner}: {what} must be an array of {expected}; got {type(x).__name__}.")
+        raise PayloadTypeError(f"{owner}: {what} must be an array of {expected}; got {type(x).__name__}.")
     got = f"shape {shape_str(x.shape)} and dtype {dtype_name(x.dtype)}"
     mismatch = len(x.shape) != len(shape)
     for want, have in zip(shape, x.shape):
@@ -63,9 +66,9 @@ def check_array(
     if mismatch:
         bound = ", ".join(f"{k}={v}" for k, v in sizes.items())
         hint = f" (with {bound})" if bound else ""
-        raise ValueError(f"{owner}: {what} must have {expected}{hint}; got {got}.")
+        raise PayloadError(f"{owner}: {what} must have {expected}{hint}; got {got}.")
     if x.dtype != dtype:
-        raise TypeError(f"{owner}: {what} must have {expected}; got {got}. Cast it first.")
+        raise PayloadTypeError(f"{owner}: {what} must have {expected}; got {got}. Cast it first.")
 
 
 def check_tree(
@@ -95,7 +98,7 @@ def check_tree(
     """
     x_leaves, x_treedef = jax.tree_util.tree_flatten(x)
     if x_treedef != treedef:
-        raise TypeError(
+        raise PayloadTypeError(
             f"{owner}: {what} must have the pytree structure {treedef}; got {x_treedef}."
         )
     sizes = {} if sizes is None else sizes
@@ -114,9 +117,9 @@ def check_tree(
 def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
     """Returns ``value`` as an int, or raises naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{owner}: {name} must be an int >= {minimum}; got {value!r}.")
+        raise PayloadTypeError(f"{owner}: {name} must be an int >= {minimum}; got {value!r}.")
     if value < minimum:
-        raise ValueError(f"{owner}: {name} must be >= {minimum}; got {value}.")
+        raise PayloadError(f"{owner}: {name} must be >= {minimum}; got {value}.")
     return int(value)
 
 
@@ -125,7 +128,7 @@ def source_names(owner: str, recompute_source: Any) -> tuple[str, ...]:
     names = (recompute_source,) if isinstance(recompute_source, str) else tuple(recompute_source)
     for name in names:
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{owner}: recompute_source must be object names; got {recompute_source!r}.")
+            raise PayloadTypeError(f"{owner}: recompute_source must be object names; got {recompute_source!r}.")
     return names
 
 
@@ -147,7 +150,7 @@ def leaf_specs(
     """
     leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
     if not leaves:
-        raise ValueError(f"{owner}: the spec holds no arrays; got {shapes!r}.")
+        raise PayloadError(f"{owner}: the spec holds no arrays; got {shapes!r}.")
     specs = []
     for leaf in leaves:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
@@ -155,7 +158,7 @@ def leaf_specs(
         elif _is_shape(leaf):
             specs.append(jax.ShapeDtypeStruct(tuple(int(d) for d in leaf), dtype))
         else:
-            raise TypeError(f"{owner}: spec leaves must be shapes, ShapeDtypeStructs or arrays; got {leaf!r}.")
+            raise PayloadTypeError(f"{owner}: spec leaves must be shapes, ShapeDtypeStructs or arrays; got {leaf!r}.")
     return treedef, tuple(specs)
 
 
@@ -164,10 +167,10 @@ def axis_names(owner: str, what: str, names: Any, rank: int) -> tuple[str | None
     if names is None:
         return (None,) * rank
     if isinstance(names, str) or not isinstance(names, Sequence):
-        raise TypeError(f"{owner}: {what} must be a tuple of axis names (str or None); got {names!r}.")
+        raise PayloadTypeError(f"{owner}: {what} must be a tuple of axis names (str or None); got {names!r}.")
     names = tuple(names)
     if len(names) != rank or not all(n is None or (isinstance(n, str) and n) for n in names):
-        raise ValueError(
+        raise PayloadError(
             f"{owner}: {what} must name each of the {rank} axes (a str, or None for unnamed); got {names!r}."
         )
     return names
@@ -183,7 +186,7 @@ def tree_axis_names(
         try:
             per_leaf = treedef.flatten_up_to(names)
         except (TypeError, ValueError) as error:
-            raise TypeError(
+            raise PayloadTypeError(
                 f"{owner}: {what} must have the structure of the spec {treedef}, with a tuple of axis "
                 f"names per array; got {names!r} ({error})."
             ) from None
@@ -196,8 +199,29 @@ def tree_axis_names(
 def sharding_rules(owner: str, sharding: Any) -> Any:
     """Returns ``sharding`` when it is ShardingRules or None, else raises naming the argument."""
     if sharding is not None and not isinstance(sharding, ShardingRules):
-        raise TypeError(
+        raise PayloadTypeError(
             f"{owner}: sharding must be jax_session_state.ShardingRules (logical axes -> mesh axes) "
             f"or None; got {type(sharding).__name__}."
         )
     return sharding
+
+
+def renamed(owner: str, options: dict[str, Any], old: str, new: str, value: Any) -> Any:
+    """``value`` of the keyword ``new``, or of its deprecated former name ``old`` (popped from ``options``).
+
+    Warns with a :class:`DeprecationWarning` when the old name is used;
+    raises when both are given.
+    """
+    if old not in options:
+        return value
+    if value is not None:
+        raise PayloadTypeError(f"{owner}: {old}= is the deprecated name of {new}=; pass only {new}=.")
+    warnings.warn(f"{owner}: {old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
+    return options.pop(old)
+
+
+def required(owner: str, name: str, value: Any) -> Any:
+    """``value``, or a TypeError naming the missing keyword when it is None."""
+    if value is None:
+        raise PayloadTypeError(f"{owner}() missing required keyword argument: {name}=")
+    return value

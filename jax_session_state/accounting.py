@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -157,15 +157,32 @@ def tree_storages(tree: Any) -> list[Storage]:
     return [storage for leaf in jax.tree_util.tree_leaves(tree) for storage in storages(leaf)]
 
 
-def device_bytes(x: Any, seen: SeenStorages | None = None) -> dict[str, int]:
+def _adder(seen: SeenStorages | set | None) -> Callable[[str, int], bool]:
+    """``seen``'s "record this storage, True if new", for a :class:`SeenStorages` or a plain set of pairs."""
+    if seen is None:
+        seen = SeenStorages()
+    if isinstance(seen, SeenStorages):
+        return seen.add
+
+    def add(key: str, pointer: int) -> bool:
+        if (key, pointer) in seen:
+            return False
+        seen.add((key, pointer))
+        return True
+
+    return add
+
+
+def device_bytes(x: Any, seen: SeenStorages | set | None = None) -> dict[str, int]:
     """Bytes of storage ``x`` holds, by device key, skipping storages in ``seen``.
 
     Args:
       x: a :class:`jax.Array` (each addressable shard counts on its device), a
         :class:`numpy.ndarray` (counts under ``"host"``), or anything else
         (Python scalars, None: no storage).
-      seen: storages already counted; updated with those counted here.  None
-        counts everything.
+      seen: storages already counted (a :class:`SeenStorages`, or a plain
+        set of ``(device key, pointer)`` pairs); updated with those counted
+        here.  None counts everything.
 
     Returns:
       A dict from device key to bytes; keys with nothing new are absent.
@@ -173,17 +190,16 @@ def device_bytes(x: Any, seen: SeenStorages | None = None) -> dict[str, int]:
     Raises:
       TypeError: ``x`` is a tracer (inside ``jit`` there is no storage to count).
     """
-    if seen is None:
-        seen = SeenStorages()
+    add = _adder(seen)
     out: dict[str, int] = {}
     for key, pointer, nbytes in storages(x):
-        if seen.add(key, pointer):
+        if add(key, pointer):
             out[key] = out.get(key, 0) + nbytes
     return out
 
 
 def tree_bytes_by_device(
-    tree: Any, seen: SeenStorages | None = None
+    tree: Any, seen: SeenStorages | set | None = None
 ) -> dict[str, int]:
     """Sums :func:`device_bytes` over the leaves of a pytree."""
     if seen is None:

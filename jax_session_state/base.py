@@ -27,8 +27,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypedDict, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +38,56 @@ import numpy as np
 from flax import struct
 
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
-from jax_session_state.errors import CapacityError, NotEvictableError, NotResidentError
+from jax_session_state.errors import CapacityError, DonatedError, NotEvictableError, NotResidentError, PayloadTypeError
 
 if TYPE_CHECKING:
     from jax_session_state.sharding import ShardingRules
 
-__all__ = ["StateObject", "check", "is_state_object", "overwrite"]
+__all__ = [
+    "Fill", "ManagedOptions", "StateObject", "allocator", "check", "deprecated_alias", "is_state_object", "overwrite",
+    "refuse_now_if",
+]
 
 Self = TypeVar("Self", bound="StateObject")
+
+_MANAGED = ("recompute_source", "recompute_cost", "sharding")
+
+
+class ManagedOptions(TypedDict, total=False):
+    """The keywords every ``allocate`` takes besides its sizes: how the object is managed.
+
+    Attributes:
+      recompute_source: the sibling object(s) this object can be rebuilt
+        from (a name or names); without one, a kind that cannot be dropped
+        is never evictable.
+      recompute_cost: estimated work to rebuild it (any unit, compared
+        across objects by the eviction planner).
+      sharding: where the storage lives on a mesh
+        (:class:`~jax_session_state.ShardingRules` over the logical axes of
+        :meth:`StateObject.storage_axes`), or None for the default device.
+    """
+
+    recompute_source: str | tuple[str, ...]
+    recompute_cost: float
+    sharding: ShardingRules | None
+
+
+class Fill(NamedTuple):
+    """How full an object is, in one vocabulary for every kind (host values, for reports).
+
+    Attributes:
+      committed: entries committed (rows, tokens, items; a carry counts as
+        one): an int, or a list with one count per batch row or slot.
+      staged: entries staged after them, shaped like ``committed``.
+      capacity: the most entries visible per row.
+      margin: storage slots held beyond ``capacity`` for staged entries
+        (a ring's staging margin), 0 where staging needs none.
+    """
+
+    committed: int | list[int] | None
+    staged: int | list[int] | None
+    capacity: int
+    margin: int = 0
 
 
 class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
@@ -72,14 +116,40 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     recompute_cost: float = struct.field(pytree_node=False, default=0.0)
     sharding: ShardingRules | None = struct.field(pytree_node=False, default=None)
 
-    # Whether a write can overflow; kinds that can carry an ``overflowed`` flag.
+    # Whether a write can overflow (and so be refused under jit).
     can_overflow: ClassVar[bool] = False
+    # The storage fields that hold data (the rest is bookkeeping: counts, flags).
+    data_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        # ``replace(recompute_source="prompt")`` means one name, as ``allocate`` reads it.
+        if isinstance(self.recompute_source, str):
+            object.__setattr__(self, "recompute_source", (self.recompute_source,))
 
     # ------------------------------------------------------------------ spec
     @classmethod
     @abc.abstractmethod
     def allocate(cls: type[Self], **kwargs: Any) -> Self:
         """Returns an empty, resident object; keyword-only sizing arguments."""
+
+    @classmethod
+    def _allocated(cls: type[Self], options: Mapping[str, Any], **spec: Any) -> Self:
+        """An empty object of this spec, managed as ``options`` (:class:`ManagedOptions`) say.
+
+        What every ``allocate`` ends in, once it has checked its sizes
+        (``allocate`` itself is wrapped by :func:`allocator`, which refuses
+        unknown keywords first).
+        """
+        from jax_session_state import _validation as v  # it imports sharding, which imports this module
+
+        owner = f"{cls.__name__}.allocate"
+        spec_object = cls(
+            **spec,
+            recompute_source=v.source_names(owner, options.get("recompute_source", ())),
+            recompute_cost=float(options.get("recompute_cost", 0.0)),
+            sharding=v.sharding_rules(owner, options.get("sharding")),
+        )
+        return spec_object.empty()
 
     @abc.abstractmethod
     def _empty_storage(self) -> dict[str, Any]:
@@ -109,17 +179,28 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
           default names none, so an object of a kind that does not override
           it is replicated on a mesh.
         """
-        shapes = jax.eval_shape(self._empty_storage)
-        return jax.tree_util.tree_map(lambda leaf: (None,) * leaf.ndim, shapes)
+        return jax.tree_util.tree_map(lambda leaf: (None,) * leaf.ndim, self.storage_shapes())
+
+    def storage_shapes(self) -> dict[str, Any]:
+        """The shape and dtype of every storage leaf of this spec (``jax.ShapeDtypeStruct``), allocating nothing."""
+        return jax.eval_shape(self._empty_storage)
 
     def with_storage(self: Self, **storage: Any) -> Self:
         """A copy holding this new storage; what every write returns.
 
-        On a sharded object the storage is placed by ``sharding`` (a sharding
-        constraint under ``jit``), so every lifecycle method returns storage
-        sharded exactly like its input and donation aliases each shard.
-        Kinds return their writes through here rather than ``replace``.
+        Each new storage pytree must have the structure, shapes and dtypes of
+        the one it replaces (checked at trace time, as a changed one would
+        make a jitted step compile again and break donation).  On a sharded
+        object the storage is placed by ``sharding`` (a sharding constraint
+        under ``jit``), so every lifecycle method returns storage sharded
+        exactly like its input and donation aliases each shard.  Kinds
+        return their writes through here rather than ``replace``.
+
+        Raises:
+          TypeError: a new storage pytree differs from the one it replaces.
         """
+        for name, new in storage.items():
+            _check_same_spec(self, name, getattr(self, name), new)
         if self.sharding is not None:
             axes = self.storage_axes()
             storage = self.sharding.constrain(
@@ -220,16 +301,32 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     def view(self, *, include_staged: bool = True) -> Any:
         """What attention kernels and the pipeline read: a small pytree."""
 
-    @abc.abstractmethod
-    def holds_staged(self) -> Any:
+    # ---------------------------------------------------------- bookkeeping
+    # Every kind also answers ``committed`` and ``staged`` (``Int`` arrays:
+    # entries committed, and staged after them, per batch row or slot where
+    # the kind has rows; None when not resident) and ``capacity`` (the most
+    # entries visible per row, static), with the same meaning everywhere:
+    # a field or a property of the kind, so they are not declared here.
+    @property
+    def staging_margin(self) -> int:
+        """Storage slots held beyond :attr:`capacity` for staged entries (static; 0 where none)."""
+        return 0
+
+    @property
+    def overflowed(self) -> jax.Array | None:
+        """``Bool[Array, ""]`` a write was refused under jit (always False where writes cannot overflow)."""
+        return None if not self.resident else jnp.zeros((), bool)
+
+    def holds_staged(self) -> jax.Array:
         """Whether anything is staged: a bool array (False when not resident)."""
+        return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
 
-    @abc.abstractmethod
-    def fill(self) -> dict[str, Any]:
-        """How full it is, for reports: ``committed``, ``staged`` and ``capacity`` (host values).
-
-        Per-row figures are lists; a non-resident object reports None.
-        """
+    def fill(self) -> Fill:
+        """How full it is, for reports (host values; a non-resident object reports None counts)."""
+        if not self.resident:
+            return Fill(None, None, self.capacity, self.staging_margin)
+        self._require_not_donated("fill")
+        return Fill(self.committed.tolist(), self.staged.tolist(), self.capacity, self.staging_margin)
 
     # ------------------------------------------------------------- branches
     def branch_window(self, size: int | None) -> StateObject | None:
@@ -298,10 +395,31 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
                 "evicted or reset). Rebuild it, restore it through the manager, or "
                 "start over with .empty()."
             )
+        self._require_not_donated(operation)
+
+    def _require_not_donated(self, operation: str) -> None:
+        for name in self.storage_fields():
+            if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+                   for x in jax.tree_util.tree_leaves(getattr(self, name))):
+                raise DonatedError(
+                    f"{operation}() on {self.describe()}, whose storage ({name!r}) was donated to a "
+                    "jitted call and deleted. Use that call's output instead, or fork() before donating."
+                )
 
     # ------------------------------------------------------------ accounting
-    def nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
-        """Bytes of storage held, by device key, de-duplicated through ``seen``."""
+    def nbytes_by_device(self, seen: SeenStorages | set | None = None) -> dict[str, int]:
+        """Bytes of storage held, by device key, de-duplicated through ``seen``.
+
+        Args:
+          seen: the storages already counted (a :class:`SeenStorages`, or a
+            plain ``set`` of ``(device key, pointer)``), updated here; None
+            counts everything.
+
+        Raises:
+          DonatedError: the storage was donated away (it is not zero bytes:
+            it is somewhere else now).
+        """
+        self._require_not_donated("nbytes_by_device")
         return tree_bytes_by_device(self, seen)
 
     def staged_nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
@@ -314,15 +432,76 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         """Total bytes held, all devices together (for reporting only)."""
         return sum(self.nbytes_by_device().values())
 
-    # ------------------------------------------------------------- overflow
-    def _refuse_now_if(self, refused: jax.Array, error: Callable[[], Exception]) -> None:
-        """Raises ``error()`` at once when ``refused`` is concretely True.
 
-        Under ``jit`` (or ``vmap``) ``refused`` is traced; the caller records
-        it in the ``overflowed`` flag instead and writes nothing.
-        """
-        if not isinstance(refused, jax.core.Tracer) and bool(refused):
-            raise error()
+
+def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wraps a kind's ``allocate`` so an unknown keyword is a ``TypeError`` before anything else.
+
+    ``allocate`` takes its sizes by name and the :class:`ManagedOptions` in
+    ``**options``; ``deprecated`` names the former keywords it still reads
+    from ``options`` (with a warning).  Use it under ``@classmethod``.
+    """
+
+    def wrap(allocate: Callable[..., Any]) -> Callable[..., Any]:
+        parameters = inspect.signature(allocate).parameters
+        known = {name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        known |= set(_MANAGED) | set(deprecated)
+
+        @functools.wraps(allocate)
+        def checked(cls: type, **kwargs: Any) -> Any:
+            unknown = sorted(set(kwargs) - known)
+            if unknown:
+                raise PayloadTypeError(
+                    f"{cls.__name__}.allocate() got unexpected keyword argument(s): {', '.join(unknown)}; "
+                    f"it takes {', '.join(sorted(known - set(deprecated)))}."
+                )
+            return allocate(cls, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+def deprecated_alias(new: str, old: str) -> property:
+    """A read-only property ``old`` that warns and returns attribute ``new`` (a renamed public name)."""
+
+    def read(self: Any) -> Any:
+        warnings.warn(f"{type(self).__name__}.{old} is deprecated; use .{new} (same meaning).",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(read, doc=f"Deprecated name of :attr:`{new}`.")
+
+
+def refuse_now_if(refused: Any, error: Callable[[], Exception]) -> None:
+    """Raises ``error()`` at once when ``refused`` is concretely True.
+
+    Under ``jit`` (or ``vmap``) ``refused`` is traced; the caller records it
+    in the object's ``overflowed`` flag instead and writes nothing.
+    """
+    if not isinstance(refused, jax.core.Tracer) and bool(refused):
+        raise error()
+
+
+def _check_same_spec(obj: StateObject, name: str, old: Any, new: Any) -> None:
+    """Raises when ``new`` storage differs from ``old`` in structure, shape or dtype (nothing to check when None)."""
+    if old is None:
+        return
+    old_leaves, old_tree = jax.tree_util.tree_flatten(old)
+    new_leaves, new_tree = jax.tree_util.tree_flatten(new)
+    same = old_tree == new_tree and all(
+        jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+        for a, b in zip(old_leaves, new_leaves)
+    )
+    if not same:
+        def spec(leaves: list[Any]) -> str:
+            return ", ".join(f"{np.dtype(jnp.result_type(x)).name}{list(jnp.shape(x))}" for x in leaves)
+
+        raise PayloadTypeError(
+            f"{obj.describe()}: a write changed storage {name!r} from {old_tree} [{spec(old_leaves)}] to "
+            f"{new_tree} [{spec(new_leaves)}]; every write must keep structure, shapes and dtypes "
+            "(a changed one compiles the step again and breaks donation)."
+        )
 
 
 def overwrite(old: Any, new: Any) -> Any:

@@ -18,6 +18,9 @@ __all__ = [
       "SessionAdmissionError",
       "SessionStateLostError",
       "CheckpointError",
+      "PayloadError",
+      "PayloadTypeError",
+      "DonatedError",
 ]
 
 
@@ -35,6 +38,25 @@ class CapacityError(SessionStateError, RuntimeError):
 
 class NotResidentError(SessionStateError, RuntimeError):
     """An evicted or reset object was read or written."""
+
+
+class DonatedError(NotResidentError):
+    """An object whose arrays were donated to a jitted call was used again.
+
+    Donation hands the buffers to the call's output and deletes the input's
+    arrays; use the output instead (or ``fork()`` before donating).
+    """
+
+
+class PayloadError(SessionStateError, ValueError):
+    """A payload (or an argument) has the wrong shape or value; nothing was written.
+
+    Raised at trace time, naming the object, what it expected and what came.
+    """
+
+
+class PayloadTypeError(SessionStateError, TypeError):
+    """A payload (or an argument) has the wrong structure, type or dtype; nothing was written."""
 
 
 class NotEvictableError(SessionStateError, RuntimeError):

@@ -7,10 +7,10 @@ Example:
   ...     "carry": jss.FixedState.allocate(shapes=(1, 8)),
   ... })
   >>> print(jss.summary(session))
-  name   kind        shapes               dtype    committed  staged  capacity  resident  recompute  cpu:0
-  -----  ----------  -------------------  -------  ---------  ------  --------  --------  ---------  -----
-  carry  FixedState  [1, 8]               float32  value      0       -         yes       -          65
-  kv     KVCache     k, v: [1, 2, 16, 4]  float32  [0]        [0]     16        yes       -          1040
+  name   kind        shapes         dtype    committed  staged  capacity  margin  resident  recompute  cpu:0
+  -----  ----------  -------------  -------  ---------  ------  --------  ------  --------  ---------  -----
+  carry  FixedState  [1, 8]         float32  1          0       1         0       yes       -          65
+  kv     KVCache     [1, 2, 16, 4]  float32  [0]        [0]     16        0       yes       -          1040
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from jax_session_state.session import Session
 
 __all__ = ["Summary", "summary"]
 
-_FIXED_COLUMNS = ["name", "kind", "shapes", "dtype", "committed", "staged", "capacity", "resident", "recompute"]
+_FIXED_COLUMNS = [
+    "name", "kind", "shapes", "dtype", "committed", "staged", "capacity", "margin", "resident", "recompute",
+]
 
 
 class Summary:
@@ -92,25 +94,20 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _data_leaves(obj: StateObject) -> list[jax.ShapeDtypeStruct]:
+    """The shape and dtype of every leaf of the object's data (not its bookkeeping)."""
+    shapes = obj.storage_shapes()
+    return [leaf for field in obj.data_fields for leaf in jax.tree_util.tree_leaves(shapes[field])]
+
+
 def _shapes(obj: StateObject) -> str:
-    """The shapes of the object's main storage, compactly."""
-    if hasattr(obj, "k") and hasattr(obj, "v") and obj.resident:
-        return f"k, v: {list(obj.k.shape)}"
-    for field in obj.storage_fields():  # the first that holds data, not a count or a flag
-        if field == "bookkeeping":
-            continue
-        leaves = jax.tree_util.tree_leaves(getattr(obj, field))
-        if any(leaf.ndim for leaf in leaves):
-            return ", ".join(str(list(leaf.shape)) for leaf in leaves)
-    return "-"
+    """The shapes of the object's data storage, compactly (one entry per distinct shape)."""
+    shapes = dict.fromkeys(str(list(leaf.shape)) for leaf in _data_leaves(obj))
+    return ", ".join(shapes) or "-"
 
 
 def _dtype(obj: StateObject) -> str:
-    dtype = getattr(obj, "dtype", None)
-    if dtype is None:
-        dtypes = {np.dtype(s.dtype).name for s in getattr(obj, "leaf_specs", ())}
-        return ", ".join(sorted(dtypes)) or "-"
-    return np.dtype(dtype).name
+    return ", ".join(sorted({np.dtype(leaf.dtype).name for leaf in _data_leaves(obj)})) or "-"
 
 
 def object_row(name: str, obj: StateObject, seen: SeenStorages) -> dict[str, Any]:
@@ -121,9 +118,10 @@ def object_row(name: str, obj: StateObject, seen: SeenStorages) -> dict[str, Any
         "kind": type(obj).__name__,
         "shapes": _shapes(obj),
         "dtype": _dtype(obj),
-        "committed": fill["committed"],
-        "staged": fill["staged"],
-        "capacity": fill["capacity"],
+        "committed": fill.committed,
+        "staged": fill.staged,
+        "capacity": fill.capacity,
+        "margin": fill.margin,
         "resident": obj.resident,
         "recompute": ", ".join(obj.recompute_source) or None,
         **obj.nbytes_by_device(seen),

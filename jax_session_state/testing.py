@@ -11,7 +11,7 @@ Example:
   >>> import jax_session_state as jss
   >>> from jax_session_state.testing import Conformance
   >>> suite = Conformance(
-  ...     make=lambda: jss.LatentBuffer.allocate(maxlen=8, item_shape=(3,)),
+  ...     make=lambda: jss.LatentBuffer.allocate(capacity=8, item_shape=(3,)),
   ...     payload=lambda rng: jnp.asarray(rng.normal(size=(2, 3)), jnp.float32),
   ... )
   >>> suite.run()  # raises AssertionError naming the first broken rule

@@ -27,11 +27,11 @@ KINDS = {
         ragged_kv_payload,
     ),
     "kv_ring": (
-        lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=5),
+        lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=5),
         ragged_kv_payload,
     ),
     "encode_once": (
-        lambda: jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=8),
+        lambda: jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=8),
         kv_payload,
     ),
     "fixed": (
@@ -46,11 +46,11 @@ KINDS = {
         lambda rng: jnp.asarray(rng.normal(size=(B, 6)), jnp.float32),
     ),
     "latent_bounded": (
-        lambda: jss.LatentBuffer.allocate(maxlen=200, item_shape=(3, 2)),
+        lambda: jss.LatentBuffer.allocate(capacity=200, item_shape=(3, 2)),
         lambda rng: jnp.asarray(rng.normal(size=(2, 3, 2)), jnp.float32),
     ),
     "latent_ring": (
-        lambda: jss.LatentBuffer.allocate(maxlen=5, item_shape=(3, 2), ring=True, max_staged=2),
+        lambda: jss.LatentBuffer.allocate(capacity=5, item_shape=(3, 2), ring=True, max_staged=2),
         lambda rng: jnp.asarray(rng.normal(size=(2, 3, 2)), jnp.float32),
     ),
     "paged": (

@@ -95,8 +95,8 @@ class KVModel:
     """Per batch row, a list of (k, v) rows by position; committed then staged."""
 
     def __init__(self, batch: int, *, capacity: int | None = None, window: int | None = None,
-                 sink: int = 0, max_chunk: int | None = None, heads: int, head_dim: int):
-        self.capacity, self.window, self.sink, self.max_chunk = capacity, window, sink, max_chunk
+                 sink: int = 0, max_staged: int | None = None, heads: int, head_dim: int):
+        self.capacity, self.window, self.sink, self.max_staged = capacity, window, sink, max_staged
         self.rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(batch)]
         self.committed = [0] * batch
         self.high_water = [0] * batch  # one past the largest position ever written, discarded or not
@@ -111,7 +111,7 @@ class KVModel:
             return REFUSED_COUNTS
         for b, c in enumerate(counts):
             staged = len(self.rows[b]) - self.committed[b]
-            room = self.capacity - len(self.rows[b]) if self.window is None else self.max_chunk - staged
+            room = self.capacity - len(self.rows[b]) if self.window is None else self.max_staged - staged
             if c > room:
                 return REFUSED_CAPACITY
         for b, c in enumerate(counts):
@@ -137,7 +137,7 @@ class KVModel:
             if self.window is None:
                 start = 0
             elif include_staged:  # everything the ring still holds
-                start = high_water - (self.window + self.max_chunk)
+                start = high_water - (self.window + self.max_staged)
             else:  # the committed window
                 start = committed - self.window
             shown = [p for p in range(end) if p < self.sink or p >= start]
@@ -150,10 +150,10 @@ class KVModel:
 
 
 class ItemModel:
-    """A sequence of items (pytrees); the last ``maxlen`` are visible."""
+    """A sequence of items (pytrees); the last ``capacity`` are visible."""
 
-    def __init__(self, *, maxlen: int, ring: bool, max_staged: int = 0, single_rank: int | None = None):
-        self.maxlen, self.ring, self.max_staged = maxlen, ring, max_staged
+    def __init__(self, *, capacity: int, ring: bool, max_staged: int = 0, single_rank: int | None = None):
+        self.capacity, self.ring, self.max_staged = capacity, ring, max_staged
         self.single_rank = single_rank  # rank of one item's first leaf, to tell one item from a batch
         self.items: list[Any] = []
         self.committed = 0
@@ -170,7 +170,7 @@ class ItemModel:
         if op.name in ("stage", "commit_payload", "append"):
             new = self._split(op.payload)
             staged = len(self.items) - self.committed
-            if not self.ring and len(self.items) + len(new) > self.maxlen:
+            if not self.ring and len(self.items) + len(new) > self.capacity:
                 return REFUSED_CAPACITY
             if self.ring and op.name == "stage" and staged + len(new) > self.max_staged:
                 return REFUSED_CAPACITY
@@ -185,4 +185,4 @@ class ItemModel:
 
     def visible(self, include_staged: bool) -> list[Any]:
         end = len(self.items) if include_staged else self.committed
-        return self.items[max(0, end - self.maxlen):end]
+        return self.items[max(0, end - self.capacity):end]

@@ -107,7 +107,7 @@ def test_ring_mode_with_wraparound_and_sinks(seed, batch, groups, T, window, sin
 def test_ring_cache_equals_windowed_attention_over_the_whole_history():
     rng = np.random.default_rng(1)
     window, sink, chunk, steps = 6, 2, 4, 9
-    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=window, sink=sink, max_chunk=chunk)
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=window, sink=sink, max_staged=chunk)
     history_k, history_v = [], []
     for _ in range(steps):
         k, v = randn(rng, 1, chunk, 2, 8), randn(rng, 1, chunk, 2, 8)
@@ -126,7 +126,7 @@ def test_cascade_over_branch_lanes_equals_the_concatenation(ring):
     rng = np.random.default_rng(2)
     H, D, T = 2, 8, 3
     kv = (
-        jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, window=7, sink=2, max_chunk=T)
+        jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, window=7, sink=2, max_staged=T)
         if ring
         else jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=256)
     )
@@ -243,7 +243,7 @@ def test_bad_positions_and_views_are_named():
     with pytest.raises(ValueError, match=r"q_positions must have shape \[1, 4\]"):
         jss.attend(jnp.ones((1, 4, 2, 8)), view, q_positions=jnp.zeros((4,), jnp.int32))
     with pytest.raises(TypeError, match="got LatentView"):
-        jss.attend(jnp.ones((1, 4, 2, 8)), jss.LatentBuffer.allocate(maxlen=2, item_shape=(1,)).view())
+        jss.attend(jnp.ones((1, 4, 2, 8)), jss.LatentBuffer.allocate(capacity=2, item_shape=(1,)).view())
 
 
 def test_append_step_does_no_work_over_the_whole_capacity():

@@ -14,16 +14,16 @@ B, H, D = 1, 2, 3
 
 def make_session(*, ring=False):
     kv = (
-        jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=3)
+        jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=3)
         if ring
         else jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=64)
     )
     return jss.Session(
         objects={
             "kv": kv,
-            "frames": jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), ring=True, max_staged=1),
+            "frames": jss.LatentBuffer.allocate(capacity=4, item_shape=(2,), ring=True, max_staged=1),
             "carry": jss.FixedState.allocate(shapes=(B, 3)),
-            "cond": jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=4),
+            "cond": jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=4),
         },
         attrs={"rng": jax.random.key(0), "step": jnp.int32(0)},
     )

@@ -41,13 +41,13 @@ def random_session(seed=0):
     session = jss.Session(
         objects={
             "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=16),
-            "ring": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=4, sink=1, max_chunk=3),
-            "cond": jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=5, recompute_source="prompt"),
+            "ring": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=4, sink=1, max_staged=3),
+            "cond": jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=5, recompute_source="prompt"),
             "prompt": jss.FixedState.allocate(shapes=(B, 6)),
             "carry": jss.FixedState.allocate(
                 shapes=Carry(h=jax.ShapeDtypeStruct((B, 3), jnp.float32), c=jax.ShapeDtypeStruct((B,), jnp.int32))
             ),
-            "frames": jss.LatentBuffer.allocate(maxlen=3, item_shape=(2,), ring=True, max_staged=2, dtype=jnp.bfloat16),
+            "frames": jss.LatentBuffer.allocate(capacity=3, item_shape=(2,), ring=True, max_staged=2, dtype=jnp.bfloat16),
             "bank": jss.RetrievalStore.allocate(capacity=4, key_dim=3, value_shapes={"a": (2,), "b": [(1,)]}),
             "pages": jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=2, num_pages=8),
         },

@@ -256,7 +256,7 @@ def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once(
 @needs_native
 def test_bfloat16_and_ring_views_stay_on_the_pure_path():
     bf16 = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64, dtype=jnp.bfloat16)
-    ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_chunk=4)
+    ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_staged=4)
     for cache, q in ((bf16, jnp.ones((1, 3, 4, 8), jnp.bfloat16)), (ring, jnp.ones((1, 3, 4, 8)))):
         rows = jnp.ones((1, 3, 2, 8), cache.k.dtype)
         hlo = _traced_with(True, lambda: jax.jit(rollout_step).lower(cache, q, rows).compile().as_text())

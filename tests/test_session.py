@@ -14,9 +14,9 @@ def make_session(**extra):
     return jss.Session(
         objects={
             "prompt": jss.FixedState.allocate(shapes=(1, 4, 6)),
-            "cond": jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=3, length=4, recompute_source="prompt"),
+            "cond": jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=3, capacity=4, recompute_source="prompt"),
             "kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=3, capacity=16),
-            "frames": jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), ring=True, max_staged=2),
+            "frames": jss.LatentBuffer.allocate(capacity=4, item_shape=(2,), ring=True, max_staged=2),
             **extra,
         },
         attrs={"rng": jax.random.key(0), "step": jnp.zeros((), jnp.int32)},
@@ -128,7 +128,7 @@ def test_check_reports_every_flagged_object_by_path():
     session = jss.Session(
         objects={
             "a": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, capacity=2),
-            "b": jss.LatentBuffer.allocate(maxlen=1, item_shape=(1,)),
+            "b": jss.LatentBuffer.allocate(capacity=1, item_shape=(1,)),
         }
     )
     x = jnp.ones((1, 3, 1, 1))

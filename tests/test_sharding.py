@@ -78,13 +78,13 @@ def test_every_kind_names_each_axis_of_each_storage_leaf(kind):
 def test_kinds_name_their_axes_after_their_sizing_arguments():
     kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
     assert kv.storage_axes()["k"] == ("batch", "kv_heads", "capacity", "head_dim")
-    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=4, length=8)
+    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
     assert cond.storage_axes()["v"] == ("batch", "kv_heads", "length", "head_dim")
     carry = jss.FixedState.allocate(shapes={"h": (2, 6), "c": (3,)}, axes={"h": ("batch", None), "c": None})
     assert carry.storage_axes()["value"] == {"h": ("batch", None), "c": (None,)}
-    frames = jss.LatentBuffer.allocate(maxlen=4, item_shape=(2, 3), item_axes=(None, "channels"))
+    frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(2, 3), axes=(None, "channels"))
     assert frames.storage_axes()["items"] == ("slots", None, "channels")
-    bank = jss.RetrievalStore.allocate(capacity=4, key_dim=3, value_shapes={"a": (2,)}, value_axes={"a": ("x",)})
+    bank = jss.RetrievalStore.allocate(capacity=4, key_dim=3, value_shapes={"a": (2,)}, axes={"a": ("x",)})
     assert bank.storage_axes()["keys"] == ("slots", "key_dim")
     assert bank.storage_axes()["values"] == {"a": ("slots", "x")}
 
@@ -94,10 +94,10 @@ def test_kinds_name_their_axes_after_their_sizing_arguments():
     [
         (lambda: jss.FixedState.allocate(shapes=(2, 3), axes=("batch",)), r"FixedState.allocate: axes of leaf 0"),
         (lambda: jss.FixedState.allocate(shapes={"h": (2,)}, axes={"c": ("x",)}), "structure of the spec"),
-        (lambda: jss.LatentBuffer.allocate(maxlen=2, item_shape=(3,), item_axes=("a", "b")), "name each of the 1"),
-        (lambda: jss.LatentBuffer.allocate(maxlen=2, item_shape=(3,), item_axes="a"), "tuple of axis names"),
+        (lambda: jss.LatentBuffer.allocate(capacity=2, item_shape=(3,), axes=("a", "b")), "name each of the 1"),
+        (lambda: jss.LatentBuffer.allocate(capacity=2, item_shape=(3,), axes="a"), "tuple of axis names"),
         (
-            lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), value_axes=((1,),)),
+            lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), axes=((1,),)),
             "RetrievalStore.allocate: value_axes",
         ),
         (
@@ -116,7 +116,7 @@ def test_a_kind_without_axis_names_is_replicated():
         def storage_axes(self):
             return jss.StateObject.storage_axes(self)
 
-    frames = UnnamedFrames.allocate(maxlen=4, item_shape=(2,), sharding=RULES)
+    frames = UnnamedFrames.allocate(capacity=4, item_shape=(2,), sharding=RULES)
     assert frames.storage_axes()["items"] == (None, None)
     assert frames.items.sharding.spec == jax.sharding.PartitionSpec()
 

@@ -14,10 +14,10 @@ from devices import DEVICE
 def make_session():
     session = jss.Session(
         objects={
-            "kv": jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=4, window=8, sink=2, max_chunk=4),
+            "kv": jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=4, window=8, sink=2, max_staged=4),
             "prompt": jss.FixedState.allocate(shapes=(2, 3)),
-            "cond": jss.EncodeOnceKV.allocate(batch=2, kv_heads=2, head_dim=4, length=4, recompute_source="prompt"),
-            "frames": jss.LatentBuffer.allocate(maxlen=3, item_shape=(5,), ring=True, max_staged=1),
+            "cond": jss.EncodeOnceKV.allocate(batch=2, kv_heads=2, head_dim=4, capacity=4, recompute_source="prompt"),
+            "frames": jss.LatentBuffer.allocate(capacity=3, item_shape=(5,), ring=True, max_staged=1),
             "bank": jss.RetrievalStore.allocate(capacity=6, key_dim=4, value_shapes=(2,)),
         },
         attrs={"rng": jax.random.key(0)},
@@ -32,15 +32,19 @@ def test_rows_describe_every_object():
     by_name = {row["name"]: row for row in table.rows}
     assert set(by_name) == {"kv", "prompt", "cond", "frames", "bank", "attrs"}
     assert by_name["kv"]["kind"] == "KVCache" and by_name["kv"]["committed"] == [3, 3]
-    assert by_name["kv"]["staged"] == [1, 1] and "window 8" in by_name["kv"]["capacity"]
+    assert by_name["kv"]["staged"] == [1, 1] and by_name["kv"]["capacity"] == 10  # sink 2 + window 8 visible
+    assert by_name["kv"]["margin"] == 4  # the ring's staging slots
     assert by_name["frames"]["committed"] == 2 and by_name["cond"]["recompute"] == "prompt"
+    assert (by_name["frames"]["capacity"], by_name["frames"]["margin"]) == (3, 1)
+    assert (by_name["cond"]["committed"], by_name["cond"]["staged"]) == ([0, 0], [0, 0])
+    assert (by_name["prompt"]["committed"], by_name["prompt"]["capacity"]) == (1, 1)
     for name, obj in session.objects.items():
         assert by_name[name][DEVICE] == obj.nbytes
     assert sum(row.get(DEVICE, 0) for row in table.rows) == session.nbytes
     text = str(table)
     for name in session.objects:
         assert name in text
-    assert "k, v: [2, 2, 14, 4]" in text and DEVICE in text.splitlines()[0]
+    assert by_name["kv"]["shapes"] == "[2, 2, 14, 4]" and DEVICE in text.splitlines()[0]
     assert by_name["frames"]["shapes"] == "[4, 5]" and by_name["bank"]["shapes"].startswith("[6, 4]")
 
 

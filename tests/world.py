@@ -46,7 +46,7 @@ def make_session(seed: int, *, capacity: int = 16, tokens: int = 3) -> jss.Sessi
         objects={
             "prompt": jss.FixedState.allocate(shapes=(B, PROMPT, H * D)).commit(prompt),
             "cond": jss.EncodeOnceKV.allocate(
-                batch=B, kv_heads=H, head_dim=D, length=PROMPT, recompute_source="prompt", recompute_cost=1.0
+                batch=B, kv_heads=H, head_dim=D, capacity=PROMPT, recompute_source="prompt", recompute_cost=1.0
             ).commit(encode(prompt)),
             "carry": jss.FixedState.allocate(shapes={"h": (B, 8)}).commit(
                 {"h": jnp.asarray(rng.normal(size=(B, 8)), jnp.float32)}

@@ -1,10 +1,11 @@
 """``ItemBuffer``: the write path shared by kinds that hold a sequence of items.
 
 Items (frames, latent chunks, retrieval entries) are pytrees of fixed-shape
-arrays stored along a leading slot axis.  A buffer shows its last ``maxlen``
-items: in ring mode older items are overwritten, otherwise a write past
-``maxlen`` is refused.  Staging is in-buffer; a ring reserves ``max_staged``
-slots beyond ``maxlen`` so staged items never overwrite visible ones.
+arrays stored along a leading slot axis.  A buffer shows its last
+``capacity`` items: in ring mode older items are overwritten, otherwise a
+write past ``capacity`` is refused.  Staging is in-buffer; a ring reserves
+``max_staged`` slots beyond ``capacity`` so staged items never overwrite
+visible ones.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, update_slice_or_keep
-from jax_session_state.errors import CapacityError
+from jax_session_state.base import StateObject, deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
 from jax_session_state.objects import _ring
 
 # Entries of ``ItemBuffer.bookkeeping``.
@@ -30,23 +31,26 @@ _COMMITTED, _STAGED, _REFUSED = range(3)
 class ItemBuffer(StateObject, kw_only=True):
     """Abstract: count/staged bookkeeping and in-buffer writes of item pytrees.
 
-    Subclasses define the static fields ``maxlen`` (items visible), ``ring``
-    and ``max_staged``, the storage pytree (``_buffers`` / ``_with_buffers``) and what an item is
-    (``item_treedef`` / ``item_specs``).
+    Subclasses define the static fields ``capacity`` (items visible),
+    ``ring`` and ``max_staged``, the storage pytree (``_buffers`` /
+    ``_with_buffers``) and what an item is (``item_treedef`` /
+    ``item_specs``).
     """
 
     bookkeeping: Array | None = None
     """``Int[Array, "3"]``: items ever committed, items staged after them, and
     the writes refused under jit.  One array, so a step updates all of it in
-    one operation; read it through :attr:`count`, :attr:`staged` and
+    one operation; read it through :attr:`committed`, :attr:`staged` and
     :attr:`overflowed`."""
 
     can_overflow = True
 
     @property
-    def count(self) -> Array | None:
+    def committed(self) -> Array | None:
         """``Int[Array, ""]`` items ever committed."""
         return None if self.bookkeeping is None else self.bookkeeping[..., _COMMITTED]
+
+    count = deprecated_alias("committed", "count")
 
     @property
     def staged(self) -> Array | None:
@@ -59,9 +63,14 @@ class ItemBuffer(StateObject, kw_only=True):
         return None if self.bookkeeping is None else self.bookkeeping[..., _REFUSED] > 0
 
     @property
+    def staging_margin(self) -> int:
+        """A ring's ``max_staged`` slots beyond ``capacity`` (0 in append mode, which stages in place)."""
+        return self.max_staged if self.ring else 0
+
+    @property
     def slots(self) -> int:
-        """Storage slots: ``maxlen``, plus the staging margin of a ring."""
-        return self.maxlen + (self.max_staged if self.ring else 0)
+        """Storage slots: ``capacity``, plus the staging margin of a ring."""
+        return self.capacity + self.staging_margin
 
     @abc.abstractmethod
     def _buffers(self) -> Any:
@@ -95,7 +104,7 @@ class ItemBuffer(StateObject, kw_only=True):
         owner = f"{self.describe()}.{operation}"
         leaves, treedef = jax.tree_util.tree_flatten(payload)
         if treedef != self.item_treedef:
-            raise TypeError(f"{owner}: items must have the pytree structure {self.item_treedef}; got {treedef}.")
+            raise PayloadTypeError(f"{owner}: items must have the pytree structure {self.item_treedef}; got {treedef}.")
         first, spec = leaves[0], self.item_specs[0]
         single = hasattr(first, "shape") and len(first.shape) == len(spec.shape)
         leading = () if single else ("n",)
@@ -107,25 +116,25 @@ class ItemBuffer(StateObject, kw_only=True):
         leaves = [jnp.asarray(x)[None] if single else jnp.asarray(x) for x in leaves]
         n = 1 if single else sizes["n"]
         if self.ring and n > self.slots:  # they would collide in the ring
-            raise ValueError(f"{owner}: {n} items at once exceed the ring's {self.slots} slots.")
+            raise PayloadError(f"{owner}: {n} items at once exceed the ring's {self.slots} slots.")
         return leaves, n
 
     def _write(
         self, leaves: list[Array], n: int, *, staging: bool, operation: str, take: Array | int | None = None
     ) -> tuple[ItemBuffer, Array]:
         """Writes the first ``take`` (default: all ``n``) of the items in ``leaves``."""
-        start = self.count + self.staged
+        start = self.committed + self.staged
         take = n if take is None else take
         if not self.ring:
-            refused = start + take > self.maxlen
-            limit = f"maxlen {self.maxlen}"
+            refused = start + take > self.capacity
+            limit = f"capacity {self.capacity}"
         elif staging:
             refused = self.staged + take > self.max_staged
             limit = f"max_staged {self.max_staged} items staged between commits"
         else:  # committed ring writes may overwrite the oldest items
             refused = jnp.zeros((), bool)
             limit = ""
-        self._refuse_now_if(
+        refuse_now_if(
             refused,
             lambda: CapacityError(
                 f"{self.describe()}.{operation}: writing {int(take)} items after {int(start)} exceeds {limit}; "
@@ -142,7 +151,7 @@ class ItemBuffer(StateObject, kw_only=True):
             written = [b.at[slots].set(x, mode="drop") for b, x in zip(buffers, leaves)]
         buffers = self.item_treedef.unflatten(written)
         new = self._with_buffers(buffers)._with_bookkeeping(
-            count=self.count,
+            count=self.committed,
             staged=self.staged + jnp.where(refused, 0, take),
             refused=self.bookkeeping[..., _REFUSED] + refused,
         )
@@ -161,7 +170,7 @@ class ItemBuffer(StateObject, kw_only=True):
     def _commit_staged(self, when: Array | bool = True) -> ItemBuffer:
         promoted = jnp.where(when, self.staged, 0)
         return self._with_bookkeeping(
-            count=self.count + promoted, staged=self.staged - promoted, refused=self.bookkeeping[..., _REFUSED]
+            count=self.committed + promoted, staged=self.staged - promoted, refused=self.bookkeeping[..., _REFUSED]
         )
 
     def discard(self) -> ItemBuffer:
@@ -169,19 +178,10 @@ class ItemBuffer(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.with_storage(bookkeeping=self.bookkeeping.at[..., _STAGED].set(0))
 
-    def holds_staged(self) -> Array:
-        return self.staged > 0 if self.resident else jnp.zeros((), bool)
-
-    def fill(self) -> dict[str, Any]:
-        if not self.resident:
-            return {"committed": None, "staged": None, "capacity": self.maxlen}
-        capacity = f"last {self.maxlen}" if self.ring else self.maxlen
-        return {"committed": int(self.count), "staged": int(self.staged), "capacity": capacity}
-
     def _visible_range(self, include_staged: bool) -> tuple[Array, Array]:
         """``(start, end)``: positions of the items a reader sees."""
-        end = self.count + self.staged if include_staged else self.count
-        return jnp.maximum(end - self.maxlen, 0), end
+        end = self.committed + self.staged if include_staged else self.committed
+        return jnp.maximum(end - self.capacity, 0), end
 
 
 def _write_one(buffer: Array, item: Array, position: Array, refused: Array, *, ring: bool) -> Array:

@@ -11,8 +11,8 @@ from flax import struct
 
 from jax_session_state import _validation as v
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
-from jax_session_state.base import StateObject, overwrite
-from jax_session_state.sharding import LogicalAxes, ShardingRules
+from jax_session_state.base import StateObject, allocator, overwrite
+from jax_session_state.sharding import LogicalAxes
 
 __all__ = ["FixedState"]
 
@@ -51,17 +51,23 @@ class FixedState(StateObject, kw_only=True):
     has_staged: jax.Array | None = None
     """``Bool[Array, ""]`` a value is staged."""
 
+    data_fields = ("value",)
+    capacity = 1
+    """A carry holds one value."""
+
+    @property
+    def committed(self) -> jax.Array | None:
+        """``Int[Array, ""]`` 1: a carry always holds a committed value (zeros until the first commit)."""
+        return None if self.has_staged is None else jnp.ones((), jnp.int32)
+
+    @property
+    def staged(self) -> jax.Array | None:
+        """``Int[Array, ""]`` 1 while a value is staged, else 0."""
+        return None if self.has_staged is None else self.has_staged.astype(jnp.int32)
+
     @classmethod
-    def allocate(
-        cls,
-        *,
-        shapes: Any,
-        dtype: Any = jnp.float32,
-        axes: Any = None,
-        recompute_source: str | tuple[str, ...] = (),
-        recompute_cost: float = 0.0,
-        sharding: ShardingRules | None = None,
-    ) -> FixedState:
+    @allocator()
+    def allocate(cls, *, shapes: Any, dtype: Any = jnp.float32, axes: Any = None, **options: Any) -> FixedState:
         """A zero-filled state of the given spec.
 
         Args:
@@ -72,23 +78,16 @@ class FixedState(StateObject, kw_only=True):
             like ``shapes`` with a tuple per leaf (a name, or None for an
             axis never sharded), e.g. ``{"h": ("batch", "hidden")}``.  None
             leaves every axis unnamed.
-          recompute_source: sibling object(s) it can be rebuilt from; without
-            one it is never evictable.
-          recompute_cost: estimated work to rebuild it.
-          sharding: where the storage lives on a mesh (see
-            :mod:`jax_session_state.sharding`), or None for the default device.
+          **options: how the object is managed
+            (:class:`~jax_session_state.base.ManagedOptions`:
+            ``recompute_source``, without which it is never evictable,
+            ``recompute_cost``, ``sharding``).
         """
         owner = "FixedState.allocate"
         treedef, specs = v.leaf_specs(owner, shapes, dtype)
-        spec = cls(
-            treedef=treedef,
-            leaf_specs=specs,
-            leaf_axes=v.tree_axis_names(owner, "axes", axes, treedef, specs),
-            recompute_source=v.source_names(owner, recompute_source),
-            recompute_cost=float(recompute_cost),
-            sharding=v.sharding_rules(owner, sharding),
+        return cls._allocated(
+            options, treedef=treedef, leaf_specs=specs, leaf_axes=v.tree_axis_names(owner, "axes", axes, treedef, specs)
         )
-        return spec.empty()
 
     def storage_axes(self) -> dict[str, Any]:
         value = self.treedef.unflatten(self.leaf_axes)
@@ -148,13 +147,6 @@ class FixedState(StateObject, kw_only=True):
         return jax.tree_util.tree_map(
             lambda undo, value: jnp.where(self.has_staged, undo, value), self.undo_value, self.value
         )
-
-    def holds_staged(self) -> jax.Array:
-        return self.has_staged if self.resident else jnp.zeros((), bool)
-
-    def fill(self) -> dict[str, Any]:
-        staged = bool(self.has_staged) if self.resident else None
-        return {"committed": "value" if self.resident else None, "staged": "value" if staged else 0, "capacity": "-"}
 
     def view(self, *, include_staged: bool = True) -> Any:
         """The value: the staged one when included and present, else committed."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,149 +11,15 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, update_slice_or_keep
-from jax_session_state.errors import CapacityError
+from jax_session_state.base import StateObject, allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state.errors import CapacityError, PayloadTypeError
 from jax_session_state.objects import _ring
-from jax_session_state.sharding import ShardingRules
+from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
 
 # Rows of ``KVCache.bookkeeping``.
 _COMMITTED, _STAGED, _HIGH_WATER, _REFUSED = range(4)
-
-
-class KVChunk(NamedTuple):
-    """A chunk of K/V rows to write, token-major as a model produces them.
-
-    Attributes:
-      k: ``Float[Array, "batch T kv_heads head_dim"]``.
-      v: ``Float[Array, "batch T kv_heads head_dim"]``.
-      counts: ``Int[Array, "batch"]`` rows of the chunk each batch row takes
-        (a ragged write: row ``b`` takes ``k[b, :counts[b]]``), or None for
-        all ``T``.
-    """
-
-    k: Array
-    v: Array
-    counts: Array | None = None
-
-
-def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> tuple[KVChunk, Array, Array]:
-    """Checks a K/V payload written by ``obj.operation``.
-
-    Args:
-      obj: the object written; its ``kv_heads``, ``head_dim`` and ``dtype``
-        fix the payload's trailing shape and dtype.
-      payload: a :class:`KVChunk` or ``(k, v[, counts])`` tuple.
-      operation: the public method, for messages.
-      rows: the payload's leading size (batch rows, sequence slots).
-
-    Returns:
-      The chunk, its counts ``Int[Array, "rows"]`` (all ``T`` when None) and
-      whether a count lies outside ``[0, T]``: eagerly that raises
-      ``ValueError`` at once; under jit the caller refuses the write.
-
-    Raises:
-      TypeError, ValueError: the wrong structure, shape or dtype, naming ``obj``.
-    """
-    owner = f"{obj.describe()}.{operation}"
-    if not isinstance(payload, tuple) or len(payload) not in (2, 3):
-        raise TypeError(
-            f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
-            f"tuple; got {type(payload).__name__}."
-        )
-    chunk = KVChunk(*payload)
-    sizes: dict[str, int] = {}
-    pattern = (rows, "T", obj.kv_heads, obj.head_dim)
-    v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=obj.dtype, sizes=sizes)
-    v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=obj.dtype, sizes=sizes)
-    T = sizes["T"]
-    if chunk.counts is None:
-        counts = jnp.full((rows,), T, jnp.int32)
-    else:
-        v.check_array(chunk.counts, owner=owner, what="counts", shape=(rows,), dtype=jnp.int32)
-        counts = chunk.counts
-    bad_counts = jnp.any((counts < 0) | (counts > T))
-    obj._refuse_now_if(
-        bad_counts,
-        lambda: ValueError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
-    )
-    return chunk, counts, bad_counts
-
-
-class KVView(struct.PyTreeNode):
-    """What attention reads from a K/V cache.
-
-    Storage is head-major, ``[batch, kv_heads, capacity, head_dim]``: measured
-    on XLA CPU, a token-major ``[batch, capacity, kv_heads, head_dim]`` cache
-    made XLA transpose the whole cache every attention step (3x slower, 2.5x
-    the cache's bytes at peak), while head-major feeds the score matmuls
-    directly.  Slots are not in position order in ring mode; ``positions``
-    says which absolute position each slot holds.
-
-    Attributes:
-      k: ``Float[Array, "batch kv_heads capacity head_dim"]``.
-      v: ``Float[Array, "batch kv_heads capacity head_dim"]``.
-      lengths: ``Int[Array, "batch"]`` tokens visible per row; in append mode
-        slots ``0..lengths-1`` are exactly the valid ones.
-      positions: ``Int[Array, "batch capacity"]`` absolute position held by
-        each slot, -1 where a slot is empty or not visible.
-      window: sliding-window size, or None in append mode.  A query at ``q``
-        sees key ``p`` when ``p < sink`` or ``q - p < window``.
-      sink: number of first positions kept for ever (0 without a window).
-    """
-
-    k: Array
-    v: Array
-    lengths: Array
-    positions: Array
-    window: int | None = struct.field(pytree_node=False, default=None)
-    sink: int = struct.field(pytree_node=False, default=0)
-
-    def materialize(self) -> list[dict[str, np.ndarray]]:
-        """The visible rows of each batch row in position order, on the host.
-
-        Returns:
-          One dict per batch row with ``positions`` ``[n]``, ``k`` and ``v``
-          ``[n, kv_heads, head_dim]`` (numpy).
-        """
-        positions = np.asarray(self.positions)
-        k, v_ = np.asarray(self.k), np.asarray(self.v)
-        rows = []
-        for b in range(positions.shape[0]):
-            slots = np.flatnonzero(positions[b] >= 0)
-            slots = slots[np.argsort(positions[b, slots], kind="stable")]
-            rows.append(
-                {
-                    "positions": positions[b, slots],
-                    "k": k[b][:, slots].transpose(1, 0, 2),
-                    "v": v_[b][:, slots].transpose(1, 0, 2),
-                }
-            )
-        return rows
-
-
-class BranchKVView(struct.PyTreeNode):
-    """What a speculative lane reads from a K/V cache: a shared prefix and its own rows.
-
-    Attention over it reads the prefix once for every lane (under ``vmap``
-    the prefix is not batched) and merges the two parts by log-sum-exp
-    (cascade attention).
-
-    Attributes:
-      prefix: the committed cache, shared by all lanes.
-      window: the lane's rows, positions absolute (after the prefix's).
-    """
-
-    prefix: KVView
-    window: KVView
-
-    def materialize(self) -> list[dict[str, np.ndarray]]:
-        """Prefix rows then window rows of each batch row, in position order."""
-        return [
-            {key: np.concatenate([a[key], b[key]]) for key in a}
-            for a, b in zip(self.prefix.materialize(), self.window.materialize())
-        ]
 
 
 class KVCache(StateObject, kw_only=True):
@@ -165,7 +31,7 @@ class KVCache(StateObject, kw_only=True):
       past capacity writes nothing and is a :class:`CapacityError` (raised at
       once eagerly; under ``jit`` the ``overflowed`` flag is set and
       :func:`jax_session_state.check` raises).
-    - ring mode (``window=W, sink=S, max_chunk=C``): the first ``S`` tokens
+    - ring mode (``window=W, sink=S, max_staged=C``): the first ``S`` tokens
       are kept for ever and the last ``W`` in a ring of ``W + C`` slots, so a
       chunk of up to ``C`` rows, staged or appended, never overwrites the
       window its own queries attend to, and ``discard()`` restores the
@@ -174,6 +40,8 @@ class KVCache(StateObject, kw_only=True):
       sinks and the last ``W`` committed tokens (what later queries need);
       ``view()`` shows every token still held, so attention right after an
       ``append`` of a chunk sees each of its queries' whole window.
+      ``capacity`` is ``S + W`` (what stays visible) and the storage holds
+      ``slots = S + W + C`` rows per batch row.
 
     Staging is in-buffer: ``stage`` writes rows past the committed length,
     ``commit()`` advances the length and ``discard()`` forgets the staged
@@ -197,42 +65,60 @@ class KVCache(StateObject, kw_only=True):
     dtype: np.dtype = struct.field(pytree_node=False)
     window: int | None = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=0)
-    max_chunk: int | None = struct.field(pytree_node=False, default=None)
+    max_staged: int = struct.field(pytree_node=False, default=0)
 
     k: Array | None = None
-    """``Float[Array, "batch kv_heads capacity head_dim"]``."""
+    """``Float[Array, "batch kv_heads slots head_dim"]``."""
     v: Array | None = None
-    """``Float[Array, "batch kv_heads capacity head_dim"]``."""
+    """``Float[Array, "batch kv_heads slots head_dim"]``."""
     bookkeeping: Array | None = None
     """``Int[Array, "4 batch"]``, per batch row: committed tokens, staged
     tokens after them, the high-water mark (one past the largest position
     ever written; a ring slot holds the largest position below it that maps
     to the slot) and the writes refused under jit (the same in every row).
     One array, so a step updates all of it in one operation; read it
-    through :attr:`lengths`, :attr:`staged`, :attr:`high_water` and
-    :attr:`overflowed`."""
+    through :attr:`committed` (:attr:`lengths`), :attr:`staged`,
+    :attr:`high_water` and :attr:`overflowed`."""
 
     can_overflow = True
+    data_fields = ("k", "v")
 
     @property
-    def lengths(self) -> Array | None:
+    def committed(self) -> Array | None:
         """``Int[Array, "batch"]`` committed tokens per row."""
-        return None if self.bookkeeping is None else self.bookkeeping[..., _COMMITTED, :]
+        return self._counter(_COMMITTED)
+
+    lengths = committed
 
     @property
     def staged(self) -> Array | None:
         """``Int[Array, "batch"]`` staged tokens per row, after the committed ones."""
-        return None if self.bookkeeping is None else self.bookkeeping[..., _STAGED, :]
+        return self._counter(_STAGED)
 
     @property
     def high_water(self) -> Array | None:
         """``Int[Array, "batch"]`` one past the largest position ever written."""
-        return None if self.bookkeeping is None else self.bookkeeping[..., _HIGH_WATER, :]
+        return self._counter(_HIGH_WATER)
 
     @property
     def overflowed(self) -> Array | None:
         """``Bool[Array, ""]`` a write was refused under jit."""
         return None if self.bookkeeping is None else self.bookkeeping[..., _REFUSED, 0] > 0
+
+    def _counter(self, row: int) -> Array | None:
+        return None if self.bookkeeping is None else self.bookkeeping[..., row, :]
+
+    @property
+    def staging_margin(self) -> int:
+        """Ring mode: the ``max_staged`` slots beyond the visible ``capacity``; 0 in append mode."""
+        return self.max_staged
+
+    @property
+    def slots(self) -> int:
+        """Rows of storage per batch row: ``capacity`` plus the staging margin."""
+        return self.capacity + self.max_staged
+
+    max_chunk = deprecated_alias("max_staged", "max_chunk")
 
     def _with_bookkeeping(self, *, committed: Array, staged: Array, high_water: Array, refused: Array,
                           **storage: Array) -> KVCache:
@@ -240,6 +126,7 @@ class KVCache(StateObject, kw_only=True):
         return self.with_storage(bookkeeping=jnp.stack(rows, axis=-2).astype(jnp.int32), **storage)
 
     @classmethod
+    @allocator("max_chunk")
     def allocate(
         cls,
         *,
@@ -250,10 +137,8 @@ class KVCache(StateObject, kw_only=True):
         dtype: Any = jnp.float32,
         window: int | None = None,
         sink: int = 0,
-        max_chunk: int | None = None,
-        recompute_source: str | tuple[str, ...] = (),
-        recompute_cost: float = 0.0,
-        sharding: ShardingRules | None = None,
+        max_staged: int | None = None,
+        **options: Any,
     ) -> KVCache:
         """An empty cache.
 
@@ -261,65 +146,59 @@ class KVCache(StateObject, kw_only=True):
           batch: batch rows.
           kv_heads: K/V heads.
           head_dim: size of each head.
-          capacity: rows per batch row in append mode (derived in ring mode).
+          capacity: rows per batch row in append mode (in ring mode it is
+            ``sink + window``, derived).
           dtype: storage dtype; payloads must match it exactly.
           window: ring mode: the last ``window`` tokens are kept.
           sink: ring mode: the first ``sink`` tokens are kept for ever.
-          max_chunk: ring mode: the most rows staged or appended between
-            commits; the ring keeps this many slots beyond the window.
-          recompute_source: sibling object(s) this cache can be rebuilt from.
-          recompute_cost: estimated work to rebuild it.
-          sharding: where the cache lives on a mesh (see
-            :mod:`jax_session_state.sharding`), or None for the default device.
-            Its storage axes are ``("batch", "kv_heads", "capacity",
-            "head_dim")`` for k and v and ``("batch",)`` for the lengths.
+          max_staged: ring mode: the most rows staged or appended between
+            commits; the ring keeps this many slots beyond the window
+            (``max_chunk=`` is its deprecated name).
+          **options: how the object is managed
+            (:class:`~jax_session_state.base.ManagedOptions`:
+            ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
+            storage axes are ``("batch", "kv_heads", "capacity",
+            "head_dim")`` for k and v and ``(None, "batch")`` for the
+            bookkeeping.
 
         Returns:
           An empty, resident cache.
         """
         owner = "KVCache.allocate"
+        max_staged = v.renamed(owner, options, "max_chunk", "max_staged", max_staged)
         batch = v.positive_int(owner, "batch", batch)
         kv_heads = v.positive_int(owner, "kv_heads", kv_heads)
         head_dim = v.positive_int(owner, "head_dim", head_dim)
         if window is None:
-            if sink or max_chunk is not None:
-                raise TypeError(f"{owner}: sink= and max_chunk= apply only to ring mode (window=...).")
+            if sink or max_staged is not None:
+                raise PayloadTypeError(f"{owner}: sink= and max_staged= apply only to ring mode (window=...).")
             if capacity is None:
-                raise TypeError(f"{owner}: append mode needs capacity=... (or window= for ring mode).")
+                raise PayloadTypeError(f"{owner}: append mode needs capacity=... (or window= for ring mode).")
             capacity = v.positive_int(owner, "capacity", capacity)
+            max_staged = 0
         else:
             window = v.positive_int(owner, "window", window)
             sink = v.positive_int(owner, "sink", sink, minimum=0)
-            if max_chunk is None:
-                raise TypeError(
-                    f"{owner}: ring mode needs max_chunk=..., the most rows staged or "
+            if max_staged is None:
+                raise PayloadTypeError(
+                    f"{owner}: ring mode needs max_staged=..., the most rows staged or "
                     "appended between commits (the ring keeps that many extra slots)."
                 )
-            max_chunk = v.positive_int(owner, "max_chunk", max_chunk)
+            max_staged = v.positive_int(owner, "max_staged", max_staged)
             if capacity is not None:
-                raise TypeError(f"{owner}: in ring mode capacity is sink + window + max_chunk; do not pass it.")
-            capacity = sink + window + max_chunk
-        spec = cls(
-            batch=batch,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            capacity=capacity,
-            dtype=np.dtype(dtype),
-            window=window,
-            sink=sink,
-            max_chunk=max_chunk,
-            recompute_source=v.source_names(owner, recompute_source),
-            recompute_cost=float(recompute_cost),
-            sharding=v.sharding_rules(owner, sharding),
+                raise PayloadTypeError(f"{owner}: in ring mode capacity is sink + window; do not pass it.")
+            capacity = sink + window
+        return cls._allocated(
+            options, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
+            dtype=np.dtype(dtype), window=window, sink=sink, max_staged=max_staged,
         )
-        return spec.empty()
 
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "capacity", "head_dim")
         return {"k": kv, "v": kv, "bookkeeping": (None, "batch")}
 
     def _empty_storage(self) -> dict[str, Any]:
-        shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
+        shape = (self.batch, self.kv_heads, self.slots, self.head_dim)
         return {
             "k": jnp.zeros(shape, self.dtype),
             "v": jnp.zeros(shape, self.dtype),
@@ -329,7 +208,7 @@ class KVCache(StateObject, kw_only=True):
     @property
     def ring_slots(self) -> int | None:
         """Slots of the ring after the sinks, or None in append mode."""
-        return None if self.window is None else self.capacity - self.sink
+        return None if self.window is None else self.slots - self.sink
 
     # ------------------------------------------------------------- writes
     def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[KVCache, Array]:
@@ -344,7 +223,7 @@ class KVCache(StateObject, kw_only=True):
         Returns:
           The cache with the rows staged, and whether the write was refused:
           if any row would overflow (append mode: past capacity; ring mode:
-          more than ``max_chunk`` staged) or a count is out of range, nothing
+          more than ``max_staged`` staged) or a count is out of range, nothing
           is written: eagerly a :class:`CapacityError` / :class:`ValueError`
           is raised, under jit ``overflowed`` is set.
         """
@@ -355,10 +234,10 @@ class KVCache(StateObject, kw_only=True):
             room = self.capacity - start
             limit = f"capacity {self.capacity}"
         else:
-            room = self.max_chunk - self.staged
-            limit = f"max_chunk {self.max_chunk} rows staged between commits"
+            room = self.max_staged - self.staged
+            limit = f"max_staged {self.max_staged} rows staged between commits"
         too_long = jnp.any(counts > room)
-        self._refuse_now_if(
+        refuse_now_if(
             too_long,
             lambda: CapacityError(
                 f"{self.describe()}.{operation}: writing {np.asarray(counts).tolist()} rows after "
@@ -392,15 +271,6 @@ class KVCache(StateObject, kw_only=True):
         self._require_resident("discard")
         return self.with_storage(bookkeeping=self.bookkeeping.at[..., _STAGED, :].set(0))
 
-    def holds_staged(self) -> Array:
-        return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
-
-    def fill(self) -> dict[str, Any]:
-        if not self.resident:
-            return {"committed": None, "staged": None, "capacity": self.capacity}
-        capacity = self.capacity if self.window is None else f"sink {self.sink} + window {self.window} + chunk {self.max_chunk}"
-        return {"committed": self.lengths.tolist(), "staged": self.staged.tolist(), "capacity": capacity}
-
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> KVView:
         """The cache as attention reads it; see :class:`KVView`.
@@ -413,7 +283,7 @@ class KVCache(StateObject, kw_only=True):
         """
         self._require_resident("view")
         end = self.lengths + self.staged if include_staged else self.lengths
-        positions = _ring.slot_positions(self.capacity, self.high_water, sink=self.sink, ring=self.ring_slots)
+        positions = _ring.slot_positions(self.slots, self.high_water, sink=self.sink, ring=self.ring_slots)
         start = 0 if self.window is None or include_staged else (self.lengths - self.window)[:, None]
         shown = _ring.visible(positions, start=start, end=end[:, None], sink=self.sink)
         return KVView(
@@ -431,18 +301,18 @@ class KVCache(StateObject, kw_only=True):
         ``whole``: each ``written[b]`` is all of ``rows`` or nothing.
         """
         T = rows.shape[1]
-        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.capacity:
+        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.slots:
             return _write_row_slice(cache, rows, start[0], written[0], whole=whole)
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
-        slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.capacity)  # out of range: dropped
+        slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.slots)  # out of range: dropped
         return _scatter_rows(cache, slots, rows)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> KVCache:
         """An append-mode cache of ``size`` rows for one lane's K/V."""
         if size is None:
-            raise TypeError(f"{self.describe()}: lanes need a window size (rows per lane).")
+            raise PayloadTypeError(f"{self.describe()}: lanes need a window size (rows per lane).")
         return KVCache.allocate(
             batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=size, dtype=self.dtype,
             sharding=self.sharding,
@@ -466,10 +336,10 @@ class KVCache(StateObject, kw_only=True):
         )
 
     def commit_window(self, window: KVCache) -> KVCache:
-        """Appends the lane's rows (in pieces of ``max_chunk`` for a ring)."""
+        """Appends the lane's rows (in pieces of ``max_staged`` for a ring)."""
         counts = window.lengths + window.staged
         k, v = (x.transpose(0, 2, 1, 3) for x in (window.k, window.v))  # token-major, window-sized
-        piece = window.capacity if self.window is None else self.max_chunk
+        piece = window.capacity if self.window is None else self.max_staged
         cache = self
         for start in range(0, window.capacity, piece):
             taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)

@@ -23,84 +23,15 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, overwrite
-from jax_session_state.errors import CapacityError
-from jax_session_state.objects.kv import KVChunk, KVView, read_chunk
-from jax_session_state.sharding import ShardingRules
+from jax_session_state.base import StateObject, allocator, overwrite, refuse_now_if
+from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
+from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
 __all__ = ["PagedKVCache", "PagedView"]
 
 # Storage that a refused operation leaves exactly as it was (the pools are
 # written with dropped indices instead).
 _BOOKKEEPING = ("page_table", "lengths", "staged", "refcounts", "free_pages", "free_count")
-
-
-class PagedView(struct.PyTreeNode):
-    """What attention reads from a paged cache: the pools and the page tables.
-
-    Row ``p`` of slot ``s`` lies at ``pool[page_table[s, p // page_size],
-    p % page_size]`` for ``p < lengths[s]``.  Pages are token-major, as a
-    model writes them; :meth:`to_dense` gathers them into a head-major
-    :class:`KVView` (the reference path of attention).
-
-    Attributes:
-      k_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
-      v_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
-      page_table: ``Int[Array, "max_slots max_pages_per_slot"]`` page ids,
-        -1 where a slot holds no page.
-      lengths: ``Int[Array, "max_slots"]`` rows visible per slot.
-      page_size: rows per page.
-    """
-
-    k_pages: Array
-    v_pages: Array
-    page_table: Array
-    lengths: Array
-    page_size: int = struct.field(pytree_node=False)
-
-    def positions(self) -> Array:
-        """Position of each row of :meth:`to_dense`, -1 past a slot's length.
-
-        Returns:
-          ``Int[Array, "max_slots max_pages_per_slot*page_size"]``.
-        """
-        rows = jnp.arange(self.page_table.shape[1] * self.page_size, dtype=jnp.int32)
-        return jnp.where(rows < self.lengths[:, None], rows, -1)
-
-    def to_dense(self) -> KVView:
-        """Every slot's pages gathered, in order, into a head-major :class:`KVView`.
-
-        The dense view is ``[max_slots, kv_heads, max_pages_per_slot *
-        page_size, head_dim]``: a copy as large as the page tables allow, so
-        a reference path, not a decode kernel.  Rows past a slot's length
-        hold whatever their page holds and are masked by ``positions``.
-        """
-        slots, pages = self.page_table.shape
-        ids = jnp.maximum(self.page_table, 0)
-
-        def gather(pool: Array) -> Array:
-            rows = pool[ids].reshape(slots, pages * self.page_size, *pool.shape[2:])
-            return rows.transpose(0, 2, 1, 3)
-
-        return KVView(
-            k=gather(self.k_pages), v=gather(self.v_pages), lengths=self.lengths, positions=self.positions()
-        )
-
-    def materialize(self) -> list[dict[str, np.ndarray]]:
-        """The visible rows of each slot in position order, on the host.
-
-        Returns:
-          One dict per slot with ``positions`` ``[n]``, ``k`` and ``v``
-          ``[n, kv_heads, head_dim]`` (numpy), as :meth:`KVView.materialize`.
-        """
-        table, lengths = np.asarray(self.page_table), np.asarray(self.lengths)
-        k, v_ = np.asarray(self.k_pages), np.asarray(self.v_pages)
-        rows = []
-        for s, n in enumerate(lengths):
-            positions = np.arange(n, dtype=np.int32)
-            pages, offsets = table[s, positions // self.page_size], positions % self.page_size
-            rows.append({"positions": positions, "k": k[pages, offsets], "v": v_[pages, offsets]})
-        return rows
 
 
 class PagedKVCache(StateObject, kw_only=True):
@@ -165,12 +96,31 @@ class PagedKVCache(StateObject, kw_only=True):
     """``Int[Array, "num_pages"]`` a stack: its first ``free_count`` entries are the free pages."""
     free_count: Array | None = None
     """``Int[Array, ""]`` pages on the free list."""
-    overflowed: Array | None = None
-    """``Bool[Array, ""]`` an operation was refused under jit."""
+    refused: Array | None = None
+    """``Bool[Array, ""]`` an operation was refused under jit; read it through :attr:`overflowed`."""
 
     can_overflow = True
+    data_fields = ("k_pages", "v_pages")
+
+    @property
+    def committed(self) -> Array | None:
+        """``Int[Array, "max_slots"]`` committed rows per slot (:attr:`lengths`)."""
+        return self.lengths
+
+    @property
+    def capacity(self) -> int:
+        """The most rows one slot can hold: ``max_pages_per_slot * page_size``."""
+        return self.max_pages_per_slot * self.page_size
+
+    slot_rows = capacity
+
+    @property
+    def overflowed(self) -> Array | None:
+        """``Bool[Array, ""]`` an operation was refused under jit."""
+        return self.refused
 
     @classmethod
+    @allocator()
     def allocate(
         cls,
         *,
@@ -181,9 +131,7 @@ class PagedKVCache(StateObject, kw_only=True):
         num_pages: int,
         max_pages_per_slot: int | None = None,
         dtype: Any = jnp.float32,
-        recompute_source: str | tuple[str, ...] = (),
-        recompute_cost: float = 0.0,
-        sharding: ShardingRules | None = None,
+        **options: Any,
     ) -> PagedKVCache:
         """An empty cache: every slot free, every page on the free list.
 
@@ -197,11 +145,10 @@ class PagedKVCache(StateObject, kw_only=True):
             ``num_pages``, the default): a slot holds at most this many
             pages' rows.
           dtype: storage dtype; payloads must match it exactly.
-          recompute_source: sibling object(s) this cache can be rebuilt from.
-          recompute_cost: estimated work to rebuild it.
-          sharding: where the cache lives on a mesh (see
-            :mod:`jax_session_state.sharding`), or None for the default device.
-            Its storage axes are ``("num_pages", "page_size", "kv_heads",
+          **options: how the object is managed
+            (:class:`~jax_session_state.base.ManagedOptions`:
+            ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
+            storage axes are ``("num_pages", "page_size", "kv_heads",
             "head_dim")`` for the pools, ``("max_slots",
             "max_pages_per_slot")`` for the page table, ``("max_slots",)``
             for the lengths and ``("num_pages",)`` for the free list.
@@ -215,11 +162,12 @@ class PagedKVCache(StateObject, kw_only=True):
             owner, "max_pages_per_slot", num_pages if max_pages_per_slot is None else max_pages_per_slot
         )
         if max_pages_per_slot > num_pages:
-            raise ValueError(
+            raise PayloadError(
                 f"{owner}: max_pages_per_slot must be <= num_pages ({num_pages}), since a slot holds "
                 f"distinct pages; got {max_pages_per_slot}."
             )
-        spec = cls(
+        return cls._allocated(
+            options,
             max_slots=v.positive_int(owner, "max_slots", max_slots),
             kv_heads=v.positive_int(owner, "kv_heads", kv_heads),
             head_dim=v.positive_int(owner, "head_dim", head_dim),
@@ -227,11 +175,7 @@ class PagedKVCache(StateObject, kw_only=True):
             num_pages=num_pages,
             max_pages_per_slot=max_pages_per_slot,
             dtype=np.dtype(dtype),
-            recompute_source=v.source_names(owner, recompute_source),
-            recompute_cost=float(recompute_cost),
-            sharding=v.sharding_rules(owner, sharding),
         )
-        return spec.empty()
 
     def storage_axes(self) -> dict[str, Any]:
         pool = ("num_pages", "page_size", "kv_heads", "head_dim")
@@ -239,7 +183,7 @@ class PagedKVCache(StateObject, kw_only=True):
         return {
             "k_pages": pool, "v_pages": pool, "page_table": ("max_slots", "max_pages_per_slot"),
             "lengths": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
-            "free_count": (), "overflowed": (),
+            "free_count": (), "refused": (),
         }
 
     def _empty_storage(self) -> dict[str, Any]:
@@ -254,13 +198,8 @@ class PagedKVCache(StateObject, kw_only=True):
             "refcounts": jnp.zeros((self.num_pages,), jnp.int32),
             "free_pages": jnp.arange(self.num_pages - 1, -1, -1, dtype=jnp.int32),  # page 0 on top
             "free_count": jnp.asarray(self.num_pages, jnp.int32),
-            "overflowed": jnp.zeros((), bool),
+            "refused": jnp.zeros((), bool),
         }
-
-    @property
-    def slot_rows(self) -> int:
-        """The most rows one slot can hold: ``max_pages_per_slot * page_size``."""
-        return self.max_pages_per_slot * self.page_size
 
     # ------------------------------------------------------------- writes
     def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[PagedKVCache, Array]:
@@ -283,7 +222,7 @@ class PagedKVCache(StateObject, kw_only=True):
         start = self.lengths + self.staged
         end = start + counts
         no_room = jnp.any(end > self.slot_rows)
-        self._refuse_now_if(
+        refuse_now_if(
             no_room,
             lambda: CapacityError(
                 f"{owner}: writing {np.asarray(counts).tolist()} rows after {np.asarray(start).tolist()} "
@@ -295,7 +234,7 @@ class PagedKVCache(StateObject, kw_only=True):
         need = (self.page_table < 0) & (entry * self.page_size < end[:, None])
         needed = need.sum(dtype=jnp.int32)
         no_pages = needed > self.free_count
-        self._refuse_now_if(
+        refuse_now_if(
             no_pages,
             lambda: CapacityError(
                 f"{owner}: writing {np.asarray(counts).tolist()} rows needs {int(needed)} new pages but "
@@ -335,7 +274,7 @@ class PagedKVCache(StateObject, kw_only=True):
         ``new``'s pools must already drop a refused write.
         """
         kept = {name: jnp.where(refused, getattr(self, name), getattr(new, name)) for name in _BOOKKEEPING}
-        return new.with_storage(**kept, overflowed=self.overflowed | refused)
+        return new.with_storage(**kept, refused=self.refused | refused)
 
     def _commit_staged(self, when: Array | bool = True) -> PagedKVCache:
         promoted = jnp.where(when, self.staged, 0)
@@ -345,16 +284,6 @@ class PagedKVCache(StateObject, kw_only=True):
         """Forgets staged rows (O(1)); their pages stay with the slot for its next rows."""
         self._require_resident("discard")
         return self.with_storage(staged=overwrite(self.staged, 0))
-
-    def holds_staged(self) -> Array:
-        return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
-
-    def fill(self) -> dict[str, Any]:
-        pages = f"{self.num_pages} pages x {self.page_size} rows"
-        if not self.resident:
-            return {"committed": None, "staged": None, "capacity": pages}
-        capacity = f"{pages}, {int(self.free_count)} free"
-        return {"committed": self.lengths.tolist(), "staged": self.staged.tolist(), "capacity": capacity}
 
     # -------------------------------------------------------------- slots
     def fork(self, src: int | Array, dst: int | Array) -> PagedKVCache:
@@ -385,18 +314,18 @@ class PagedKVCache(StateObject, kw_only=True):
         owner = f"{self.describe()}.fork"
         length = self.lengths[src]
         empty_src = length == 0
-        self._refuse_now_if(
+        refuse_now_if(
             empty_src,
-            lambda: ValueError(
+            lambda: PayloadError(
                 f"{owner}: src slot {int(src)} holds no committed rows; fork needs a slot with "
                 "committed rows to copy (commit staged rows first)."
             ),
         )
         dst_rows = self.lengths[dst] + self.staged[dst]
         occupied_dst = dst_rows > 0
-        self._refuse_now_if(
+        refuse_now_if(
             occupied_dst,
-            lambda: ValueError(
+            lambda: PayloadError(
                 f"{owner}: dst slot {int(dst)} is occupied ({int(dst_rows)} rows); fork needs a slot "
                 "without rows: free(dst) first, or fork into another slot."
             ),
@@ -405,7 +334,7 @@ class PagedKVCache(StateObject, kw_only=True):
         full = length // self.page_size
         partial = length % self.page_size > 0
         no_page = partial & (released.free_count < 1)
-        self._refuse_now_if(
+        refuse_now_if(
             no_page,
             lambda: CapacityError(
                 f"{owner}: the partial last page of slot {int(src)} needs a copy but no page of "
@@ -448,9 +377,9 @@ class PagedKVCache(StateObject, kw_only=True):
         self._require_resident("free")
         slot, bad_slot = self._slot("free", "slot", slot)
         is_free = self.page_table[slot, 0] < 0
-        self._refuse_now_if(
+        refuse_now_if(
             is_free,
-            lambda: ValueError(
+            lambda: PayloadError(
                 f"{self.describe()}.free: slot {int(slot)} is already free (it holds no pages); "
                 "free only slots that were written or forked into."
             ),
@@ -461,12 +390,12 @@ class PagedKVCache(StateObject, kw_only=True):
         """``index`` clipped into range, and whether it was out of range (raised at once eagerly)."""
         index = jnp.asarray(index)
         if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
-            raise TypeError(
+            raise PayloadTypeError(
                 f"{self.describe()}.{operation}: {name} must be an integer scalar; got shape "
                 f"{list(index.shape)} and dtype {index.dtype}."
             )
         bad = (index < 0) | (index >= self.max_slots)
-        self._refuse_now_if(
+        refuse_now_if(
             bad,
             lambda: IndexError(
                 f"{self.describe()}.{operation}: {name} must be a slot in [0, {self.max_slots}); "

@@ -11,9 +11,11 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
+from jax_session_state.base import allocator, deprecated_alias
+from jax_session_state.errors import PayloadError
 from jax_session_state.objects import _ring
 from jax_session_state.objects._items import ItemBuffer
-from jax_session_state.sharding import LogicalAxes, ShardingRules
+from jax_session_state.sharding import LogicalAxes
 
 __all__ = ["RetrievalStore", "RetrievalView", "Retrieved"]
 
@@ -84,7 +86,7 @@ class RetrievalStore(ItemBuffer, kw_only=True):
     dtype: np.dtype = struct.field(pytree_node=False)
     value_treedef: jax.tree_util.PyTreeDef = struct.field(pytree_node=False)
     value_specs: tuple[jax.ShapeDtypeStruct, ...] = struct.field(pytree_node=False)
-    value_axes: tuple[LogicalAxes, ...] = struct.field(pytree_node=False)
+    axes: tuple[LogicalAxes, ...] = struct.field(pytree_node=False)
     max_staged: int = struct.field(pytree_node=False, default=0)
 
     keys: Array | None = None
@@ -93,8 +95,11 @@ class RetrievalStore(ItemBuffer, kw_only=True):
     """Values pytree, each leaf ``[slots, ...]``."""
 
     ring = True
+    data_fields = ("keys", "values")
+    value_axes = deprecated_alias("axes", "value_axes")
 
     @classmethod
+    @allocator("value_axes")
     def allocate(
         cls,
         *,
@@ -103,10 +108,8 @@ class RetrievalStore(ItemBuffer, kw_only=True):
         value_shapes: Any,
         dtype: Any = jnp.float32,
         max_staged: int = 0,
-        value_axes: Any = None,
-        recompute_source: str | tuple[str, ...] = (),
-        recompute_cost: float = 0.0,
-        sharding: ShardingRules | None = None,
+        axes: Any = None,
+        **options: Any,
     ) -> RetrievalStore:
         """An empty bank.
 
@@ -117,39 +120,33 @@ class RetrievalStore(ItemBuffer, kw_only=True):
             shape tuples / :class:`jax.ShapeDtypeStruct`.
           dtype: dtype of keys and of values given as shape tuples.
           max_staged: the most entries staged between commits.
-          value_axes: logical names of each value leaf's axes, for sharding:
-            a pytree like ``value_shapes`` with a tuple per leaf (a name, or
+          axes: logical names of each value leaf's axes, for sharding: a
+            pytree like ``value_shapes`` with a tuple per leaf (a name, or
             None for an axis never sharded); None leaves them unnamed.  The
             storage axes are ``("slots", "key_dim")`` for keys and
-            ``("slots", *value_axes)`` for each value leaf.
-          recompute_source: sibling object(s) it can be rebuilt from.
-          recompute_cost: estimated work to rebuild it.
-          sharding: where the storage lives on a mesh (see
-            :mod:`jax_session_state.sharding`), or None for the default device.
+            ``("slots", *axes)`` for each value leaf; ``value_axes=`` is its
+            deprecated name.
+          **options: how the object is managed
+            (:class:`~jax_session_state.base.ManagedOptions`:
+            ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "RetrievalStore.allocate"
+        axes = v.renamed(owner, options, "value_axes", "axes", axes)
         value_treedef, value_specs = v.leaf_specs(owner, value_shapes, dtype)
-        spec = cls(
+        return cls._allocated(
+            options,
             capacity=v.positive_int(owner, "capacity", capacity),
             key_dim=v.positive_int(owner, "key_dim", key_dim),
             dtype=np.dtype(dtype),
             value_treedef=value_treedef,
             value_specs=value_specs,
-            value_axes=v.tree_axis_names(owner, "value_axes", value_axes, value_treedef, value_specs),
+            axes=v.tree_axis_names(owner, "axes", axes, value_treedef, value_specs),
             max_staged=v.positive_int(owner, "max_staged", max_staged, minimum=0),
-            recompute_source=v.source_names(owner, recompute_source),
-            recompute_cost=float(recompute_cost),
-            sharding=v.sharding_rules(owner, sharding),
         )
-        return spec.empty()
 
     def storage_axes(self) -> dict[str, Any]:
-        values = self.value_treedef.unflatten([("slots", *axes) for axes in self.value_axes])
+        values = self.value_treedef.unflatten([("slots", *axes) for axes in self.axes])
         return {"keys": ("slots", "key_dim"), "values": values, **self._bookkeeping_axes()}
-
-    @property
-    def maxlen(self) -> int:
-        return self.capacity
 
     def _empty_storage(self) -> dict[str, Any]:
         values = self.value_treedef.unflatten(
@@ -197,9 +194,9 @@ class RetrievalStore(ItemBuffer, kw_only=True):
         view = self.view(include_staged=include_staged)
         owner = f"{self.describe()}.retrieve"
         if not 1 <= k <= self.slots:
-            raise ValueError(f"{owner}: k must lie in [1, {self.slots}]; got {k}.")
+            raise PayloadError(f"{owner}: k must lie in [1, {self.slots}]; got {k}.")
         if query.shape[-1:] != (self.key_dim,):
-            raise ValueError(f"{owner}: query must end in key_dim={self.key_dim}; got shape {list(query.shape)}.")
+            raise PayloadError(f"{owner}: query must end in key_dim={self.key_dim}; got shape {list(query.shape)}.")
         scores = jnp.einsum("...d,sd->...s", query.astype(self.keys.dtype), self.keys)
         scores = jnp.where(view.valid, scores, -jnp.inf)
         top, slots = jax.lax.top_k(scores, k)

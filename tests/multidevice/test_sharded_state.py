@@ -30,12 +30,12 @@ KINDS = {
         {"k": P("data", "model"), "v": P("data", "model"), "bookkeeping": P(None, "data")},
     ),
     "kv_ring": (
-        lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_chunk=8, **kw),
+        lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=8, **kw),
         kv_chunk,
         {"k": P("data", "model"), "v": P("data", "model"), "bookkeeping": P(None, "data")},
     ),
     "encode_once": (
-        lambda **kw: jss.EncodeOnceKV.allocate(batch=B, kv_heads=4, head_dim=D, length=8, **kw),
+        lambda **kw: jss.EncodeOnceKV.allocate(batch=B, kv_heads=4, head_dim=D, capacity=8, **kw),
         lambda rng: kv_chunk(rng, T=5, heads=4)[:2],
         {
             "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"),
@@ -58,7 +58,7 @@ KINDS = {
     ),
     "latent_ring": (
         lambda **kw: jss.LatentBuffer.allocate(
-            maxlen=6, item_shape=(4,), ring=True, max_staged=4, item_axes=("hidden",), **kw
+            capacity=6, item_shape=(4,), ring=True, max_staged=4, axes=("hidden",), **kw
         ),
         lambda rng: jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
         {"items": P("data", "model"), "bookkeeping": P()},
@@ -73,7 +73,7 @@ KINDS = {
     ),
     "retrieval": (
         lambda **kw: jss.RetrievalStore.allocate(
-            capacity=6, key_dim=4, value_shapes={"a": (4,)}, max_staged=4, value_axes={"a": ("hidden",)}, **kw
+            capacity=6, key_dim=4, value_shapes={"a": (4,)}, max_staged=4, axes={"a": ("hidden",)}, **kw
         ),
         lambda rng: (
             jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),

@@ -69,12 +69,12 @@ def ops(draw):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @given(ops=ops())
 def test_matches_model(jit, ops):
-    cond = jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, length=LENGTH)
+    cond = jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=LENGTH)
     drive(cond, EncodeOnceModel(), ops, jit=jit)
 
 
 def test_second_commit_is_a_no_op_under_jit():
-    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, length=4)
+    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
     step = jax.jit(lambda c, x: c.commit((x, x)), donate_argnums=0)
     cond = step(cond, jnp.ones((1, 3, 1, 2)))
     cond = step(cond, jnp.full((1, 3, 1, 2), 7.0))
@@ -84,6 +84,6 @@ def test_second_commit_is_a_no_op_under_jit():
 
 
 def test_longer_than_length_is_an_error():
-    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, length=4)
-    with pytest.raises(ValueError, match=r"EncodeOnceKV\(.*5 conditioning tokens exceed length 4"):
+    cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+    with pytest.raises(ValueError, match=r"EncodeOnceKV\(.*5 conditioning tokens exceed capacity 4"):
         cond.stage((jnp.ones((1, 5, 1, 2)), jnp.ones((1, 5, 1, 2))))

@@ -55,8 +55,8 @@ def test_append_mode_with_one_row_matches_model(jit, ops):
 @given(ops=kv_ops(), sink=st.sampled_from([0, 2]))
 def test_ring_mode_matches_model(jit, ops, sink):
     # Long sequences wrap the ring many times; staged rows must never clobber the window.
-    cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=5, sink=sink, max_chunk=4)
-    model = KVModel(B, window=5, sink=sink, max_chunk=4, heads=H, head_dim=D)
+    cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=5, sink=sink, max_staged=4)
+    model = KVModel(B, window=5, sink=sink, max_staged=4, heads=H, head_dim=D)
     drive(cache, model, ops * 3, jit=jit)
 
 
@@ -123,7 +123,7 @@ def test_view_layout_and_positions():
 
 
 def test_ring_keeps_sinks_and_window_after_wraparound():
-    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, window=3, sink=2, max_chunk=2)
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, window=3, sink=2, max_staged=2)
     for t in range(10):
         x = jnp.full((1, 1, 1, 1), float(t))
         cache = cache.append((x, x))
@@ -174,8 +174,8 @@ def test_bad_counts_eager_and_jit():
         ({"capacity": 0}, ValueError, "capacity must be >= 1"),
         ({"capacity": "8"}, TypeError, "capacity must be an int"),
         ({}, TypeError, "needs capacity"),
-        ({"window": 4}, TypeError, "needs max_chunk"),
-        ({"window": 4, "max_chunk": 2, "capacity": 10}, TypeError, "capacity is sink"),
+        ({"window": 4}, TypeError, "needs max_staged"),
+        ({"window": 4, "max_staged": 2, "capacity": 10}, TypeError, "capacity is sink"),
         ({"capacity": 8, "sink": 2}, TypeError, "only to ring mode"),
     ],
 )

@@ -36,26 +36,26 @@ def ops(draw):
 @given(ops=ops(), ring=st.booleans())
 def test_matches_model(jit, ops, ring):
     kwargs = {"ring": True, "max_staged": 3} if ring else {}
-    buffer = jss.LatentBuffer.allocate(maxlen=5, item_shape=ITEM, **kwargs)
-    model = LatentModel(maxlen=5, ring=ring, max_staged=3, single_rank=len(ITEM))
+    buffer = jss.LatentBuffer.allocate(capacity=5, item_shape=ITEM, **kwargs)
+    model = LatentModel(capacity=5, ring=ring, max_staged=3, single_rank=len(ITEM))
     drive(buffer, model, ops, jit=jit)
 
 
-def test_bounded_buffer_refuses_past_maxlen():
-    buffer = jss.LatentBuffer.allocate(maxlen=2, item_shape=(1,)).append(jnp.ones((2, 1)))
-    with pytest.raises(jss.CapacityError, match=r"LatentBuffer\(.*exceeds maxlen 2"):
+def test_bounded_buffer_refuses_past_capacity():
+    buffer = jss.LatentBuffer.allocate(capacity=2, item_shape=(1,)).append(jnp.ones((2, 1)))
+    with pytest.raises(jss.CapacityError, match=r"LatentBuffer\(.*exceeds capacity 2"):
         buffer.append(jnp.ones((1,)))
     flagged = jax.jit(lambda b: b.append(jnp.ones((1,))))(buffer)
     assert bool(flagged.overflowed) and int(flagged.view().count) == 2
 
 
 def test_ring_stage_beyond_margin_is_refused():
-    buffer = jss.LatentBuffer.allocate(maxlen=3, item_shape=(1,), ring=True, max_staged=1)
+    buffer = jss.LatentBuffer.allocate(capacity=3, item_shape=(1,), ring=True, max_staged=1)
     with pytest.raises(jss.CapacityError, match="max_staged 1"):
         buffer.stage(jnp.ones((2, 1)))
 
 
 def test_wrong_item_shape_names_the_object():
-    buffer = jss.LatentBuffer.allocate(maxlen=3, item_shape=(2,))
+    buffer = jss.LatentBuffer.allocate(capacity=3, item_shape=(2,))
     with pytest.raises(ValueError, match=r"LatentBuffer\(.*items leaf 0 must have shape \[n, 2\]"):
         buffer.append(jnp.ones((3, 3)))

@@ -179,7 +179,7 @@ class PagedMachine(RuleBasedStateMachine):
             return
         self.cache = JITTED[name](self.cache, *args)
         assert bool(self.cache.overflowed) == (refusal is not None), f"{name}: overflowed flag is wrong"
-        self.cache = self.cache.replace(overflowed=jnp.zeros((), bool))  # check each operation's flag alone
+        self.cache = self.cache.replace(refused=jnp.zeros((), bool))  # check each operation's flag alone
 
     def write(self, name: str, T: int, data: st.DataObject) -> None:
         counts = data.draw(st.lists(st.sampled_from(range(T + 1)), min_size=SLOTS, max_size=SLOTS), label="n")
@@ -262,7 +262,7 @@ def _host(cache: jss.PagedKVCache) -> dict[str, np.ndarray]:
 def _assert_unchanged_but_flagged(before: dict[str, np.ndarray], after: jss.PagedKVCache) -> None:
     assert bool(after.overflowed), "a refused operation under jit did not set overflowed"
     for name, value in before.items():
-        if name != "overflowed":
+        if name != "refused":
             np.testing.assert_array_equal(getattr(after, name), value, err_msg=f"a refusal changed {name}")
     with pytest.raises(jss.CapacityError, match=r"\['paged'\]: PagedKVCache"):
         jss.check({"paged": after})
@@ -480,13 +480,14 @@ def test_allocate_rejects_bad_arguments(kwargs, error, match):
         jss.PagedKVCache.allocate(**args)
 
 
-def test_summary_reports_slots_and_free_pages():
+def test_summary_reports_rows_per_slot():
     rng = np.random.default_rng(12)
     cache = _cache().append(_chunk(rng, [5, 0, 0])).stage(_chunk(rng, [0, 2, 0]))
     (row,) = jss.summary(cache).rows
     assert row["committed"] == [5, 0, 0] and row["staged"] == [0, 2, 0]
-    assert row["capacity"] == "8 pages x 4 rows, 5 free" and row[DEVICE] == cache.nbytes
-    assert jss.summary(cache.reset()).rows[0]["capacity"] == "8 pages x 4 rows"
+    assert row["capacity"] == cache.capacity == 32 and row["margin"] == 0 and row[DEVICE] == cache.nbytes
+    assert row["shapes"] == "[8, 4, 1, 2]"  # the pools (K and V)
+    assert jss.summary(cache.reset()).rows[0]["capacity"] == 32  # 8 pages of 4 rows per slot at most
 
 
 def test_in_a_session_lanes_share_it_read_only():

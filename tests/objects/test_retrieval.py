@@ -45,7 +45,7 @@ def make():
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @given(ops=ops())
 def test_matches_model(jit, ops):
-    drive(make(), RetrievalModel(maxlen=CAPACITY, ring=True, max_staged=MARGIN), ops, jit=jit)
+    drive(make(), RetrievalModel(capacity=CAPACITY, ring=True, max_staged=MARGIN), ops, jit=jit)
 
 
 retrieve = jax.jit(jss.RetrievalStore.retrieve, static_argnums=2)

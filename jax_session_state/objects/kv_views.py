@@ -1,0 +1,218 @@
+"""What K/V kinds are written with and read as: :class:`KVChunk`, :class:`KVView`, :class:`BranchKVView`, :class:`PagedView`."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import Array
+
+from jax_session_state import _validation as v
+from jax_session_state.base import StateObject, refuse_now_if
+from jax_session_state.errors import PayloadError, PayloadTypeError
+
+__all__ = ["BranchKVView", "KVChunk", "KVView", "PagedView", "read_chunk"]
+
+
+class KVChunk(NamedTuple):
+    """A chunk of K/V rows to write, token-major as a model produces them.
+
+    Attributes:
+      k: ``Float[Array, "batch T kv_heads head_dim"]``.
+      v: ``Float[Array, "batch T kv_heads head_dim"]``.
+      counts: ``Int[Array, "batch"]`` rows of the chunk each batch row takes
+        (a ragged write: row ``b`` takes ``k[b, :counts[b]]``), or None for
+        all ``T``.
+    """
+
+    k: Array
+    v: Array
+    counts: Array | None = None
+
+
+def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> tuple[KVChunk, Array, Array]:
+    """Checks a K/V payload written by ``obj.operation``.
+
+    Args:
+      obj: the object written; its ``kv_heads``, ``head_dim`` and ``dtype``
+        fix the payload's trailing shape and dtype.
+      payload: a :class:`KVChunk` or ``(k, v[, counts])`` tuple.
+      operation: the public method, for messages.
+      rows: the payload's leading size (batch rows, sequence slots).
+
+    Returns:
+      The chunk, its counts ``Int[Array, "rows"]`` (all ``T`` when None) and
+      whether a count lies outside ``[0, T]``: eagerly that raises
+      ``ValueError`` at once; under jit the caller refuses the write.
+
+    Raises:
+      PayloadTypeError, PayloadError: the wrong structure, shape or dtype, naming ``obj``.
+    """
+    owner = f"{obj.describe()}.{operation}"
+    if not isinstance(payload, tuple) or len(payload) not in (2, 3):
+        raise PayloadTypeError(
+            f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
+            f"tuple; got {type(payload).__name__}."
+        )
+    chunk = KVChunk(*payload)
+    sizes: dict[str, int] = {}
+    pattern = (rows, "T", obj.kv_heads, obj.head_dim)
+    v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=obj.dtype, sizes=sizes)
+    v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=obj.dtype, sizes=sizes)
+    T = sizes["T"]
+    if chunk.counts is None:
+        counts = jnp.full((rows,), T, jnp.int32)
+    else:
+        v.check_array(chunk.counts, owner=owner, what="counts", shape=(rows,), dtype=jnp.int32)
+        counts = chunk.counts
+    bad_counts = jnp.any((counts < 0) | (counts > T))
+    refuse_now_if(
+        bad_counts,
+        lambda: PayloadError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
+    )
+    return chunk, counts, bad_counts
+
+
+class KVView(struct.PyTreeNode):
+    """What attention reads from a K/V cache.
+
+    Storage is head-major, ``[batch, kv_heads, capacity, head_dim]``: measured
+    on XLA CPU, a token-major ``[batch, capacity, kv_heads, head_dim]`` cache
+    made XLA transpose the whole cache every attention step (3x slower, 2.5x
+    the cache's bytes at peak), while head-major feeds the score matmuls
+    directly.  Slots are not in position order in ring mode; ``positions``
+    says which absolute position each slot holds.
+
+    Attributes:
+      k: ``Float[Array, "batch kv_heads capacity head_dim"]``.
+      v: ``Float[Array, "batch kv_heads capacity head_dim"]``.
+      lengths: ``Int[Array, "batch"]`` tokens visible per row; in append mode
+        slots ``0..lengths-1`` are exactly the valid ones.
+      positions: ``Int[Array, "batch capacity"]`` absolute position held by
+        each slot, -1 where a slot is empty or not visible.
+      window: sliding-window size, or None in append mode.  A query at ``q``
+        sees key ``p`` when ``p < sink`` or ``q - p < window``.
+      sink: number of first positions kept for ever (0 without a window).
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+    positions: Array
+    window: int | None = struct.field(pytree_node=False, default=None)
+    sink: int = struct.field(pytree_node=False, default=0)
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """The visible rows of each batch row in position order, on the host.
+
+        Returns:
+          One dict per batch row with ``positions`` ``[n]``, ``k`` and ``v``
+          ``[n, kv_heads, head_dim]`` (numpy).
+        """
+        positions = np.asarray(self.positions)
+        k, v_ = np.asarray(self.k), np.asarray(self.v)
+        rows = []
+        for b in range(positions.shape[0]):
+            slots = np.flatnonzero(positions[b] >= 0)
+            slots = slots[np.argsort(positions[b, slots], kind="stable")]
+            rows.append(
+                {
+                    "positions": positions[b, slots],
+                    "k": k[b][:, slots].transpose(1, 0, 2),
+                    "v": v_[b][:, slots].transpose(1, 0, 2),
+                }
+            )
+        return rows
+
+
+class BranchKVView(struct.PyTreeNode):
+    """What a speculative lane reads from a K/V cache: a shared prefix and its own rows.
+
+    Attention over it reads the prefix once for every lane (under ``vmap``
+    the prefix is not batched) and merges the two parts by log-sum-exp
+    (cascade attention).
+
+    Attributes:
+      prefix: the committed cache, shared by all lanes.
+      window: the lane's rows, positions absolute (after the prefix's).
+    """
+
+    prefix: KVView
+    window: KVView
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """Prefix rows then window rows of each batch row, in position order."""
+        return [
+            {key: np.concatenate([a[key], b[key]]) for key in a}
+            for a, b in zip(self.prefix.materialize(), self.window.materialize())
+        ]
+
+
+class PagedView(struct.PyTreeNode):
+    """What attention reads from a paged cache: the pools and the page tables.
+
+    Row ``p`` of slot ``s`` lies at ``pool[page_table[s, p // page_size],
+    p % page_size]`` for ``p < lengths[s]``.  Pages are token-major, as a
+    model writes them; :meth:`to_dense` gathers them into a head-major
+    :class:`KVView` (the reference path of attention).
+
+    Attributes:
+      k_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
+      v_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
+      page_table: ``Int[Array, "max_slots max_pages_per_slot"]`` page ids,
+        -1 where a slot holds no page.
+      lengths: ``Int[Array, "max_slots"]`` rows visible per slot.
+      page_size: rows per page.
+    """
+
+    k_pages: Array
+    v_pages: Array
+    page_table: Array
+    lengths: Array
+    page_size: int = struct.field(pytree_node=False)
+
+    def positions(self) -> Array:
+        """Position of each row of :meth:`to_dense`, -1 past a slot's length.
+
+        Returns:
+          ``Int[Array, "max_slots max_pages_per_slot*page_size"]``.
+        """
+        rows = jnp.arange(self.page_table.shape[1] * self.page_size, dtype=jnp.int32)
+        return jnp.where(rows < self.lengths[:, None], rows, -1)
+
+    def to_dense(self) -> KVView:
+        """Every slot's pages gathered, in order, into a head-major :class:`KVView`.
+
+        The dense view is ``[max_slots, kv_heads, max_pages_per_slot *
+        page_size, head_dim]``: a copy as large as the page tables allow, so
+        a reference path, not a decode kernel.  Rows past a slot's length
+        hold whatever their page holds and are masked by ``positions``.
+        """
+        slots, pages = self.page_table.shape
+        ids = jnp.maximum(self.page_table, 0)
+
+        def gather(pool: Array) -> Array:
+            rows = pool[ids].reshape(slots, pages * self.page_size, *pool.shape[2:])
+            return rows.transpose(0, 2, 1, 3)
+
+        return KVView(
+            k=gather(self.k_pages), v=gather(self.v_pages), lengths=self.lengths, positions=self.positions()
+        )
+
+    def materialize(self) -> list[dict[str, np.ndarray]]:
+        """The visible rows of each slot in position order, on the host.
+
+        Returns:
+          One dict per slot with ``positions`` ``[n]``, ``k`` and ``v``
+          ``[n, kv_heads, head_dim]`` (numpy), as :meth:`KVView.materialize`.
+        """
+        table, lengths = np.asarray(self.page_table), np.asarray(self.lengths)
+        k, v_ = np.asarray(self.k_pages), np.asarray(self.v_pages)
+        rows = []
+        for s, n in enumerate(lengths):
+            positions = np.arange(n, dtype=np.int32)
+            pages, offsets = table[s, positions // self.page_size], positions % self.page_size
+            rows.append({"positions": positions, "k": k[pages, offsets], "v": v_[pages, offsets]})
+        return rows
