@@ -20,7 +20,7 @@ def new_session(seed: int) -> jss.Session:
         objects={
             "kv": jss.KVCache.allocate(batch=1, kv_heads=KV_HEADS, head_dim=DIM, capacity=CAPACITY),
             "carry": jss.FixedState.allocate(shapes=(1, WIDTH)),
-            "frames": jss.LatentBuffer.allocate(maxlen=4, item_shape=(WIDTH,), ring=True),
+            "frames": jss.LatentBuffer.allocate(capacity=4, item_shape=(WIDTH,), ring=True),
         },
         attrs={"rng": jax.random.key(seed), "steps": jnp.zeros((), jnp.int32)},
     )
