@@ -353,6 +353,11 @@ class _Content:
 # ------------------------------------------------------------- managers
 def _encode_manager(manager: SessionStateManager, table: _ArrayTable) -> dict[str, Any]:
     """Every session held, least recently used first; parked objects saved with their host arrays."""
+    if manager.checked_out():
+        raise CheckpointError(
+            f"sessions {sorted(map(repr, manager.checked_out()))} are checked out into pool slots, so the "
+            "manager does not hold them; checkin() them before saving the manager."
+        )
     sessions = []
     for session_id, held in manager.held().items():
         if held.donated:

@@ -11,6 +11,9 @@ sessions; otherwise it refuses and changes nothing.  A later ``get`` brings
 dropped and parked objects back before returning the session.  Nothing is
 lost silently: every action is reported through ``on_event`` and a preempted
 session raises :class:`~jax_session_state.errors.SessionStateLostError`.
+``checkout`` / ``checkin`` lend a session to a slot of a
+:class:`~jax_session_state.SessionPool` and take it back (see
+``jax_session_state._checkout``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,16 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from jax_session_state import offload
+from jax_session_state._checkout import PoolCheckouts
 from jax_session_state._held import Entry, Ledger, ObjectRecord, Rebuild, distinct_bytes
 from jax_session_state.accounting import Storage
 from jax_session_state.base import StateObject
-from jax_session_state.errors import BudgetExceededError, SessionAdmissionError, SessionStateLostError
+from jax_session_state.errors import (
+    BudgetExceededError,
+    SessionAdmissionError,
+    SessionCheckedOutError,
+    SessionStateLostError,
+)
 from jax_session_state.planner import Action, DropObject, Plan, PreemptSession, SessionUsage, plan
 from jax_session_state.session import Session
 
@@ -90,7 +99,7 @@ class _Donated(Exception):
         self.session_ids = session_ids
 
 
-class SessionStateManager:
+class SessionStateManager(PoolCheckouts):
     """Sessions by id on the host, under a count cap and per-device byte budgets; thread-safe.
 
     Use ``get`` / ``put``: ``get`` hands out the stored session itself, so a
@@ -188,6 +197,7 @@ class SessionStateManager:
         self._rebuilds_version = 0
         self._hits = self._misses = 0
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._init_checkouts()
 
     # ------------------------------------------------------------ mapping
     def __contains__(self, session_id: object) -> bool:
@@ -313,7 +323,9 @@ class SessionStateManager:
                 return entry
             self._idle.wait()
 
-    def _lost_error(self, session_id: Hashable) -> SessionStateLostError:
+    def _lost_error(self, session_id: Hashable) -> SessionStateLostError | SessionCheckedOutError:
+        if session_id in self._checked_out:
+            return self._checked_out_error(session_id)
         reason = self._lost.get(session_id)
         if reason is None:
             return SessionStateLostError(
@@ -345,6 +357,8 @@ class SessionStateManager:
         events: list[ManagerEvent] = []
         try:
             with self._lock:
+                if session_id in self._checked_out:
+                    raise self._checked_out_error(session_id)
                 if session_id in self._entries:
                     raise ValueError(
                         f"create({session_id!r}): that session exists already. put() replaces it; "
@@ -661,6 +675,7 @@ class SessionStateManager:
             if other_id != session_id and other_id != exclude:
                 pinned = bool(entry.pins) or entry.busy is not None or other_id in untouchable
                 usages.append(entry.usage(other_id, tick, pinned, self._rebuilds, self._rebuilds_version))
+        usages.extend(self._pool_usages())  # pools holding checked-out sessions: counted, never acted on
         last = len(self._entries)
         if restoring:
             usages.append(proposal.restored_usage(session_id, last, self._rebuilds))

@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,8 @@ from jax_session_state.session import Session
 
 __all__ = ["SessionPool"]
 
+_TAGS = itertools.count()
+
 
 class SessionPool(struct.PyTreeNode):
     """Sessions of one structure stacked along a leading slot axis, plus which slots are live.
@@ -69,6 +72,9 @@ class SessionPool(struct.PyTreeNode):
       active: ``Bool[Array, "slots"]`` whether each slot holds a live session.
       refused: ``Bool[Array, ""]`` whether a slot operation under ``jit`` was
         refused and wrote nothing (see :meth:`check`).
+      tag: ``Int[Array, ""]`` which pool this is, the same in every pool a
+        step or slot operation returns from it: how a
+        :class:`SessionStateManager` knows a pool it lent sessions to.
 
     Example:
       >>> import jax_session_state as jss
@@ -81,6 +87,7 @@ class SessionPool(struct.PyTreeNode):
     sessions: Session
     active: jax.Array
     refused: jax.Array
+    tag: jax.Array
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -120,6 +127,7 @@ class SessionPool(struct.PyTreeNode):
             sessions=stacked(template),
             active=jnp.zeros((slots,), bool),
             refused=jnp.zeros((), bool),
+            tag=jnp.asarray(next(_TAGS), jnp.int32),
         )
 
     # ------------------------------------------------------------- reading
@@ -133,7 +141,7 @@ class SessionPool(struct.PyTreeNode):
         return [int(i) for i in np.flatnonzero(np.asarray(self.active))]
 
     def nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
-        """Bytes of every slot (live or not) and the mask, by device key."""
+        """Bytes of every slot (live or not) and the flags, by device key."""
         return tree_bytes_by_device(self, seen)
 
     @property

@@ -239,4 +239,4 @@ def test_allocate_refuses_a_template_with_dropped_objects():
 def test_pool_bytes_count_every_slot():
     pool = jss.SessionPool.allocate(new_session(0), slots=5)
     one = new_session(0).nbytes_by_device()["cpu:0"]
-    assert pool.nbytes_by_device()["cpu:0"] == 5 * one + pool.active.nbytes + pool.refused.nbytes
+    assert pool.nbytes_by_device()["cpu:0"] == 5 * one + pool.active.nbytes + pool.refused.nbytes + pool.tag.nbytes
