@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -122,13 +123,24 @@ class SessionPool(struct.PyTreeNode):
                     "a pool stacks sessions on the default device. Allocate the template without sharding."
                 )
         slots = int(slots)
-        stacked = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (slots, *jnp.shape(x))), t))
-        return cls(
-            sessions=stacked(template),
-            active=jnp.zeros((slots,), bool),
-            refused=jnp.zeros((), bool),
-            tag=jnp.asarray(next(_TAGS), jnp.int32),
-        )
+        leaves = [x for x in jax.tree_util.tree_leaves(template) if isinstance(x, jax.Array) and _concrete(x)]
+        device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
+        # Committed to one device from the start: a step whose inputs are committed (a session brought
+        # back from host memory) returns committed arrays, and a pool that changed from uncommitted to
+        # committed would make every jitted step compile again.
+        where = jax.sharding.SingleDeviceSharding(device)
+
+        @functools.partial(jax.jit, out_shardings=where)
+        def stacked(t: Session) -> SessionPool:
+            return cls(
+                sessions=jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (slots, *jnp.shape(x))), t),
+                active=jnp.zeros((slots,), bool),
+                refused=jnp.zeros((), bool),
+                tag=jnp.zeros((), jnp.int32),
+            )
+
+        pool = stacked(template)
+        return pool.replace(tag=jax.device_put(jnp.asarray(next(_TAGS), jnp.int32), where))
 
     # ------------------------------------------------------------- reading
     @property
