@@ -12,8 +12,7 @@ dropped and parked objects back before returning the session.  Nothing is
 lost silently: every action is reported through ``on_event`` and a preempted
 session raises :class:`~jax_session_state.errors.SessionStateLostError`.
 ``checkout`` / ``checkin`` lend a session to a slot of a
-:class:`~jax_session_state.SessionPool` and take it back (see
-``jax_session_state._checkout``).
+:class:`~jax_session_state.SessionPool` and take it back.
 """
 
 from __future__ import annotations

@@ -143,7 +143,10 @@ def test_two_hundred_random_slot_operations_and_steps_compile_once():
         if choice == 0 and free:
             slot = int(rng.choice(free))
             model[slot] = new_session(i)
-            pool = insert(pool, slot, new_session(i))
+            joining = new_session(i)
+            if i % 2:  # committed to the device, like a session brought back from host memory
+                joining = jax.device_put(joining, jax.devices()[0])
+            pool = insert(pool, slot, joining)
         elif choice == 1 and live:
             slot = int(rng.choice(live))
             assert_same_session(extract(pool, slot), model[slot], rtol=1e-5)
@@ -158,6 +161,8 @@ def test_two_hundred_random_slot_operations_and_steps_compile_once():
             pool, _ = advance(pool, jnp.ones(SLOTS))
             model = {s: stepped(session, 1) for s, session in model.items()}
     pool.check()
+    for jitted in (insert, extract, release, advance):  # nor compiled again for other placements
+        assert jitted._cache_size() == 1
     assert pool.active_slots() == sorted(model)
     for slot, session in model.items():
         assert_same_session(pool.extract(slot), session, rtol=1e-5)
