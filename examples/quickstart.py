@@ -1,9 +1,11 @@
 """A short rollout: a session of several kinds, appends, a discarded guess, bytes per device.
 
-Run:  python examples/quickstart.py
+Run:  python examples/quickstart.py [--chunks 12]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ def make_session() -> jss.Session:
             ),
             # Conditioning K/V, written once, rebuildable from the prompt embedding.
             "cond": jss.EncodeOnceKV.allocate(
-                batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, length=16, recompute_source="prompt"
+                batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=16, recompute_source="prompt"
             ),
             "prompt": jss.FixedState.allocate(shapes=(BATCH, 16, HEADS * HEAD_DIM)),
             # A recurrent carry and the last 4 latent frames.
@@ -52,14 +54,21 @@ def step(session: jss.Session) -> jss.Session:
     return session.append(**fake_model(session, sub)).with_attrs(rng=rng)
 
 
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chunks", type=int, default=12, help=f"chunks of {CHUNK} tokens to append")
+    return p.parse_args()
+
+
 def main() -> None:
+    args = parse_args()
     session = make_session()
     prompt = jax.random.normal(jax.random.key(1), (BATCH, 16, HEADS * HEAD_DIM))
     cond = prompt.reshape(BATCH, 16, HEADS, HEAD_DIM)
     session = session.append(prompt=prompt, cond=jss.KVChunk(cond, cond))
 
     jitted_step = jax.jit(step, donate_argnums=0)  # writes in place: costs what it writes
-    for _ in range(12):
+    for _ in range(args.chunks):
         session = jitted_step(session)
 
     # A speculative chunk: staged, looked at, then thrown away.
@@ -72,7 +81,7 @@ def main() -> None:
     kv = session.view()["kv"]
     print(f"kv: {int(kv.lengths[0])} tokens written, {int((kv.positions[0] >= 0).sum())} slots visible "
           f"(sink 4 + window 64), {staged_len} with the discarded guess")
-    print(f"frames: {int(session.view()['frames'].count)} visible of {session['frames'].maxlen}")
+    print(f"frames: {int(session.view()['frames'].count)} visible of {session['frames'].capacity}")
     print(f"cond written once: {bool(session['cond'].written)}; recomputable from prompt: "
           f"{session.recomputable('cond')}")
     for name, obj in session.objects.items():

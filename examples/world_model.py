@@ -84,6 +84,10 @@ class WorldModelConfig:
       sink: ring mode: the first ``sink`` tokens, kept for ever.
       capacity: append mode: tokens the cache holds (``window`` and ``sink`` are then unused).
       lane_frames: the most frames a speculative lane may stage.
+      quantize: store the self-attention K/V quantized (``"int8"`` or
+        ``"fp8"``), or None for float32.
+      tiers: the quantized forms a float32 cache may be demoted to when a
+        session manager is short of memory (e.g. ``("int8",)``).
     """
 
     frame_shape: tuple[int, int, int] = (8, 8, 4)
@@ -101,6 +105,8 @@ class WorldModelConfig:
     sink: int = 16
     capacity: int | None = None
     lane_frames: int = 8
+    quantize: str | None = None
+    tiers: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -181,7 +187,9 @@ def make_session(config: WorldModelConfig) -> jss.Session:
     else:
         kv = dict(capacity=c.capacity)
     caches = {
-        name: jss.KVCache.allocate(batch=c.batch, kv_heads=c.kv_heads, head_dim=c.head_dim, **kv)
+        name: jss.KVCache.allocate(
+            batch=c.batch, kv_heads=c.kv_heads, head_dim=c.head_dim, quantize=c.quantize, tiers=c.tiers, **kv
+        )
         for name in kv_names(c)
     }
     return jss.Session(

@@ -3,14 +3,18 @@
 from jax_session_state import accounting, checkpoint, errors, offload, planner, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
-from jax_session_state.base import StateObject, check, is_state_object
+from jax_session_state.base import Fill, ManagedOptions, StateObject, check, is_state_object
 from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
     BudgetExceededError,
     CapacityError,
     CheckpointError,
+    DonatedError,
+    NotDemotableError,
     NotEvictableError,
     NotResidentError,
+    PayloadError,
+    PayloadTypeError,
     RecomputeGraphError,
     SessionAdmissionError,
     SessionStateError,
@@ -46,7 +50,9 @@ __all__ = [
     "BudgetExceededError",
     "CapacityError",
     "CheckpointError",
+    "DonatedError",
     "EncodeOnceKV",
+    "Fill",
     "FixedState",
     "Held",
     "KVCache",
@@ -55,12 +61,16 @@ __all__ = [
     "Lane",
     "LatentBuffer",
     "LatentView",
+    "ManagedOptions",
     "ManagerEvent",
+    "NotDemotableError",
     "NotEvictableError",
     "NotResidentError",
     "PagedKVCache",
     "PagedView",
     "Parked",
+    "PayloadError",
+    "PayloadTypeError",
     "RecomputeGraphError",
     "RetrievalStore",
     "RetrievalView",

@@ -206,6 +206,13 @@ def sharding_rules(owner: str, sharding: Any) -> Any:
     return sharding
 
 
+def optional_callable(owner: str, name: str, value: Any) -> Any:
+    """``value`` when it is callable or None, else a TypeError naming the argument."""
+    if value is not None and not callable(value):
+        raise PayloadTypeError(f"{owner}: {name} must be a function or None; got {type(value).__name__}.")
+    return value
+
+
 def renamed(owner: str, options: dict[str, Any], old: str, new: str, value: Any) -> Any:
     """``value`` of the keyword ``new``, or of its deprecated former name ``old`` (popped from ``options``).
 

@@ -170,6 +170,9 @@ def attend_with_lse(
         view = view.to_dense()
     if not isinstance(view, KVView):
         raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
+    if view.quantized:
+        raise TypeError("attend() reads quantized K/V through its block loop, which is being wired in; "
+                        "materialize() the view to read it meanwhile.")
     return _kv_with_lse(q, view, causal, scale, q_positions)
 
 

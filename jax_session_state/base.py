@@ -28,8 +28,8 @@ import abc
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypedDict, TypeVar
 
 import jax
@@ -38,7 +38,14 @@ import numpy as np
 from flax import struct
 
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
-from jax_session_state.errors import CapacityError, DonatedError, NotEvictableError, NotResidentError, PayloadTypeError
+from jax_session_state.errors import (
+    CapacityError,
+    DonatedError,
+    NotDemotableError,
+    NotEvictableError,
+    NotResidentError,
+    PayloadTypeError,
+)
 
 if TYPE_CHECKING:
     from jax_session_state.sharding import ShardingRules
@@ -51,6 +58,8 @@ __all__ = [
 Self = TypeVar("Self", bound="StateObject")
 
 _MANAGED = ("recompute_source", "recompute_cost", "sharding")
+# Static fields that say how an object is managed, not what it holds: not part of its spec.
+_MANAGEMENT_FIELDS = (*_MANAGED, "demote_fn")
 
 
 class ManagedOptions(TypedDict, total=False):
@@ -223,14 +232,15 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     def spec_fields(cls) -> tuple[str, ...]:
         """Names of the static fields that size the storage (the spec).
 
-        Without the recompute edge and the placement (``sharding``), which
-        say how the object is managed, not what it holds.
+        Without the recompute edge, the placement (``sharding``) and a
+        demotion function, which say how the object is managed, not what it
+        holds.
         """
         return tuple(
             f.name
             for f in dataclasses.fields(cls)
             if not f.metadata.get("pytree_node", True)
-            and f.name not in ("recompute_source", "recompute_cost", "sharding")
+            and f.name not in _MANAGEMENT_FIELDS
         )
 
     def describe(self) -> str:
@@ -353,6 +363,23 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         """This object with a lane's window written after its committed data."""
         del window
         return self
+
+    # ---------------------------------------------------------------- tiers
+    @property
+    def demotable(self) -> bool:
+        """Whether :meth:`demote` has a cheaper form of this object to return."""
+        return False
+
+    def demote(self: Self) -> Self:
+        """The next lower tier of this object: a cheaper, lossy form that reads the same way.
+
+        Raises:
+          NotDemotableError: the object declares no lower tier (this default).
+        """
+        raise NotDemotableError(
+            f"{self.describe()} has no lower tier to demote to; kinds that have one declare it at "
+            "allocate (KVCache tiers=, LatentBuffer demote_fn=)."
+        )
 
     # ------------------------------------------------------------ residency
     @property
@@ -565,7 +592,7 @@ def check(tree: Any) -> None:
         raise CapacityError(
             "a write inside jit was refused and wrote nothing (it did not fit, its per-row "
             "counts were out of range, or it named a slot it may not use), in: " + "; ".join(flagged)
-            + ". Allocate more capacity (or max_staged / max_chunk for rings, pages for paged "
+            + ". Allocate more capacity (or max_staged for rings, pages for paged "
             "caches), commit or discard staged data sooner, pass counts in [0, T], or fork and "
             "free only the slots their rules allow."
         )

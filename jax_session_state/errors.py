@@ -22,6 +22,7 @@ __all__ = [
       "PayloadError",
       "PayloadTypeError",
       "DonatedError",
+      "NotDemotableError",
 ]
 
 
@@ -62,6 +63,10 @@ class PayloadTypeError(SessionStateError, TypeError):
 
 class NotEvictableError(SessionStateError, RuntimeError):
     """``evict()`` was called on an object that may never be dropped."""
+
+
+class NotDemotableError(SessionStateError, RuntimeError):
+    """``demote()`` was called on an object that declares no lower tier."""
 
 
 class RecomputeGraphError(SessionStateError, ValueError):

@@ -9,13 +9,13 @@ kind               logical axes of its storage
 =================  ==========================================================
 ``KVCache``        k, v ``("batch", "kv_heads", "capacity", "head_dim")``;
                    bookkeeping ``(None, "batch")``
-``EncodeOnceKV``   k, v ``("batch", "kv_heads", "length", "head_dim")``;
-                   lengths ``("batch",)``; written, staged ``()``
+``EncodeOnceKV``   k, v ``("batch", "kv_heads", "capacity", "head_dim")``;
+                   lengths ``("batch",)``; phase, refused ``()``
 ``FixedState``     each leaf: the names given as ``axes=`` at allocate
                    (unnamed, so never sharded, by default)
-``LatentBuffer``   items ``("slots", *item_axes)``; bookkeeping ``(None,)``
+``LatentBuffer``   items ``("slots", *axes)``; bookkeeping ``(None,)``
 ``RetrievalStore`` keys ``("slots", "key_dim")``; each value leaf
-                   ``("slots", *value_axes)``; bookkeeping ``(None,)``
+                   ``("slots", *axes)``; bookkeeping ``(None,)``
 ``PagedKVCache``   pools ``("num_pages", "page_size", "kv_heads", "head_dim")``;
                    page table ``("max_slots", "max_pages_per_slot")``; lengths,
                    staged ``("max_slots",)``; refcounts, free list ``("num_pages",)``

@@ -9,6 +9,8 @@ them directly instead.
 
 import os
 
+import chex
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -24,3 +26,9 @@ MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 collect_ignore = (
     ["test_multidevice.py"] if MULTIDEVICE_FLAG in os.environ.get("XLA_FLAGS", "") else ["multidevice"]
 )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_trace_counts():
+    """``chex.assert_max_traces`` counts per definition site for the whole process: each test counts its own."""
+    chex.clear_trace_counter()

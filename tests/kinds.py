@@ -30,6 +30,14 @@ KINDS = {
         lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=5),
         ragged_kv_payload,
     ),
+    "kv_int8": (
+        lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=64, quantize="int8"),
+        ragged_kv_payload,
+    ),
+    "kv_ring_fp8": (
+        lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=5, quantize="fp8"),
+        ragged_kv_payload,
+    ),
     "encode_once": (
         lambda: jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=8),
         kv_payload,

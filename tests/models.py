@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -42,23 +43,23 @@ def call(obj: jss.StateObject, op: Op) -> jss.StateObject:
     raise ValueError(op.name)
 
 
-_JITTED = {}
+# One function per operation, so every test's jitted variant of it shares one compiled program per shape.
+_BY_NAME = {
+    name: (lambda o, p, name=name: call(o, Op(name, p)))
+    for name in ("stage", "commit", "commit_payload", "append", "discard")
+}
 
 
-def call_jitted(obj: jss.StateObject, op: Op) -> jss.StateObject:
-    """``call`` under jit with the object donated; one compiled program per op and shape."""
-    if op.name not in _JITTED:
-        _JITTED[op.name] = jax.jit(lambda o, p, name=op.name: call(o, Op(name, p)), donate_argnums=0)
-    return _JITTED[op.name](obj, op.payload)
-
-
-def drive(obj: jss.StateObject, model: Any, ops: list[Op], *, jit: bool) -> None:
+def drive(obj: jss.StateObject, model: Any, ops: list[Op], variant: Any) -> None:
     """Runs ``ops`` on ``obj`` and ``model``; the views must agree after every step.
 
-    Eagerly a refused write raises (CapacityError, or ValueError for bad
-    counts) and leaves the object as it was; under jit it writes nothing and
-    sets ``overflowed``.
+    ``variant`` is a ``chex.variants`` test's ``self.variant`` (jitted or
+    not).  Eagerly a refused write raises (CapacityError, or ValueError for
+    bad counts) and leaves the object as it was; under jit it writes nothing
+    and sets ``overflowed``.
     """
+    jit = variant.type == chex.ChexVariantType.WITH_JIT
+    steps = {name: variant(fn) for name, fn in _BY_NAME.items()}
     for i, op in enumerate(ops):
         outcome = model.apply(op)
         if outcome != OK and not jit:
@@ -66,7 +67,7 @@ def drive(obj: jss.StateObject, model: Any, ops: list[Op], *, jit: bool) -> None
             with pytest.raises(error, match=type(obj).__name__):
                 call(obj, op)
         else:
-            obj = call_jitted(obj, op) if jit else call(obj, op)
+            obj = steps[op.name](obj, op.payload)
             if outcome != OK:
                 model.overflowed = True
         where = f"after op {i} {op.name} ({'jit' if jit else 'eager'})"

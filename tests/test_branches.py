@@ -1,5 +1,6 @@
 """Speculative branches: lanes over one shared prefix, adopt, discard, memory."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,10 +112,9 @@ def test_rng_keys_split_per_lane_and_adopted():
 
 def test_jitted_plan_step_compiles_once():
     rng = np.random.default_rng(1)
-    traces = []
 
+    @chex.assert_max_traces(n=1)
     def plan(session, data):
-        traces.append(None)
         branches, scores = session.branch(4, window={"kv": 6, "frames": 2}).map(roll, data)
         return branches.adopt(jnp.argmax(scores))
 
@@ -126,7 +126,6 @@ def test_jitted_plan_step_compiles_once():
         expected = sequential(session.fork(), data, best)  # a copy: the step donates session
         session = step(session, data)
         assert_logically_equal(session.view(), expected.view(), "jitted adopt")
-    assert len(traces) == 1
 
 
 def test_memory_grows_with_lanes_times_window_not_prefix():

@@ -12,8 +12,8 @@ from jax import Array
 
 from jax_session_state import _validation as v
 from jax_session_state.base import StateObject, allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
-from jax_session_state.errors import CapacityError, PayloadTypeError
-from jax_session_state.objects import _ring
+from jax_session_state.errors import CapacityError, NotDemotableError, PayloadError, PayloadTypeError
+from jax_session_state.objects import _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
@@ -43,6 +43,16 @@ class KVCache(StateObject, kw_only=True):
       ``capacity`` is ``S + W`` (what stays visible) and the storage holds
       ``slots = S + W + C`` rows per batch row.
 
+    Quantized storage (``quantize="int8"`` or ``"fp8"``): each written row of
+    each head is stored as int8 (or ``float8_e4m3fn``) values and one float32
+    scale, symmetric (``x ~= q * scale``, ``scale = max|x| / 127``): a
+    quarter of the bytes plus 4 bytes per row and head.  Payloads stay in
+    ``dtype``; ``append`` quantizes the rows it writes, and attention
+    dequantizes block by block.  Each value is within half a step,
+    ``max|row| / 254``, of what was written (fp8: ``2**-4`` relative).  A
+    cache that declares ``tiers=("int8",)`` may be demoted to that form
+    (:meth:`demote`) when memory is short.
+
     Staging is in-buffer: ``stage`` writes rows past the committed length,
     ``commit()`` advances the length and ``discard()`` forgets the staged
     count, both O(1).  Under ``jit`` with the cache donated every write is in
@@ -66,11 +76,17 @@ class KVCache(StateObject, kw_only=True):
     window: int | None = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=0)
     max_staged: int = struct.field(pytree_node=False, default=0)
+    quantize: str | None = struct.field(pytree_node=False, default=None)
+    tiers: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
     k: Array | None = None
-    """``Float[Array, "batch kv_heads slots head_dim"]``."""
+    """``Float[Array, "batch kv_heads slots head_dim"]`` (int8 / fp8 values when quantized)."""
     v: Array | None = None
-    """``Float[Array, "batch kv_heads slots head_dim"]``."""
+    """``Float[Array, "batch kv_heads slots head_dim"]`` (int8 / fp8 values when quantized)."""
+    k_scale: Array | None = None
+    """``Float[Array, "batch kv_heads slots 1"]`` the scale of each row of ``k`` when quantized, else None."""
+    v_scale: Array | None = None
+    """``Float[Array, "batch kv_heads slots 1"]`` the scale of each row of ``v`` when quantized, else None."""
     bookkeeping: Array | None = None
     """``Int[Array, "4 batch"]``, per batch row: committed tokens, staged
     tokens after them, the high-water mark (one past the largest position
@@ -138,6 +154,8 @@ class KVCache(StateObject, kw_only=True):
         window: int | None = None,
         sink: int = 0,
         max_staged: int | None = None,
+        quantize: str | None = None,
+        tiers: tuple[str, ...] = (),
         **options: Any,
     ) -> KVCache:
         """An empty cache.
@@ -154,6 +172,10 @@ class KVCache(StateObject, kw_only=True):
           max_staged: ring mode: the most rows staged or appended between
             commits; the ring keeps this many slots beyond the window
             (``max_chunk=`` is its deprecated name).
+          quantize: store the rows quantized: ``"int8"`` or ``"fp8"``
+            (``float8_e4m3fn``); ``dtype`` stays the payloads' dtype.
+          tiers: the quantized forms it may be demoted to when memory is
+            short (``("int8",)``), highest precision first.
           **options: how the object is managed
             (:class:`~jax_session_state.base.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
@@ -188,20 +210,31 @@ class KVCache(StateObject, kw_only=True):
             if capacity is not None:
                 raise PayloadTypeError(f"{owner}: in ring mode capacity is sink + window; do not pass it.")
             capacity = sink + window
+        dtype = np.dtype(dtype)
+        quantize, tiers = _quantize_args(owner, dtype, quantize, tiers)
         return cls._allocated(
             options, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
-            dtype=np.dtype(dtype), window=window, sink=sink, max_staged=max_staged,
+            dtype=dtype, window=window, sink=sink, max_staged=max_staged, quantize=quantize, tiers=tiers,
         )
 
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "capacity", "head_dim")
-        return {"k": kv, "v": kv, "bookkeeping": (None, "batch")}
+        scale = ("batch", "kv_heads", "capacity", None) if self.quantize else None
+        return {"k": kv, "v": kv, "k_scale": scale, "v_scale": scale, "bookkeeping": (None, "batch")}
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of ``k`` and ``v``: ``dtype``, or the quantized format's."""
+        return self.dtype if self.quantize is None else _quantize.storage_dtype(self.quantize)
 
     def _empty_storage(self) -> dict[str, Any]:
         shape = (self.batch, self.kv_heads, self.slots, self.head_dim)
+        scale = jnp.ones((*shape[:-1], 1), jnp.float32) if self.quantize else None
         return {
-            "k": jnp.zeros(shape, self.dtype),
-            "v": jnp.zeros(shape, self.dtype),
+            "k": jnp.zeros(shape, self.storage_dtype),
+            "v": jnp.zeros(shape, self.storage_dtype),
+            "k_scale": scale,
+            "v_scale": None if scale is None else jnp.ones_like(scale),
             "bookkeeping": jnp.zeros((4, self.batch), jnp.int32),
         }
 
@@ -247,9 +280,13 @@ class KVCache(StateObject, kw_only=True):
         )
         refused = bad_counts | too_long
         written = jnp.where(refused, 0, counts)
+        rows = {"k": chunk.k, "v": chunk.v}
+        if self.quantize is not None:
+            for name in ("k", "v"):
+                rows[name], rows[f"{name}_scale"] = _quantize.quantize(rows[name], self.quantize)
         new = self._with_bookkeeping(
-            k=self._write_rows(self.k, chunk.k, start, written, whole=chunk.counts is None),
-            v=self._write_rows(self.v, chunk.v, start, written, whole=chunk.counts is None),
+            **{name: self._write_rows(getattr(self, name), x, start, written, whole=chunk.counts is None)
+               for name, x in rows.items()},
             committed=self.lengths,
             staged=self.staged + written,
             high_water=jnp.maximum(self.high_water, start + written),
@@ -293,7 +330,42 @@ class KVCache(StateObject, kw_only=True):
             positions=jnp.where(shown, positions, -1),
             window=self.window,
             sink=self.sink,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
+
+    # -------------------------------------------------------------- tiers
+    @property
+    def demotable(self) -> bool:
+        """Whether ``tiers`` names a lower tier."""
+        return bool(self.tiers)
+
+    def demote(self) -> KVCache:
+        """The next lower tier of this cache: its rows quantized to ``tiers[0]``.
+
+        Every slot is quantized as :meth:`allocate` with ``quantize=``
+        would have written it (the error bound is in the class docstring);
+        counts, positions and staged rows are kept, so attention reads the
+        demoted cache unchanged.  Under ``jit`` with the cache donated the
+        float storage is read once and freed: the peak is the float cache
+        plus its quantized copy (about 1.3x the float cache).
+
+        Raises:
+          NotDemotableError: the cache declares no (further) tier.
+        """
+        self._require_resident("demote")
+        if not self.tiers:
+            raise NotDemotableError(
+                f"{self.describe()} has no lower tier to demote to: allocate it with tiers=(\"int8\",) "
+                "to let it be quantized when memory is short."
+            )
+        target = self.tiers[0]
+        storage = {}
+        for name in ("k", "v"):
+            values = _quantize.dequantize(getattr(self, name), getattr(self, f"{name}_scale"))
+            storage[name], storage[f"{name}_scale"] = _quantize.quantize(values, target)
+        demoted = self.replace(quantize=target, tiers=self.tiers[1:], k=None, v=None, k_scale=None, v_scale=None)
+        return demoted.with_storage(**storage)
 
     def _write_rows(self, cache: Array, rows: Array, start: Array, written: Array, *, whole: bool) -> Array:
         """``cache`` with ``rows[b, :written[b]]`` written at positions from ``start[b]``; nothing else changes.
@@ -315,7 +387,7 @@ class KVCache(StateObject, kw_only=True):
             raise PayloadTypeError(f"{self.describe()}: lanes need a window size (rows per lane).")
         return KVCache.allocate(
             batch=self.batch, kv_heads=self.kv_heads, head_dim=self.head_dim, capacity=size, dtype=self.dtype,
-            sharding=self.sharding,
+            quantize=self.quantize, sharding=self.sharding,
         )
 
     def branch_view(self, window: KVCache) -> BranchKVView:
@@ -332,13 +404,16 @@ class KVCache(StateObject, kw_only=True):
                 positions=jnp.where(rows.positions >= 0, rows.positions + offset, -1),
                 window=self.window,
                 sink=self.sink,
+                k_scale=rows.k_scale,
+                v_scale=rows.v_scale,
             ),
         )
 
     def commit_window(self, window: KVCache) -> KVCache:
         """Appends the lane's rows (in pieces of ``max_staged`` for a ring)."""
         counts = window.lengths + window.staged
-        k, v = (x.transpose(0, 2, 1, 3) for x in (window.k, window.v))  # token-major, window-sized
+        k, v = (_quantize.dequantize(x, scale, self.dtype).transpose(0, 2, 1, 3)  # token-major, window-sized
+                for x, scale in ((window.k, window.k_scale), (window.v, window.v_scale)))
         piece = window.capacity if self.window is None else self.max_staged
         cache = self
         for start in range(0, window.capacity, piece):
@@ -382,3 +457,20 @@ def _scatter_rows(cache: Array, slots: Array, rows: Array) -> Array:
     batch's devices first).
     """
     return jax.vmap(lambda c, s, r: c.at[:, s].set(r.swapaxes(0, 1), mode="drop"))(cache, slots, rows)
+
+
+def _quantize_args(owner: str, dtype: np.dtype, quantize: str | None, tiers: Any) -> tuple[str | None, tuple[str, ...]]:
+    """Checks ``quantize=`` and ``tiers=`` of a K/V cache of payload dtype ``dtype``."""
+    if isinstance(tiers, str):
+        tiers = (tiers,)
+    tiers = tuple(tiers)
+    for name in (quantize, *tiers):
+        if name is not None and name not in _quantize.FORMATS:
+            raise PayloadError(f"{owner}: quantize / tiers name a format in {_quantize.FORMATS}; got {name!r}.")
+    if (quantize or tiers) and not jnp.issubdtype(dtype, jnp.floating):
+        raise PayloadTypeError(f"{owner}: only a floating-point cache can be quantized; dtype is {dtype.name}.")
+    if quantize is not None and tiers:
+        raise PayloadError(f"{owner}: a cache quantized to {quantize} has no lower tier; got tiers={tiers}.")
+    if len(set(tiers)) != len(tiers):
+        raise PayloadError(f"{owner}: tiers must not repeat a format; got {tiers}.")
+    return quantize, tiers

@@ -12,6 +12,7 @@ from jax import Array
 from jax_session_state import _validation as v
 from jax_session_state.base import StateObject, refuse_now_if
 from jax_session_state.errors import PayloadError, PayloadTypeError
+from jax_session_state.objects._quantize import dequantize
 
 __all__ = ["BranchKVView", "KVChunk", "KVView", "PagedView", "read_chunk"]
 
@@ -95,6 +96,11 @@ class KVView(struct.PyTreeNode):
       window: sliding-window size, or None in append mode.  A query at ``q``
         sees key ``p`` when ``p < sink`` or ``q - p < window``.
       sink: number of first positions kept for ever (0 without a window).
+      k_scale: ``Float[Array, "batch kv_heads capacity 1"]`` for a quantized
+        cache (``k`` then holds int8 or fp8 values and a row reads as
+        ``k * k_scale``), None otherwise.  Attention dequantizes block by
+        block, never the whole cache.
+      v_scale: the same for ``v``.
     """
 
     k: Array
@@ -103,16 +109,24 @@ class KVView(struct.PyTreeNode):
     positions: Array
     window: int | None = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=0)
+    k_scale: Array | None = None
+    v_scale: Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether ``k`` and ``v`` hold quantized values read with their scales."""
+        return self.k_scale is not None
 
     def materialize(self) -> list[dict[str, np.ndarray]]:
-        """The visible rows of each batch row in position order, on the host.
+        """The visible rows of each batch row in position order, on the host (dequantized).
 
         Returns:
           One dict per batch row with ``positions`` ``[n]``, ``k`` and ``v``
           ``[n, kv_heads, head_dim]`` (numpy).
         """
         positions = np.asarray(self.positions)
-        k, v_ = np.asarray(self.k), np.asarray(self.v)
+        k = np.asarray(dequantize(self.k, self.k_scale))
+        v_ = np.asarray(dequantize(self.v, self.v_scale))
         rows = []
         for b in range(positions.shape[0]):
             slots = np.flatnonzero(positions[b] >= 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,6 +45,9 @@ class LatentBuffer(ItemBuffer, kw_only=True):
     :class:`CapacityError` and writes nothing.  A payload is one item
     ``[*item_shape]`` or several ``[n, *item_shape]``.  A ring reserves
     ``max_staged`` extra slots so staged items never overwrite visible ones.
+    A buffer allocated with ``demote_fn`` may be demoted (:meth:`demote`):
+    every item is replaced by ``demote_fn(item)``, a cheaper form of it
+    (pooled or compressed latents) that the model reads instead.
 
     Example:
       >>> import jax.numpy as jnp
@@ -62,6 +66,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
     axes: LogicalAxes = struct.field(pytree_node=False)
     ring: bool = struct.field(pytree_node=False, default=False)
     max_staged: int = struct.field(pytree_node=False, default=0)
+    demote_fn: Callable[[Array], Array] | None = struct.field(pytree_node=False, default=None)
 
     items: Array | None = None
     """``Float[Array, "slots *item_shape"]`` in slot order."""
@@ -81,6 +86,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         ring: bool = False,
         max_staged: int = 0,
         axes: tuple[str | None, ...] | None = None,
+        demote_fn: Callable[[Array], Array] | None = None,
         **options: Any,
     ) -> LatentBuffer:
         """An empty buffer.
@@ -95,6 +101,11 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             None for an axis never sharded); None leaves them unnamed.  The
             storage axes are ``("slots", *axes)``; ``item_axes=`` is its
             deprecated name.
+          demote_fn: makes the buffer demotable: one item ``[*item_shape]``
+            to its cheaper form (one array, any shape and dtype), applied to
+            every slot by :meth:`demote`.  How lossy it is is the function's
+            own bound.  Not saved by checkpoints (a function is code, not
+            state): a restored buffer has none.
           **options: how the object is managed
             (:class:`~jax_session_state.base.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).
@@ -113,7 +124,40 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             axes=v.axis_names(owner, "axes", axes, len(item_shape)),
             ring=bool(ring),
             max_staged=v.positive_int(owner, "max_staged", max_staged, minimum=0),
+            demote_fn=v.optional_callable(owner, "demote_fn", demote_fn),
         )
+
+    @property
+    def demotable(self) -> bool:
+        """Whether a ``demote_fn`` was declared."""
+        return self.demote_fn is not None
+
+    def demote(self) -> LatentBuffer:
+        """Every item replaced by ``demote_fn(item)``; counts and staged items are kept.
+
+        Returns:
+          A buffer of the demoted items' shape and dtype, with no further
+          ``demote_fn``.
+
+        Raises:
+          NotDemotableError: no ``demote_fn`` was declared.
+          PayloadTypeError: ``demote_fn`` does not return one array per item.
+        """
+        self._require_resident("demote")
+        if self.demote_fn is None:
+            return super().demote()
+        item = jax.ShapeDtypeStruct(self.item_shape, self.dtype)
+        out = jax.eval_shape(self.demote_fn, item)  # checked before anything is computed
+        if not isinstance(out, jax.ShapeDtypeStruct):
+            raise PayloadTypeError(
+                f"{self.describe()}.demote: demote_fn must return one array per item; it returned "
+                f"{jax.tree_util.tree_structure(out)} for an item of shape {list(self.item_shape)}."
+            )
+        demoted = self.replace(
+            item_shape=tuple(out.shape), dtype=np.dtype(out.dtype), axes=(None,) * len(out.shape),
+            demote_fn=None, items=None,
+        )
+        return demoted.with_storage(items=jax.vmap(self.demote_fn)(self.items))
 
     def storage_axes(self) -> dict[str, Any]:
         return {"items": ("slots", *self.axes), **self._bookkeeping_axes()}

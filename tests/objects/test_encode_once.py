@@ -1,5 +1,6 @@
 """EncodeOnceKV: written once; later writes are no-ops; staging is discardable."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,11 +67,14 @@ def ops(draw):
     return out
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=ops())
-def test_matches_model(jit, ops):
-    cond = jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=LENGTH)
-    drive(cond, EncodeOnceModel(), ops, jit=jit)
+class TestEncodeOnceKVMatchesModel(chex.TestCase):
+    """Against the plain-Python model, eagerly and jitted (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=ops())
+    def test_matches_model(self, ops):
+        cond = jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=LENGTH)
+        drive(cond, EncodeOnceModel(), ops, self.variant)
 
 
 def test_second_commit_is_a_no_op_under_jit():

@@ -1,5 +1,6 @@
 """FixedState: exact-spec commits, a staged value beside the committed one, eviction rules."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,12 +48,15 @@ def ops(draw):
     return out
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=ops())
-def test_matches_model(jit, ops):
-    state = jss.FixedState.allocate(shapes=SPEC)
-    zeros = {"h": np.zeros((2, 5), np.float32), "conv": np.zeros((2, 3), np.int32)}
-    drive(state, FixedModel(zeros), ops, jit=jit)
+class TestFixedStateMatchesModel(chex.TestCase):
+    """Against the plain-Python model, eagerly and jitted (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=ops())
+    def test_matches_model(self, ops):
+        state = jss.FixedState.allocate(shapes=SPEC)
+        zeros = {"h": np.zeros((2, 5), np.float32), "conv": np.zeros((2, 3), np.int32)}
+        drive(state, FixedModel(zeros), ops, self.variant)
 
 
 def test_allocate_from_shapes_dtypes_and_specs():

@@ -1,5 +1,6 @@
 """KVCache against a plain-Python model: append and ring modes, ragged rows, overflow."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,28 +37,29 @@ def kv_ops(draw, *, batch=B, allow_bad_counts=True):
     return ops
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=kv_ops())
-def test_append_mode_matches_model(jit, ops):
-    cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=12)
-    drive(cache, KVModel(B, capacity=12, heads=H, head_dim=D), ops, jit=jit)
+class TestKVCacheMatchesModel(chex.TestCase):
+    """Against the plain-Python model, eagerly and jitted (chex variants)."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=kv_ops())
+    def test_append_mode_matches_model(self, ops):
+        cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=12)
+        drive(cache, KVModel(B, capacity=12, heads=H, head_dim=D), ops, self.variant)
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=kv_ops(batch=1))
-def test_append_mode_with_one_row_matches_model(jit, ops):
-    # One batch row writes through one in-place slice update instead of a scatter.
-    cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=12)
-    drive(cache, KVModel(1, capacity=12, heads=H, head_dim=D), ops, jit=jit)
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=kv_ops(batch=1))
+    def test_append_mode_with_one_row_matches_model(self, ops):
+        # One batch row writes through one in-place slice update instead of a scatter.
+        cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=12)
+        drive(cache, KVModel(1, capacity=12, heads=H, head_dim=D), ops, self.variant)
 
-
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=kv_ops(), sink=st.sampled_from([0, 2]))
-def test_ring_mode_matches_model(jit, ops, sink):
-    # Long sequences wrap the ring many times; staged rows must never clobber the window.
-    cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=5, sink=sink, max_staged=4)
-    model = KVModel(B, window=5, sink=sink, max_staged=4, heads=H, head_dim=D)
-    drive(cache, model, ops * 3, jit=jit)
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=kv_ops(), sink=st.sampled_from([0, 2]))
+    def test_ring_mode_matches_model(self, ops, sink):
+        # Long sequences wrap the ring many times; staged rows must never clobber the window.
+        cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=5, sink=sink, max_staged=4)
+        model = KVModel(B, window=5, sink=sink, max_staged=4, heads=H, head_dim=D)
+        drive(cache, model, ops * 3, self.variant)
 
 
 @pytest.mark.parametrize("start, count", [(0, 4), (3, 2), (6, 2), (7, 1), (5, 0)])

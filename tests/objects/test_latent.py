@@ -1,5 +1,6 @@
 """LatentBuffer: ring and bounded append, one item or several, oldest to newest."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,13 +33,16 @@ def ops(draw):
     return out
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=ops(), ring=st.booleans())
-def test_matches_model(jit, ops, ring):
-    kwargs = {"ring": True, "max_staged": 3} if ring else {}
-    buffer = jss.LatentBuffer.allocate(capacity=5, item_shape=ITEM, **kwargs)
-    model = LatentModel(capacity=5, ring=ring, max_staged=3, single_rank=len(ITEM))
-    drive(buffer, model, ops, jit=jit)
+class TestLatentBufferMatchesModel(chex.TestCase):
+    """Against the plain-Python model, eagerly and jitted (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=ops(), ring=st.booleans())
+    def test_matches_model(self, ops, ring):
+        kwargs = {"ring": True, "max_staged": 3} if ring else {}
+        buffer = jss.LatentBuffer.allocate(capacity=5, item_shape=ITEM, **kwargs)
+        model = LatentModel(capacity=5, ring=ring, max_staged=3, single_rank=len(ITEM))
+        drive(buffer, model, ops, self.variant)
 
 
 def test_bounded_buffer_refuses_past_capacity():

@@ -1,5 +1,6 @@
 """RetrievalStore: replaces the oldest when full; top-k by dot product over valid entries."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,10 +43,13 @@ def make():
     return jss.RetrievalStore.allocate(capacity=CAPACITY, key_dim=KEY_DIM, value_shapes={"a": (2,)}, max_staged=MARGIN)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@given(ops=ops())
-def test_matches_model(jit, ops):
-    drive(make(), RetrievalModel(capacity=CAPACITY, ring=True, max_staged=MARGIN), ops, jit=jit)
+class TestRetrievalStoreMatchesModel(chex.TestCase):
+    """Against the plain-Python model, eagerly and jitted (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(ops=ops())
+    def test_matches_model(self, ops):
+        drive(make(), RetrievalModel(capacity=CAPACITY, ring=True, max_staged=MARGIN), ops, self.variant)
 
 
 retrieve = jax.jit(jss.RetrievalStore.retrieve, static_argnums=2)

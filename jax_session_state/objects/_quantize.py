@@ -1,0 +1,48 @@
+"""Symmetric per-row quantization of K/V: the storage of the demoted (int8, fp8) tiers.
+
+Each row of ``head_dim`` values (one token of one head) is stored as int8
+(or ``float8_e4m3fn``) times one float32 scale, ``x ~= q * scale`` with
+``scale = max|x| / Q`` (``Q`` = 127 for int8, 448 for fp8).  The error
+bound: an int8 value is off by at most ``scale / 2 = max|x| / 254`` (half a
+step), so each entry of a row is within ``0.4%`` of the row's largest
+magnitude; fp8 keeps 3 mantissa bits, a relative error of at most ``2**-4``
+per entry.  Attention over such K/V stays within about 1e-2 relative of the
+float32 result on normal data (``benchmarks/tiers.py`` measures the
+distribution).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+__all__ = ["FORMATS", "dequantize", "quantize", "storage_dtype"]
+
+FORMATS = ("int8", "fp8")
+"""The quantized storage formats, lowest precision last."""
+
+_LARGEST = {"int8": 127.0, "fp8": 448.0}
+
+
+def storage_dtype(quantize: str) -> np.dtype:
+    """The dtype of the stored values of a format."""
+    return np.dtype(jnp.int8) if quantize == "int8" else np.dtype(jnp.float8_e4m3fn)
+
+
+def quantize(x: Array, quantize: str) -> tuple[Array, Array]:
+    """``x: [..., head_dim]`` as (values ``[..., head_dim]``, scales ``Float[Array, "... 1"]``)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / _LARGEST[quantize]
+    scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero row: any scale, values 0
+    scaled = x / scale
+    if quantize == "int8":
+        return jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8), scale
+    return scaled.astype(jnp.float8_e4m3fn), scale
+
+
+def dequantize(values: Array, scale: Array | None, dtype: Array | np.dtype = jnp.float32) -> Array:
+    """``values * scale`` in ``dtype`` (``values`` as they are when ``scale`` is None)."""
+    if scale is None:
+        return values
+    return (values.astype(jnp.float32) * scale).astype(dtype)

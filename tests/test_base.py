@@ -1,0 +1,112 @@
+"""The spine every kind shares: one allocate path, one vocabulary, checked writes, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_session_state as jss
+from jax_session_state.errors import DonatedError, PayloadError, PayloadTypeError
+
+from kinds import KINDS
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_unknown_keyword_is_a_type_error_naming_it(kind):
+    make, _ = KINDS[kind]
+    obj = make()
+    with pytest.raises(TypeError, match=rf"{type(obj).__name__}\.allocate\(\) got unexpected keyword argument\(s\): sizee"):
+        type(obj).allocate(sizee=3)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (lambda: jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), item_axes=("x",)),
+         lambda: jss.LatentBuffer.allocate(capacity=4, item_shape=(2,), axes=("x",))),
+        (lambda: jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, length=3),
+         lambda: jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=3)),
+        (lambda: jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=4, max_chunk=2),
+         lambda: jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=4, max_staged=2)),
+        (lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), value_axes=("v",)),
+         lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), axes=("v",))),
+    ],
+)
+def test_deprecated_keywords_warn_and_mean_the_same(old, new):
+    with pytest.warns(DeprecationWarning, match="is deprecated; use"):
+        before = old()
+    assert before.describe() == new().describe()
+
+
+def test_deprecated_and_new_keyword_together_is_an_error():
+    with pytest.raises(TypeError, match="maxlen= is the deprecated name of capacity="):
+        jss.LatentBuffer.allocate(maxlen=4, capacity=4, item_shape=(2,))
+
+
+def test_deprecated_attributes_warn():
+    frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(2,))
+    with pytest.warns(DeprecationWarning, match=r"LatentBuffer\.maxlen is deprecated"):
+        assert frames.maxlen == 4
+    with pytest.warns(DeprecationWarning, match=r"LatentBuffer\.count is deprecated"):
+        assert int(frames.append(jnp.ones((3, 2))).count) == 3
+
+
+def test_ring_capacity_is_what_stays_visible_and_the_margin_is_extra():
+    kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=6, sink=2, max_staged=3)
+    assert (kv.capacity, kv.staging_margin, kv.slots) == (8, 3, 11) and kv.k.shape[2] == 11
+    frames = jss.LatentBuffer.allocate(capacity=2, item_shape=(1,), ring=True, max_staged=8)
+    assert frames.fill() == jss.Fill(committed=0, staged=0, capacity=2, margin=8)
+
+
+def test_recompute_source_given_as_one_name_is_one_name():
+    kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+    assert kv.replace(recompute_source="prompt").recompute_source == ("prompt",)
+    prompt = jss.FixedState.allocate(shapes=(2,))
+    session = jss.Session(objects={"prompt": prompt, "kv": kv.replace(recompute_source="prompt")})
+    assert session.recomputable("kv")
+
+
+def test_nbytes_by_device_accepts_a_plain_set_and_dedups_through_it():
+    kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+    seen = set()
+    first = kv.nbytes_by_device(seen)
+    assert sum(first.values()) == kv.nbytes > 0 and len(seen) == 3  # k, v, bookkeeping
+    assert kv.nbytes_by_device(seen) == {}  # the same buffers again: counted once
+
+
+def test_a_donated_session_raises_naming_the_object():
+    rng = np.random.default_rng(0)
+    session = jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)})
+    rows = jnp.asarray(rng.normal(size=(1, 2, 1, 2)), jnp.float32)
+    out = jax.jit(lambda s: s.append(kv=(rows, rows)), donate_argnums=0)(session)
+    assert out["kv"].lengths.tolist() == [2]
+    for use in (session.view, session.nbytes_by_device, lambda: jss.summary(session)):
+        with pytest.raises(DonatedError, match=r"KVCache\(.*was donated to a jitted call"):
+            use()
+    assert isinstance(DonatedError("x"), jss.NotResidentError)
+
+
+def test_payload_errors_are_session_state_errors_and_stdlib_errors():
+    kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+    with pytest.raises(PayloadError) as shape:
+        kv.append((jnp.ones((1, 2, 1, 3)), jnp.ones((1, 2, 1, 3))))
+    with pytest.raises(PayloadTypeError) as dtype:
+        kv.append((jnp.ones((1, 2, 1, 2), jnp.bfloat16), jnp.ones((1, 2, 1, 2), jnp.bfloat16)))
+    assert isinstance(shape.value, ValueError) and isinstance(shape.value, jss.SessionStateError)
+    assert isinstance(dtype.value, TypeError) and isinstance(dtype.value, jss.SessionStateError)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_write_that_changes_a_storage_spec_is_refused_at_trace_time(jit):
+    kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+
+    def widen(obj):
+        return obj.with_storage(k=obj.k.astype(jnp.bfloat16))
+
+    def grow(obj):
+        return obj.with_storage(v=jnp.concatenate([obj.v, obj.v], axis=2))
+
+    for write, change in ((widen, "bfloat16"), (grow, r"\[1, 1, 8, 2\]")):
+        with pytest.raises(TypeError, match=rf"KVCache\(.*a write changed storage '[kv]' from .*{change}"):
+            (jax.jit(write) if jit else write)(kv)
+    np.testing.assert_array_equal(kv.k, np.zeros((1, 1, 4, 2)))  # nothing changed
