@@ -257,7 +257,7 @@ def test_checkout_refuses_a_pool_that_does_not_fit_and_changes_nothing():
     assert close(manager.get("a"), make_session(1, capacity=CAPACITY))
 
 
-def test_checkout_restores_dropped_and_parked_objects_first():
+def test_checkout_restores_dropped_and_parked_objects_first(tmp_path):
     budget = 2 * ONE + ONE // 2  # two and a half sessions, or a pool of two slots and some room
     manager = jss.SessionStateManager(byte_budget={DEVICE: budget})
     manager.register_rebuild("cond", rebuild_cond)
@@ -278,7 +278,7 @@ def test_checkout_restores_dropped_and_parked_objects_first():
         manager.checkout("d", pool, 0)
     assert "d" in manager and manager.checked_out().keys() == {"a"}
     with pytest.raises(jss.CheckpointError, match="checked out"):
-        jss.checkpoint.save("unused", manager)
+        jss.checkpoint.save(tmp_path / "manager", manager)
 
 
 def test_threads_checking_out_and_in_never_lose_a_session():
