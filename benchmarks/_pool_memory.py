@@ -22,7 +22,12 @@ from flax import nnx
 
 import jax_session_state as jss
 from benchmarks._rollout_memory import _status_bytes
-from examples.world_model import WorldModel, WorldModelConfig, make_session, start_session
+from examples.world_model import (
+    WorldModel,
+    WorldModelConfig,
+    make_session,
+    start_session,
+)
 
 
 def main() -> None:

@@ -45,7 +45,13 @@ from flax import nnx
 
 import jax_session_state as jss
 from benchmarks._common import cli
-from examples.world_model import WorldModel, WorldModelConfig, make_session, moving_patterns, start_session
+from examples.world_model import (
+    WorldModel,
+    WorldModelConfig,
+    make_session,
+    moving_patterns,
+    start_session,
+)
 from jax_session_state import _native
 
 SESSIONS = 16
@@ -223,8 +229,8 @@ def attention_rows(*, rounds: int, long: int = 8192, short: int = 256) -> list[d
             pooled = jax.jit(jax.vmap(lambda cache, q: jss.attend(q, cache.view())))
             jax.block_until_ready((pooled(stacked, q), [one(cache, q[i]) for i, cache in enumerate(caches)]))
         samples = _paired({
-            "pool": lambda: jax.block_until_ready(pooled(stacked, q)),
-            "singles": lambda: jax.block_until_ready([one(cache, q[i]) for i, cache in enumerate(caches)]),
+            "pool": lambda pooled=pooled: jax.block_until_ready(pooled(stacked, q)),
+            "singles": lambda one=one: jax.block_until_ready([one(cache, q[i]) for i, cache in enumerate(caches)]),
         }, rounds=rounds, repeat=3)
         name = "native kernel" if native else "pure-JAX loop"
         rows_out += [

@@ -48,18 +48,24 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args() if __name__ == "__main__" else None  # --help prints the flags and exits here
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+from world_model import (
+    WorldModel,
+    WorldModelConfig,
+    make_session,
+    moving_patterns,
+    start_session,
+)
 
-import jax_session_state as jss  # noqa: E402
-from world_model import WorldModel, WorldModelConfig, make_session, moving_patterns, start_session  # noqa: E402
+import jax_session_state as jss
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 DEVICE = jss.device_key(jax.devices()[0])
 
