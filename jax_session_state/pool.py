@@ -255,7 +255,9 @@ class SessionPool(struct.PyTreeNode):
 
         One ``jax.vmap`` over the slot axis: jit it (``step`` static) with
         the pool donated and every slot is stepped in one call.  Inactive
-        slots keep their state bit for bit, and their ``out`` is zeros.
+        slots keep their state bit for bit, and their ``out`` is zeros: the
+        step's in-place writes land only in live slots (no select over the
+        whole pool, so a pool step writes in place what its slots write).
 
         Args:
           step: a pure function of one session and its arguments; it must
