@@ -127,7 +127,9 @@ class PoolCheckouts:
                     exclude=session_id,
                     events=events,
                 )
-                new_pool = _insert(pool, index, session)
+                # On the pool's device and committed there (no copy when it is there already), so the
+                # insert compiles once whether the session was just created or brought back from host.
+                new_pool = _insert(pool, index, jax.device_put(session, pool.active.sharding))
                 self._forget(session_id)
                 self._ledger.apply([*entry.storages(), *(before or ())], tree_storages(new_pool))
                 self._pool_storages[tag] = tree_storages(new_pool)
