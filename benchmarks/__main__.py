@@ -31,6 +31,7 @@ MODULES = [
     "branches",
     "manager",
     "paged",
+    "pool",
     "rollout",
     "sharded",
 ]

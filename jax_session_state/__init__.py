@@ -37,6 +37,7 @@ from jax_session_state.objects import (
     Retrieved,
 )
 from jax_session_state.offload import Parked
+from jax_session_state.pool import SessionPool
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard
 from jax_session_state.summary import Summary, summary
@@ -77,6 +78,7 @@ __all__ = [
     "SeenStorages",
     "Session",
     "SessionAdmissionError",
+    "SessionPool",
     "SessionStateError",
     "SessionStateLostError",
     "SessionStateManager",

@@ -393,6 +393,11 @@ class _Content:
 # ------------------------------------------------------------- managers
 def _encode_manager(manager: SessionStateManager, table: ArrayTable) -> dict[str, Any]:
     """The manager's snapshot: settings and every session, parked objects with their host arrays."""
+    if manager.checked_out():
+        raise CheckpointError(
+            f"sessions {sorted(map(repr, manager.checked_out()))} are checked out into pool slots, so the "
+            "manager does not hold them; checkin() them before saving the manager."
+        )
     try:
         snapshot = manager.snapshot()
     except RuntimeError as error:  # a session donated to a step that has not been put back

@@ -27,6 +27,7 @@ __all__ = [
       "BudgetExceededError",
       "SessionAdmissionError",
       "SessionStateLostError",
+      "SessionCheckedOutError",
       "CheckpointError",
       "PayloadError",
       "PayloadTypeError",
@@ -95,6 +96,10 @@ class SessionStateLostError(SessionStateError, LookupError):
 
     Raised instead of silently handing back an empty session.
     """
+
+
+class SessionCheckedOutError(SessionStateError, RuntimeError):
+    """The session is checked out into a pool slot; the manager does not hold it until ``checkin``."""
 
 
 class CheckpointError(SessionStateError, ValueError):

@@ -11,6 +11,8 @@ sessions; otherwise it refuses and changes nothing.  A later ``get`` brings
 evicted and parked objects back before returning the session.  Nothing is
 lost silently: every action is reported through ``on_event`` and a preempted
 session raises :class:`~jax_session_state.errors.SessionStateLostError`.
+``checkout`` / ``checkin`` lend a session to a slot of a
+:class:`~jax_session_state.SessionPool` and take it back.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal
 
 from jax_session_state import offload
+from jax_session_state._checkout import PoolCheckouts
 from jax_session_state._manager_core import ManagerCore, checked_session
 from jax_session_state._manager_events import ManagerEvent
 from jax_session_state._manager_snapshot import (
@@ -39,7 +42,7 @@ __all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "Sn
 
 
 
-class SessionStateManager(ManagerSnapshots):
+class SessionStateManager(PoolCheckouts, ManagerSnapshots):
     """Sessions by id on the host, under a count cap and per-device byte budgets; thread-safe.
 
     Use ``get`` / ``put``: ``get`` hands out the stored session itself, so a
@@ -132,6 +135,7 @@ class SessionStateManager(ManagerSnapshots):
             lock=lock_factory(),
             on_event=on_event,
         )
+        self._init_checkouts()
 
     # ------------------------------------------------------------ mapping
     def __contains__(self, session_id: object) -> bool:
@@ -270,6 +274,8 @@ class SessionStateManager(ManagerSnapshots):
         new = Entry.of(checked_session(session, "create", session_id))
         events: list[ManagerEvent] = []
         with self._delivering(events), self._lock:  # events go out once the lock is released
+            if session_id in self._checked_out:
+                raise self._checked_out_error(session_id)
             if session_id in self._entries:
                 raise ValueError(
                     f"create({session_id!r}): that session exists already. put() replaces it; "
