@@ -104,3 +104,11 @@ def test_quickstart():
     done = run_example("quickstart.py")
     assert "cond written once: True" in done.stdout and "bytes per device:" in done.stdout
 
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "world_model.py"))
+def test_help_prints_the_flags_and_runs_nothing(script):
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], cwd=EXAMPLES,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
+    assert "-h, --help" in done.stdout and done.stdout.rstrip().count("\n") < 40  # the flags, then nothing else

@@ -208,7 +208,7 @@ class PoolManagerMachine(RuleBasedStateMachine):
             with pytest.raises(jss.errors.SessionCheckedOutError):
                 self.manager.get(sid)
             with pytest.raises(jss.errors.SessionCheckedOutError):
-                self.manager.drop(sid)
+                self.manager.release(sid)
             assert close(self.pool.extract(self.slot_of[sid]), self.alone[sid])
         elif sid in self.alone:
             try:

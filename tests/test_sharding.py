@@ -79,7 +79,7 @@ def test_kinds_name_their_axes_after_their_sizing_arguments():
     kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
     assert kv.storage_axes()["k"] == ("batch", "kv_heads", "capacity", "head_dim")
     cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
-    assert cond.storage_axes()["v"] == ("batch", "kv_heads", "length", "head_dim")
+    assert cond.storage_axes()["v"] == ("batch", "kv_heads", "capacity", "head_dim")
     carry = jss.FixedState.allocate(shapes={"h": (2, 6), "c": (3,)}, axes={"h": ("batch", None), "c": None})
     assert carry.storage_axes()["value"] == {"h": ("batch", None), "c": (None,)}
     frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(2, 3), axes=(None, "channels"))

@@ -27,19 +27,21 @@ KINDS = {
     "kv_append": (
         lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=16, **kw),
         kv_chunk,
-        {"k": P("data", "model"), "v": P("data", "model"), "bookkeeping": P(None, "data")},
+        {"k": P("data", "model"), "v": P("data", "model"), "k_scale": None, "v_scale": None,
+         "bookkeeping": P(None, "data")},
     ),
     "kv_ring": (
         lambda **kw: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=8, **kw),
         kv_chunk,
-        {"k": P("data", "model"), "v": P("data", "model"), "bookkeeping": P(None, "data")},
+        {"k": P("data", "model"), "v": P("data", "model"), "k_scale": None, "v_scale": None,
+         "bookkeeping": P(None, "data")},
     ),
     "encode_once": (
         lambda **kw: jss.EncodeOnceKV.allocate(batch=B, kv_heads=4, head_dim=D, capacity=8, **kw),
         lambda rng: kv_chunk(rng, T=5, heads=4)[:2],
         {
             "k": P("data", "model"), "v": P("data", "model"), "lengths": P("data"),
-            "phase": P(), "overflowed": P(),
+            "phase": P(), "refused": P(),
         },
     ),
     "fixed": (
@@ -68,7 +70,7 @@ KINDS = {
         kv_chunk,
         {
             "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "page_table": P(),
-            "lengths": P(), "staged": P(), "refcounts": P(), "free_pages": P(), "free_count": P(), "overflowed": P(),
+            "lengths": P(), "staged": P(), "refcounts": P(), "free_pages": P(), "free_count": P(), "refused": P(),
         },
     ),
     "retrieval": (
