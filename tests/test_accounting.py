@@ -12,7 +12,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
-from devices import DEVICE
+from tests.support.devices import DEVICE
 
 
 def test_default_memory_device_key():

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from attention_reference import append_view, assert_close, randn, reference
+from tests.support.attention_reference import append_view, assert_close, randn, reference
 from jax_session_state import _attention_blocks, _native
 
 EXAMPLES = settings(max_examples=25)

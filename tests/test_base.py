@@ -8,7 +8,7 @@ import pytest
 import jax_session_state as jss
 from jax_session_state.errors import DonatedError, PayloadError, PayloadTypeError
 
-from kinds import KINDS
+from tests.support.kinds import KINDS
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from devices import DEVICE
+from tests.support.devices import DEVICE
 from jax.sharding import AxisType
 
 import jax_session_state as jss

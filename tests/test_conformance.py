@@ -4,7 +4,7 @@ import pytest
 
 from jax_session_state.testing import CHECKS, Conformance
 
-from kinds import KINDS
+from tests.support.kinds import KINDS
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -10,7 +10,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from devices import DEVICE
+from tests.support.devices import DEVICE
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SESSION_OBJECTS = ["kv_0", "kv_1", "kv_2", "kv_3", "cond", "prompt", "carry", "frames"]

@@ -6,8 +6,8 @@ import threading
 import jax
 import numpy as np
 import pytest
-from devices import DEVICE, PINNED
-from world import (
+from tests.support.devices import DEVICE, PINNED
+from tests.support.world import (
     TRACES,
     assert_same,
     contents,
@@ -16,7 +16,7 @@ from world import (
     session_bytes,
     step,
 )
-from world import _step as world_step
+from tests.support.world import _step as world_step
 
 import jax_session_state as jss
 

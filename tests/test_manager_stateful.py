@@ -12,10 +12,10 @@ import contextlib
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from devices import DEVICE, PINNED
+from tests.support.devices import DEVICE, PINNED
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from world import contents, make_session, rebuild_cond, session_bytes, step
+from tests.support.world import contents, make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
 

@@ -5,8 +5,8 @@ import random
 import threading
 
 import pytest
-from devices import DEVICE, PINNED
-from world import make_session, rebuild_cond, session_bytes, step
+from tests.support.devices import DEVICE, PINNED
+from tests.support.world import make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import MULTIDEVICE_FLAG
+from tests.conftest import MULTIDEVICE_FLAG
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from attention_reference import append_view, assert_close, randn, reference
+from tests.support.attention_reference import append_view, assert_close, randn, reference
 from jax_session_state import _native
 
 needs_native = pytest.mark.skipif(
@@ -284,12 +284,10 @@ def test_ring_views_stay_on_the_pure_path():
 
 
 FORCED_ISA = textwrap.dedent("""
-    import sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_session_state as jss
     from jax_session_state import _native
-    sys.path.insert(0, "tests")
-    from attention_reference import append_view, randn, reference
+    from tests.support.attention_reference import append_view, randn, reference
     rng = np.random.default_rng(3)
     worst = 0.0
     cases = ((1, 1, 64, 700, "float32"), (2, 1, 48, 90, "float32"), (16, 2, 64, 1300, "float32"),

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kinds import KINDS
-from world import assert_same
+from tests.support.kinds import KINDS
+from tests.support.world import assert_same
 
 import jax_session_state as jss
 from jax_session_state import offload
-from devices import DEVICE, PINNED
+from tests.support.devices import DEVICE, PINNED
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

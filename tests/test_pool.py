@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_reference import assert_close, reference
-from pooled import CAPACITY, CHUNK, DIM, HEADS, KV_HEADS, new_session, step, steps_fit
+from tests.support.attention_reference import assert_close, reference
+from tests.support.pooled import CAPACITY, CHUNK, DIM, HEADS, KV_HEADS, new_session, step, steps_fit
 
 import jax_session_state as jss
 from jax_session_state import _native

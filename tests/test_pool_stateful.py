@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from world import _step, make_session, rebuild_cond, session_bytes
+from tests.support.world import _step, make_session, rebuild_cond, session_bytes
 
 import jax_session_state as jss
-from devices import DEVICE
+from tests.support.devices import DEVICE
 
 SLOTS, CAPACITY, MAX_STEPS = 3, 40, 30
 IDS = st.sampled_from("abcde")

@@ -8,7 +8,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state.testing import assert_logically_equal
-from devices import DEVICE
+from tests.support.devices import DEVICE
 
 
 def make_session(**extra):

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 import jax_session_state as jss
-from devices import DEVICE
+from tests.support.devices import DEVICE
 
 
 def make_session():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from meshes import auto_mesh, shard_pointers, shardings
+from tests.support.meshes import auto_mesh, shard_pointers, shardings
 
 import jax_session_state as jss
 from jax_session_state import _digest, checkpoint

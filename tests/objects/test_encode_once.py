@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import jax_session_state as jss
-from models import OK, REFUSED_COUNTS, Op, drive
+from tests.support.models import OK, REFUSED_COUNTS, Op, drive
 
 B, H, D, LENGTH = 2, 2, 3, 6
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import jax_session_state as jss
-from models import KVModel, Op, drive
+from tests.support.models import KVModel, Op, drive
 
 B, H, D = 2, 2, 3
 CHUNKS = (1, 3, 4)  # few distinct T: few compiles

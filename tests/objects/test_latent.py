@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import jax_session_state as jss
-from models import ItemModel, Op, drive
+from tests.support.models import ItemModel, Op, drive
 
 ITEM = (2, 3)
 

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import jax_session_state as jss
 from jax_session_state.testing import logical
-from devices import DEVICE
+from tests.support.devices import DEVICE
 
 H, D = 1, 2
 
