@@ -3,7 +3,8 @@
 from jax_session_state import accounting, checkpoint, errors, offload, planner, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
-from jax_session_state.base import Fill, ManagedOptions, StateObject, check, is_state_object
+from jax_session_state.base import StateObject, check, is_state_object
+from jax_session_state.kinds import Fill, ManagedOptions
 from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
     BudgetExceededError,

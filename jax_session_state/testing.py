@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_session_state.accounting import SeenStorages
-from jax_session_state.base import Fill, StateObject
+from jax_session_state.base import StateObject
+from jax_session_state.kinds import Fill
 from jax_session_state.errors import DonatedError, NotEvictableError, NotResidentError, SessionStateError
 
 __all__ = ["CHECKS", "Conformance", "assert_logically_equal", "logical", "logically_equal"]

@@ -4,7 +4,6 @@ import collections
 import random
 import threading
 
-import pytest
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import make_session, rebuild_cond, session_bytes, step
 

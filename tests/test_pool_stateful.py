@@ -14,7 +14,6 @@ step's output and every session read back equal the session stepped alone.
 
 import hypothesis.strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import settings

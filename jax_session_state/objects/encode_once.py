@@ -10,7 +10,8 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, allocator, deprecated_alias
+from jax_session_state.kinds import allocator, deprecated_alias
+from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError
 from jax_session_state.objects import _ring
 from jax_session_state.objects.kv_views import KVChunk, KVView, read_chunk
@@ -110,7 +111,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
             deprecated name).
           dtype: storage dtype; payloads must match it exactly.
           **options: how the object is managed
-            (:class:`~jax_session_state.base.ManagedOptions`:
+            (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, typically the prompt embedding,
             ``recompute_cost``, ``sharding``).  Its storage axes are
             ``("batch", "kv_heads", "capacity", "head_dim")`` for k and v and

@@ -11,7 +11,8 @@ from flax import struct
 
 from jax_session_state import _validation as v
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
-from jax_session_state.base import StateObject, allocator, overwrite
+from jax_session_state.base import StateObject
+from jax_session_state.kinds import allocator, overwrite
 from jax_session_state.sharding import LogicalAxes
 
 __all__ = ["FixedState"]
@@ -79,7 +80,7 @@ class FixedState(StateObject, kw_only=True):
             axis never sharded), e.g. ``{"h": ("batch", "hidden")}``.  None
             leaves every axis unnamed.
           **options: how the object is managed
-            (:class:`~jax_session_state.base.ManagedOptions`:
+            (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, without which it is never evictable,
             ``recompute_cost``, ``sharding``).
         """

@@ -11,7 +11,8 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, NotDemotableError, PayloadError, PayloadTypeError
 from jax_session_state.objects import _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
@@ -177,7 +178,7 @@ class KVCache(StateObject, kw_only=True):
           tiers: the quantized forms it may be demoted to when memory is
             short (``("int8",)``), highest precision first.
           **options: how the object is managed
-            (:class:`~jax_session_state.base.ManagedOptions`:
+            (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
             storage axes are ``("batch", "kv_heads", "capacity",
             "head_dim")`` for k and v and ``(None, "batch")`` for the
@@ -261,7 +262,6 @@ class KVCache(StateObject, kw_only=True):
           is raised, under jit ``overflowed`` is set.
         """
         chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
-        T = chunk.k.shape[1]
         start = self.lengths + self.staged
         if self.window is None:
             room = self.capacity - start

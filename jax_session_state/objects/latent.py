@@ -12,7 +12,7 @@ from flax import struct
 from jax import Array, lax
 
 from jax_session_state import _validation as v
-from jax_session_state.base import allocator, deprecated_alias
+from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes
@@ -115,7 +115,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             own bound.  Not saved by checkpoints (a function is code, not
             state): a restored buffer has none.
           **options: how the object is managed
-            (:class:`~jax_session_state.base.ManagedOptions`:
+            (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "LatentBuffer.allocate"

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import StateObject, allocator, overwrite, refuse_now_if
+from jax_session_state.kinds import allocator, overwrite, refuse_now_if
+from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
 from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
@@ -146,7 +146,7 @@ class PagedKVCache(StateObject, kw_only=True):
             pages' rows.
           dtype: storage dtype; payloads must match it exactly.
           **options: how the object is managed
-            (:class:`~jax_session_state.base.ManagedOptions`:
+            (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
             storage axes are ``("num_pages", "page_size", "kv_heads",
             "head_dim")`` for the pools, ``("max_slots",

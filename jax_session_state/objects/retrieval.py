@@ -11,7 +11,7 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.base import allocator, deprecated_alias
+from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.errors import PayloadError
 from jax_session_state.objects import _ring
 from jax_session_state.objects._items import ItemBuffer
@@ -144,7 +144,7 @@ class RetrievalStore(ItemBuffer, kw_only=True):
             ``("slots", *axes)`` for each value leaf; ``value_axes=`` is its
             deprecated name.
           **options: how the object is managed
-            (:class:`~jax_session_state.base.ManagedOptions`:
+            (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "RetrievalStore.allocate"

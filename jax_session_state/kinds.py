@@ -1,0 +1,185 @@
+"""Building blocks of a kind of state: its allocate path, its fill record and its write helpers.
+
+What :class:`~jax_session_state.StateObject` kinds share, the library's and
+yours (see the guide on writing your own): :func:`allocator` and
+:class:`ManagedOptions` give every ``allocate`` the same keywords and the
+same refusal of unknown ones; :class:`Fill` is what ``fill()`` reports;
+:func:`overwrite`, :func:`update_slice_or_keep` and :func:`refuse_now_if`
+write storage in place and refuse what does not fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_session_state.errors import PayloadTypeError
+
+if TYPE_CHECKING:
+    from jax_session_state.sharding import ShardingRules
+
+__all__ = [
+    "Fill",
+    "ManagedOptions",
+    "allocator",
+    "check_same_spec",
+    "deprecated_alias",
+    "overwrite",
+    "refuse_now_if",
+    "update_slice_or_keep",
+]
+
+_MANAGED = ("recompute_source", "recompute_cost", "sharding")
+# Static fields that say how an object is managed, not what it holds: not part of its spec.
+_MANAGEMENT_FIELDS = (*_MANAGED, "demote_fn")
+
+
+class ManagedOptions(TypedDict, total=False):
+    """The keywords every ``allocate`` takes besides its sizes: how the object is managed.
+
+    Attributes:
+      recompute_source: the sibling object(s) this object can be rebuilt
+        from (a name or names); without one, a kind that cannot be dropped
+        is never evictable.
+      recompute_cost: estimated work to rebuild it (any unit, compared
+        across objects by the eviction planner).
+      sharding: where the storage lives on a mesh
+        (:class:`~jax_session_state.ShardingRules` over the logical axes of
+        :meth:`StateObject.storage_axes`), or None for the default device.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4,
+      ...                                  recompute_source="prompt", recompute_cost=2.0)
+      >>> cond.recompute_source, cond.recompute_cost
+      (('prompt',), 2.0)
+    """
+
+    recompute_source: str | tuple[str, ...]
+    recompute_cost: float
+    sharding: ShardingRules | None
+
+
+class Fill(NamedTuple):
+    """How full an object is, in one vocabulary for every kind (host values, for reports).
+
+    Attributes:
+      committed: entries committed (rows, tokens, items; a carry counts as
+        one): an int, or a list with one count per batch row or slot.
+      staged: entries staged after them, shaped like ``committed``.
+      capacity: the most entries visible per row.
+      margin: storage slots held beyond ``capacity`` for staged entries
+        (a ring's staging margin), 0 where staging needs none.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(2,), ring=True, max_staged=2)
+      >>> frames.append(jnp.ones((3, 2))).stage(jnp.ones(2)).fill()
+      Fill(committed=3, staged=1, capacity=4, margin=2)
+    """
+
+    committed: int | list[int] | None
+    staged: int | list[int] | None
+    capacity: int
+    margin: int = 0
+
+
+def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wraps a kind's ``allocate`` so an unknown keyword is a ``TypeError`` before anything else.
+
+    ``allocate`` takes its sizes by name and the :class:`ManagedOptions` in
+    ``**options``; ``deprecated`` names the former keywords it still reads
+    from ``options`` (with a warning).  Use it under ``@classmethod``.
+    """
+
+    def wrap(allocate: Callable[..., Any]) -> Callable[..., Any]:
+        parameters = inspect.signature(allocate).parameters
+        known = {name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        known |= set(_MANAGED) | set(deprecated)
+
+        @functools.wraps(allocate)
+        def checked(cls: type, **kwargs: Any) -> Any:
+            unknown = sorted(set(kwargs) - known)
+            if unknown:
+                raise PayloadTypeError(
+                    f"{cls.__name__}.allocate() got unexpected keyword argument(s): {', '.join(unknown)}; "
+                    f"it takes {', '.join(sorted(known - set(deprecated)))}."
+                )
+            return allocate(cls, **kwargs)
+
+        return checked
+
+    return wrap
+
+
+def overwrite(old: Any, new: Any) -> Any:
+    """``new``, shaped and typed like ``old``, computed into ``old``'s buffers.
+
+    ``jit`` prunes inputs a function never reads, and a pruned donated input
+    cannot lend its buffer to the output.  A method that replaces a storage
+    leaf wholesale (a flag reset, a new carry) goes through here so the old
+    leaf stays an input and donation still aliases it.
+    """
+    return jax.tree_util.tree_map(lambda o, n: jnp.where(True, n, o).astype(o.dtype), old, new)
+
+
+def deprecated_alias(new: str, old: str) -> property:
+    """A read-only property ``old`` that warns and returns attribute ``new`` (a renamed public name)."""
+
+    def read(self: Any) -> Any:
+        warnings.warn(f"{type(self).__name__}.{old} is deprecated; use .{new} (same meaning).",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(read, doc=f"Deprecated name of :attr:`{new}`.")
+
+
+def refuse_now_if(refused: Any, error: Callable[[], Exception]) -> None:
+    """Raises ``error()`` at once when ``refused`` is concretely True.
+
+    Under ``jit`` (or ``vmap``) ``refused`` is traced; the caller records it
+    in the object's ``overflowed`` flag instead and writes nothing.
+    """
+    if not isinstance(refused, jax.core.Tracer) and bool(refused):
+        raise error()
+
+
+def check_same_spec(obj: Any, name: str, old: Any, new: Any) -> None:
+    """Raises when ``new`` storage differs from ``old`` in structure, shape or dtype (nothing to check when None)."""
+    if old is None:
+        return
+    old_leaves, old_tree = jax.tree_util.tree_flatten(old)
+    new_leaves, new_tree = jax.tree_util.tree_flatten(new)
+    same = old_tree == new_tree and all(
+        jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+        for a, b in zip(old_leaves, new_leaves)
+    )
+    if not same:
+        def spec(leaves: list[Any]) -> str:
+            return ", ".join(f"{np.dtype(jnp.result_type(x)).name}{list(jnp.shape(x))}" for x in leaves)
+
+        raise PayloadTypeError(
+            f"{obj.describe()}: a write changed storage {name!r} from {old_tree} [{spec(old_leaves)}] to "
+            f"{new_tree} [{spec(new_leaves)}]; every write must keep structure, shapes and dtypes "
+            "(a changed one compiles the step again and breaks donation)."
+        )
+
+
+def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, axis: int, lands: Any) -> jax.Array:
+    """``buffer`` with ``update`` written in place at ``start`` along ``axis`` where ``lands``.
+
+    One ``dynamic_update_slice``: where nothing lands (a refused write, rows
+    past a short chunk) the window takes back what it held, so nothing
+    outside the landing rows changes.  XLA fuses the read-back and the mask
+    into the update, one operation where a scatter takes several.
+    """
+    kept = jax.lax.dynamic_slice_in_dim(buffer, start, update.shape[axis], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(lands, update, kept), start, axis=axis)
