@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Literal
@@ -30,6 +31,13 @@ def _leaf_bytes(tree: object) -> int:
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree))
 
 
+@functools.lru_cache(maxsize=1024)
+def _demoted_leaf_bytes(treedef: jax.tree_util.PyTreeDef, shapes: tuple[tuple[tuple[int, ...], object], ...]) -> int:
+    """Leaf bytes of the demoted form of an object of this structure (traced once per spec)."""
+    obj = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes])
+    return _leaf_bytes(jax.eval_shape(lambda o: o.demote(), obj))
+
+
 def demoted_bytes(obj: StateObject, home_bytes: Mapping[str, int]) -> dict[str, int] | None:
     """Bytes by device key ``obj`` would hold once demoted, from ``jax.eval_shape``: nothing is computed.
 
@@ -39,8 +47,9 @@ def demoted_bytes(obj: StateObject, home_bytes: Mapping[str, int]) -> dict[str, 
     """
     if not (obj.resident and obj.demotable):
         return None
-    before = _leaf_bytes(obj)
-    after = _leaf_bytes(jax.eval_shape(lambda o: o.demote(), obj))
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    before = _leaf_bytes(leaves)
+    after = _demoted_leaf_bytes(treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
     return {key: nbytes * after // before for key, nbytes in home_bytes.items()} if before else None
 
 
