@@ -1,17 +1,22 @@
 """The manager under a byte budget demotes tierable K/V caches to int8: order, events, counters, accuracy."""
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import jax_session_state as jss
-from examples.world_model import WorldModel, WorldModelConfig, kv_names, moving_patterns, rollout, start_session
-from tests.world import B, D, H, PROMPT, encode, rebuild_cond
+from examples.world_model import (
+    WorldModel,
+    WorldModelConfig,
+    kv_names,
+    moving_patterns,
+    rollout,
+    start_session,
+)
+from tests.world import PROMPT, B, D, H, encode, rebuild_cond
 
 TOKENS, CAPACITY = 12, 32
 
