@@ -34,6 +34,8 @@ import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
+
 from jax_session_state import offload
 from jax_session_state._manager_events import ManagerEvent, deliver
 from jax_session_state._table import (
@@ -52,6 +54,7 @@ from jax_session_state.errors import (
 )
 from jax_session_state.planner import (
     Action,
+    DemoteObject,
     EvictObject,
     Plan,
     PreemptSession,
@@ -63,8 +66,14 @@ from jax_session_state.session import Session
 LOST_REASONS_KEPT = 4096
 """How many lost (released or preempted) session ids keep their reason for later lookups."""
 
-COUNTERS = ("evictions", "preemptions", "parks", "restores", "rebuilds", "refusals")
+COUNTERS = ("evictions", "demotions", "preemptions", "parks", "restores", "rebuilds", "refusals")
 """The action counters ``stats()`` reports."""
+
+
+# Not donating: a held session's arrays may also be held by a caller's handle or a branch sharing them.
+# The float storage is freed once the manager's reference, the last one it holds, is replaced.
+_demoted = jax.jit(lambda obj: obj.demote())
+"""An object's next lower tier, computed on its devices (compiled once per object spec)."""
 
 
 class _Donated(Exception):
@@ -291,6 +300,9 @@ class ManagerCore:
                 obj = entry.session[action.name]
                 record = entry.records[action.name].evicted(offload.Placement.of(obj))
                 prepared.append((action, (obj.evict()[0], record)))
+            elif isinstance(action, DemoteObject):
+                demoted = _demoted(entry.session[action.name])
+                prepared.append((action, (demoted, ObjectRecord.of(demoted))))
             else:
                 obj = entry.session[action.name]
                 record = entry.records[action.name].parked_as(offload.park(obj, self.park_memory_kind))
@@ -313,11 +325,16 @@ class ManagerCore:
             entry = self._entries[session_id]
             obj, record = change
             new = entry.with_object(action.name, obj, record)
-            self._ledger.apply(entry.records[action.name].storages, record.storages)
+            removed = entry.records[action.name].storages
+            freed = {k: -b for k, b in self._ledger.delta(removed, record.storages).items() if b}
+            self._ledger.apply(removed, record.storages)
             self._store(session_id, new)
             if isinstance(action, EvictObject):
                 self._counts["evictions"] += 1
                 events.append(ManagerEvent("evict", session_id, action.name, dict(action.freed), reason))
+            elif isinstance(action, DemoteObject):
+                self._counts["demotions"] += 1
+                events.append(ManagerEvent("demote", session_id, action.name, freed, reason))
             else:
                 self._counts["parks"] += 1
                 events.append(ManagerEvent("park", session_id, action.name, dict(action.moved), reason))

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Literal
+
+import jax
 
 from jax_session_state.accounting import Storage, tree_storages
 from jax_session_state.base import StateObject
@@ -21,6 +25,32 @@ from jax_session_state.planner import ObjectUsage, SessionUsage
 from jax_session_state.session import Session
 
 RecordState = Literal["resident", "parked", "evicted", "absent"]
+
+
+def _leaf_bytes(tree: object) -> int:
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree))
+
+
+@functools.lru_cache(maxsize=1024)
+def _demoted_leaf_bytes(treedef: jax.tree_util.PyTreeDef, shapes: tuple[tuple[tuple[int, ...], object], ...]) -> int:
+    """Leaf bytes of the demoted form of an object of this structure (traced once per spec)."""
+    obj = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes])
+    return _leaf_bytes(jax.eval_shape(lambda o: o.demote(), obj))
+
+
+def demoted_bytes(obj: StateObject, home_bytes: Mapping[str, int]) -> dict[str, int] | None:
+    """Bytes by device key ``obj`` would hold once demoted, from ``jax.eval_shape``: nothing is computed.
+
+    Each key's bytes scale by the demoted / current ratio of the global leaf
+    bytes (a sharded or replicated object keeps its layout); None when the
+    object has no lower tier.
+    """
+    if not (obj.resident and obj.demotable):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    before = _leaf_bytes(leaves)
+    after = _demoted_leaf_bytes(treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+    return {key: nbytes * after // before for key, nbytes in home_bytes.items()} if before else None
 
 
 def distinct_bytes(storages: Iterable[Storage]) -> dict[str, int]:
@@ -78,10 +108,13 @@ class ObjectRecord:
         """The planner's figures of this object (``as_resident``: as if restored)."""
         rebuildable = rebuild is not None and bool(obj.recompute_source) and obj.evictable
         cost = rebuild.cost if rebuild is not None and rebuild.cost is not None else obj.recompute_cost
+        demoted = None
         if self.state == "absent":
             state, nbytes = "evicted", {}
         elif as_resident or self.state == "resident":
             state, nbytes = "resident", self.home_bytes
+            if not as_resident:  # a session being restored is never acted on
+                demoted = demoted_bytes(obj, self.home_bytes)
         else:
             state = self.state
             nbytes = distinct_bytes(self.storages) if self.state == "parked" else self.home_bytes
@@ -92,6 +125,7 @@ class ObjectRecord:
             sources=obj.recompute_source,
             recompute_cost=cost,
             rebuildable=rebuildable,
+            demoted_bytes_by_device=demoted,
         )
 
 

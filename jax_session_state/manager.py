@@ -388,8 +388,9 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
           ``sessions``; ``hits`` and ``misses`` (lookups by get, update and
           pin: a miss found the id lost or had to bring objects back) and
           their sum ``lookups``; ``evictions`` (objects evicted to be
-          rebuilt), ``preemptions`` (whole sessions released), ``parks``,
-          ``restores`` (parked objects copied back), ``rebuilds``, ``refusals``;
+          rebuilt), ``demotions`` (objects replaced by their lower tier),
+          ``preemptions`` (whole sessions released), ``parks``, ``restores``
+          (parked objects copied back), ``rebuilds``, ``refusals``;
           ``bytes`` by device key.
         """
         with self._lock:

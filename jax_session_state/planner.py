@@ -2,7 +2,7 @@
 
 A pure function over byte figures: no arrays, locks, clocks or I/O.  The
 session manager hands it a snapshot of every session and either applies the
-returned :class:`Plan` (evictions, parks, preemptions, in order) or raises
+returned :class:`Plan` (evictions, demotions, parks, preemptions, in order) or raises
 :class:`~jax_session_state.errors.BudgetExceededError` from the returned
 :class:`Refusal`.
 
@@ -38,6 +38,7 @@ from jax_session_state._plan_search import (
 
 __all__ = [
     "Action",
+    "DemoteObject",
     "EvictObject",
     "ObjectUsage",
     "ParkObject",
@@ -71,6 +72,8 @@ class ObjectUsage:
       sources: names of sibling objects the object is rebuilt from.
       recompute_cost: estimated work to rebuild the object, >= 0.
       rebuildable: whether a rebuild function is registered for the object.
+      demoted_bytes_by_device: bytes per device key the object would hold
+        once demoted to its next lower tier; None when it has none.
     """
 
     name: str
@@ -79,6 +82,7 @@ class ObjectUsage:
     sources: tuple[str, ...] = ()
     recompute_cost: float = 0.0
     rebuildable: bool = False
+    demoted_bytes_by_device: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.state == "dropped":
@@ -92,6 +96,17 @@ class ObjectUsage:
             )
         object.__setattr__(self, "bytes_by_device", _frozen_bytes(self.bytes_by_device))
         object.__setattr__(self, "sources", tuple(self.sources))
+        if self.demoted_bytes_by_device is not None:
+            object.__setattr__(self, "demoted_bytes_by_device", _frozen_bytes(self.demoted_bytes_by_device))
+
+    @property
+    def demotion_frees(self) -> dict[str, int]:
+        """Bytes per device key a demotion frees (empty when it frees none)."""
+        if self.demoted_bytes_by_device is None:
+            return {}
+        after = self.demoted_bytes_by_device
+        freed = {k: b - after.get(k, 0) for k, b in self.bytes_by_device.items()}
+        return {k: b for k, b in freed.items() if b > 0}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,6 +143,15 @@ class EvictObject:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DemoteObject:
+    """Replace an object by its next lower tier (lossy, not undone); ``freed`` is the bytes it saves per device key."""
+
+    session_id: Hashable
+    name: str
+    freed: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ParkObject:
     """Move an object to host memory; ``moved[k]`` bytes go from k to k + "/pinned_host"."""
 
@@ -144,7 +168,7 @@ class PreemptSession:
     freed: Mapping[str, int]
 
 
-Action = EvictObject | ParkObject | PreemptSession
+Action = EvictObject | DemoteObject | ParkObject | PreemptSession
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,10 +295,33 @@ def _evict_phase(
             ledger.acted_on[index, obj.name] = action
 
 
+def _demote_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
+    """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name)."""
+    for index, session in enumerate(actors):
+        if not ledger.over:
+            return
+        candidates = [
+            (obj, obj.demotion_frees)
+            for obj in session.objects
+            if obj.state == "resident" and (index, obj.name) not in ledger.acted_on and obj.demotion_frees
+        ]
+        candidates.sort(key=lambda c: (-ledger.gain(c[1]), c[0].name))
+        for obj, freed in candidates:
+            if not ledger.over:
+                return
+            if not ledger.gain(freed):
+                continue
+            for key, count in freed.items():
+                ledger.shift(key, -count)
+            action = DemoteObject(session.session_id, obj.name, types.MappingProxyType(freed))
+            ledger.actions.append(action)
+            ledger.acted_on[index, obj.name] = action
+
+
 def _park_phase(
     ledger: _Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
 ) -> None:
-    """Parks, LRU session first, larger objects first, where room allows."""
+    """Parks, LRU session first, larger objects first, where room allows (not objects acted on)."""
     for index, session in enumerate(actors):
         if not ledger.over or ledger.room_left <= 0:  # every parkable object moves bytes
             return
@@ -318,6 +365,8 @@ def _preempt_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
             for key, count in obj.bytes_by_device.items():
                 if isinstance(action, ParkObject) and key in action.moved:
                     key = parking_destination(key)
+                if isinstance(action, DemoteObject):
+                    count -= action.freed.get(key, 0)
                 current[key] = current.get(key, 0) + count
         if ledger.gain(current):
             for key, count in current.items():
@@ -387,7 +436,7 @@ def plan(
     allow_preempt: bool = False,
     search_limit: int = 100_000,
 ) -> Plan | Refusal:
-    """Plans evictions, parks and preemptions that bring usage within ``budgets``.
+    """Plans evictions, demotions, parks and preemptions that bring usage within ``budgets``.
 
     Usage of a key is the bytes of every non-evicted object (parked bytes sit
     under the pinned_host keys) plus session attrs.  Pinned sessions and the
@@ -398,6 +447,8 @@ def plan(
     - evict: an object that is resident, rebuildable, whose sources are all
       resident, and that no evicted object (before or earlier in the plan)
       lists as a source;
+    - demote: a resident object with ``demoted_bytes_by_device`` (a lower
+      tier); it frees the difference and stays resident, lossy;
     - park (if ``park``): a resident object; its default-kind bytes on k move
       to k + "/pinned_host";
     - preempt (if ``allow_preempt``): a session; frees all its bytes.
@@ -410,14 +461,17 @@ def plan(
 
     Rules: while a key is over budget, (1) evict, LRU session first, cheapest
     ``recompute_cost`` per byte freed on over-budget keys first (ties by
-    name); (2) park, LRU session first, larger objects first; (3) preempt LRU
-    sessions first.  Each action frees bytes on a key over budget when taken
+    name); (2) demote, LRU session first, most bytes saved on over-budget keys
+    first; (3) park, LRU session first, larger objects first (an object
+    demoted in the plan is not also parked); (4) preempt LRU sessions first.  Each action frees bytes on a key over budget when taken
     (a replayed search evict may instead free room its parks need), and the
     plan stops as soon as every key fits.  A preemption that later ones made
     needless is left out (preemption loses history, so the plan keeps as few
     as this greedy order allows).
 
-    Completeness: a Plan is returned whenever some valid plan fits.  Greedy
+    Completeness: a Plan is returned whenever some valid plan fits (of
+    evictions, parks and preemptions: demotions are taken by the greedy pass
+    only, never by the search below, which keeps plans without them).  Greedy
     choices can block each other (evicting a dependent pins its source), so
     when they fall short an exact search over per-session Pareto-optimal
     evict/park options replaces them (before resorting to preemption), and the
@@ -460,6 +514,7 @@ def plan(
         return greedy.to_plan()
     actors = _actors(sessions, protect, greedy.over)
     _evict_phase(greedy, actors)
+    _demote_phase(greedy, actors)
     if park:
         _park_phase(greedy, actors)
     if not greedy.over:

@@ -333,6 +333,7 @@ def test_an_empty_manager_is_truthy_and_contains_nothing():
         "hits": 0,
         "misses": 0,
         "evictions": 0,
+        "demotions": 0,
         "preemptions": 0,
         "parks": 0,
         "restores": 0,

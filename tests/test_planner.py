@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import pytest
 
 from jax_session_state.planner import (
+    DemoteObject,
     EvictObject,
     ObjectUsage,
     ParkObject,
@@ -33,7 +34,7 @@ def steps(result):
     assert isinstance(result, Plan), result
     out = []
     for a in result.actions:
-        kind = {EvictObject: "drop", ParkObject: "park", PreemptSession: "preempt"}[type(a)]
+        kind = {EvictObject: "drop", DemoteObject: "demote", ParkObject: "park", PreemptSession: "preempt"}[type(a)]
         out.append((kind, a.session_id) if kind == "preempt" else (kind, a.session_id, a.name))
     return out
 
@@ -658,3 +659,79 @@ def test_property_larger_plans_are_valid_and_fit(scenario):
         assert not over_keys(simulate(sessions, result, budgets, **options), budgets)
     else:
         assert result.proven
+
+
+# ----------------------------------------------------------------------------- demotion
+
+
+def tiered(name, nbytes, demoted, **kw):
+    return ObjectUsage(name, {"d": nbytes}, demoted_bytes_by_device={"d": demoted}, **kw)
+
+
+def test_demotion_comes_after_eviction_and_before_parking():
+    sessions = [
+        sess("a", tiered("kv", 1000, 270), obj("cond", {"d": 100}, rebuildable=True), obj("x", {"d": 500}), last_used=0),
+        sess("b", tiered("kv", 1000, 270), last_used=1),
+    ]
+    # 2600 held: evicting cond (100) is not enough, demoting a's kv (730) is.
+    result = plan(sessions, budgets={"d": 2000}, park=True, allow_preempt=True)
+    assert steps(result) == [("drop", "a", "cond"), ("demote", "a", "kv")]
+    assert dict(result.usage_after) == {"d": 2600 - 100 - 730}
+    assert dict(result.actions[1].freed) == {"d": 730}
+    # Tighter: both kvs demoted (LRU first), then a park, never a preemption.
+    result = plan(sessions, budgets={"d": 1000}, park=True, allow_preempt=True)
+    assert steps(result) == [("drop", "a", "cond"), ("demote", "a", "kv"), ("demote", "b", "kv"), ("park", "a", "x")]
+    assert result.usage_after["d"] == 2600 - 100 - 730 - 730 - 500
+
+
+def test_demotion_takes_the_largest_saving_first_and_stops_when_it_fits():
+    s = sess("a", tiered("small", 400, 100), tiered("big", 1000, 250), last_used=0)
+    result = plan([s], budgets={"d": 1000})
+    assert steps(result) == [("demote", "a", "big")]
+    assert result.usage_after["d"] == 650
+
+
+def test_demotion_prefers_least_recently_used_sessions():
+    old = sess("old", tiered("kv", 1000, 250), last_used=0)
+    new = sess("new", tiered("kv", 1000, 250), last_used=5)
+    assert steps(plan([new, old], budgets={"d": 1500})) == [("demote", "old", "kv")]
+
+
+def test_pinned_protected_and_non_resident_objects_are_never_demoted():
+    sessions = [
+        sess("pinned", tiered("kv", 1000, 250), last_used=0, pinned=True),
+        sess("parked", tiered("kv", 1000, 250, state="parked"), last_used=1),
+        sess("me", tiered("kv", 1000, 250), last_used=2),
+    ]
+    result = plan(sessions, budgets={"d": 1500}, protect="me")
+    assert isinstance(result, Refusal) and result.shortfall_by_device["d"] == 3000 - 1500
+
+
+def test_a_demotion_that_saves_nothing_is_not_taken_and_preemption_counts_demoted_bytes():
+    same = sess("a", tiered("kv", 1000, 1000), last_used=0)
+    assert isinstance(plan([same], budgets={"d": 900}), Refusal)
+    sessions = [sess("a", tiered("kv", 1000, 250), last_used=0), sess("b", obj("x", {"d": 1000}), last_used=1)]
+    result = plan(sessions, budgets={"d": 200}, allow_preempt=True)
+    # a is demoted, then still too much: preempting a frees only its demoted 250, so b goes too.
+    assert [type(a) for a in result.actions] == [PreemptSession, PreemptSession]
+    assert result.usage_after.get("d", 0) == 0
+
+
+@hypothesis.given(
+    st.lists(st.tuples(st.integers(1, 2000), st.integers(0, 2000)), min_size=1, max_size=5),
+    st.integers(0, 6000),
+)
+def test_demotions_are_counted_exactly_and_only_while_over_budget(sizes, budget):
+    objects = tuple(tiered(f"o{i}", b, min(d, b)) for i, (b, d) in enumerate(sizes))
+    result = plan([sess("a", *objects)], budgets={"d": budget})
+    before = sum(b for b, _ in sizes)
+    best = before - sum(b - min(d, b) for b, d in sizes)
+    if best > budget:
+        assert isinstance(result, Refusal)
+        return
+    assert isinstance(result, Plan)
+    assert all(isinstance(a, DemoteObject) for a in result.actions)
+    freed = sum(a.freed.get("d", 0) for a in result.actions)
+    assert result.usage_after.get("d", 0) == before - freed <= budget
+    if result.actions:  # the last demotion was needed: without it the key was over
+        assert before - freed + result.actions[-1].freed["d"] > budget
