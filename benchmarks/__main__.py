@@ -34,6 +34,7 @@ MODULES = [
     "pool",
     "rollout",
     "sharded",
+    "tiers",
 ]
 
 HERE = Path(__file__).parent
