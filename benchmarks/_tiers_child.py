@@ -20,7 +20,6 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 
 import jax_session_state as jss
 from benchmarks._common import interleaved, with_lengths
