@@ -310,8 +310,10 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
                scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, Array]:
     """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax.
 
-    A quantized cache's blocks are dequantized as they are read (``k_scale``,
-    ``v_scale``: ``[B, kv_heads, C, 1]``), never the whole cache.
+    A quantized cache (``k_scale``, ``v_scale``: ``[B, kv_heads, C, 1]``) is
+    read in larger blocks of its narrow values, widened block by block; the
+    row scales multiply the block's scores and softmax weights (``M`` per
+    key, not ``head_dim``), so no dequantized copy is ever made.
     """
     qh, groups, scale = _grouped(q, k, scale)
     n = min(BLOCK_SIZE if k_scale is None else QUANTIZED_BLOCK_SIZE, k.shape[2])
