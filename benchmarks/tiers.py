@@ -50,7 +50,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def _bar(measure: str, value: float, bar: float, **extra: Any) -> dict[str, Any]:
-    return {"measure": measure, "value": value, "bar": f"<= {bar:g}", "holds": bool(value <= bar), **extra}
+    return {"measure": measure, "value": value, "bar": f"≤ {bar:g}", "holds": bool(value <= bar), **extra}
 
 
 def byte_rows() -> list[dict[str, Any]]:
