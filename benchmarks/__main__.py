@@ -34,6 +34,7 @@ MODULES = [
     "pool",
     "rollout",
     "sharded",
+    "tiers",
 ]
 
 HERE = Path(__file__).parent
@@ -52,7 +53,15 @@ def run_module(name: str, *, full: bool) -> dict[str, Any]:
     if done.returncode != 0:
         row = {"measure": f"FAILED (exit {done.returncode}); see {log.relative_to(HERE.parent)}", "holds": False}
         return {"rows": [row], "seconds": seconds, "failed": True}
-    return {"rows": json.loads(out.read_text())["rows"], "seconds": seconds, "failed": False}
+    return {"rows": json.loads(out.read_text())["rows"], "seconds": seconds, "failed": False, "machine": _machine()}
+
+
+def _machine() -> str:
+    """The CPU this run measures on, with the vector ISAs it has (every native path it can run)."""
+    env = environment()
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    isas = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f")) if flag in flags]
+    return f"{env['cpu']}, {env['cores']} cores" + (f", {' and '.join(isas)}" if isas else "")
 
 
 def main() -> None:

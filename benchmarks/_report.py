@@ -128,7 +128,8 @@ def write(document: dict[str, Any], markdown: Path, figures: Path) -> None:
         " the machine may be shared and noisy.",
         "",
         f"- sizes: {size}",
-        f"- machine: {env['cpu']}, {env['cores']} cores, {env['memory']}, {env['system']}",
+        f"- machine of the last run: {env['cpu']}, {env['cores']} cores, {env['memory']}, {env['system']}"
+        " (each section names the machine it was measured on)",
         f"- versions: python {env['python']}, jax {env['jax']} ({env['backend']}), jaxlib {env['jaxlib']}, "
         f"flax {env['flax']}, numpy {env['numpy']}, torch {env['torch']}",
         "",
@@ -142,6 +143,7 @@ def write(document: dict[str, Any], markdown: Path, figures: Path) -> None:
             lines += [f"![{figure}](benchmarks/{filename})", "", caption, ""]
     lines += ["## Every benchmark", ""]
     for name, result in document["benchmarks"].items():
+        machine = f"Measured on {result['machine']}." if "machine" in result else ""
         lines += [f"### `benchmarks/{name}.py` ({result['seconds']:.0f} s)", "",
-                  _description(figures / f"{name}.py"), "", _markdown_table(result["rows"]), ""]
+                  _description(figures / f"{name}.py"), "", machine, "", _markdown_table(result["rows"]), ""]
     markdown.write_text("\n".join(lines))

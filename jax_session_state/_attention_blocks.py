@@ -19,6 +19,9 @@ from jax_session_state.objects.paged import PagedView
 BLOCK_SIZE = 64
 """Keys per block in append mode (chosen by measurement on XLA:CPU)."""
 
+QUANTIZED_BLOCK_SIZE = 1024
+"""Keys per block of an int8 / fp8 cache in append mode (chosen by measurement on XLA:CPU)."""
+
 SMALLEST_BUCKET = 256
 """The ``"bucketed"`` implementation's smallest static prefix (keys)."""
 
@@ -58,8 +61,14 @@ def _empty_state(qh: Array) -> tuple[Array, Array, Array]:
     return jnp.full(qh.shape[:3], -jnp.inf, _F32), jnp.zeros(qh.shape[:3], _F32), jnp.zeros(qh.shape, _F32)
 
 
-def _online_update(state: Any, scores: Array, visible: Array, values: Array) -> tuple[Array, Array, Array]:
-    """One online-softmax step over a block of ``[B, Hk, M, n]`` scores."""
+def _online_update(state: Any, scores: Array, visible: Array, values: Array,
+                   value_scale: Array | None = None) -> tuple[Array, Array, Array]:
+    """One online-softmax step over a block of ``[B, Hk, M, n]`` scores.
+
+    ``value_scale``: ``[B, Hk, 1, n]`` the row scales of quantized ``values``,
+    applied to the weights (``M`` per key) rather than to the values
+    (``head_dim`` per key).
+    """
     top, total, acc = state
     scores = jnp.where(visible, scores, -jnp.inf)
     new_top = jnp.maximum(top, scores.max(-1))
@@ -67,7 +76,8 @@ def _online_update(state: Any, scores: Array, visible: Array, values: Array) -> 
     safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)
     weights = jnp.exp(scores - safe_top[..., None])
     decay = jnp.exp(top - safe_top)
-    block = jnp.einsum("bhmn,bhnd->bhmd", weights, values, preferred_element_type=_F32)
+    scaled = weights if value_scale is None else weights * value_scale
+    block = jnp.einsum("bhmn,bhnd->bhmd", scaled, values, preferred_element_type=_F32)
     return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + block
 
 
@@ -114,10 +124,9 @@ def _block_f32(cache: Array, start: Array, n: int) -> Array:
     return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, n, axis=2), cache.dtype).astype(_F32)
 
 
-def _dequantized_block(cache: Array, scale: Array | None, start: Array, n: int) -> Array:
-    """:func:`_block_f32`, times the block's row scales where the cache is quantized."""
-    block = _block_f32(cache, start, n)
-    return block if scale is None else block * lax.dynamic_slice_in_dim(scale, start, n, axis=2)
+def _block_scales(scale: Array, start: Array, n: int) -> Array:
+    """The row scales of keys ``[start, start + n)`` of a quantized cache, laid out as scores: ``[B, Hk, 1, n]``."""
+    return jnp.swapaxes(lax.dynamic_slice_in_dim(scale, start, n, axis=2), 2, 3)
 
 
 def _relative_offsets(q: Array) -> Array:

@@ -70,11 +70,12 @@ from jax import Array, lax
 from jax_session_state import _native
 from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
+    QUANTIZED_BLOCK_SIZE,
     SMALLEST_BUCKET,
     _block,
     _block_count,
     _block_f32,
-    _dequantized_block,
+    _block_scales,
     _bucketed,
     _empty_state,
     _finish,
@@ -309,20 +310,27 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
                scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, Array]:
     """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax.
 
-    A quantized cache's blocks are dequantized as they are read (``k_scale``,
-    ``v_scale``: ``[B, kv_heads, C, 1]``), never the whole cache.
+    A quantized cache (``k_scale``, ``v_scale``: ``[B, kv_heads, C, 1]``) is
+    read in larger blocks of its narrow values, widened block by block; the
+    row scales multiply the block's scores and softmax weights (``M`` per
+    key, not ``head_dim``), so no dequantized copy is ever made.
     """
     qh, groups, scale = _grouped(q, k, scale)
-    n = min(BLOCK_SIZE, k.shape[2])
+    n = min(BLOCK_SIZE if k_scale is None else QUANTIZED_BLOCK_SIZE, k.shape[2])
     last = _last_visible(lengths, q_positions, causal, groups)
     one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
 
     def body(i: Array, state: Any) -> Any:
         start, key_position, first = _block(k, i, n)
-        keys = _dequantized_block(k, k_scale, start, n) * scale
-        values = _dequantized_block(v, v_scale, start, n) * one
+        keys = _block_f32(k, start, n) * scale
+        values = _block_f32(v, start, n) * one
         visible = (key_position >= first) & (key_position <= last)
-        return _online_update(state, _scores(keys, qh), visible, values)
+        scores = _scores(keys, qh)
+        if k_scale is None:
+            return _online_update(state, scores, visible, values)
+        # Row scales multiply the [M, n] scores and weights, not the [n, head_dim] blocks.
+        scores = scores * _block_scales(k_scale, start, n)
+        return _online_update(state, scores, visible, values, _block_scales(v_scale, start, n))
 
     return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
 

@@ -357,3 +357,28 @@ def test_branch_lanes_read_the_prefix_once():
     else:
         assert not calls
         assert reads and all(op == "dynamic-slice" and re.fullmatch(r"f32\[1,2,\d+,8\]", s) for op, s in reads), reads
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp8"])
+def test_quantized_cache_matches_float64_attention_over_its_dequantized_rows(quantize):
+    """Blocks of a quantized cache are read as values times row scales: exact up to float32 rounding.
+
+    The capacity spans several quantized blocks and is not a multiple of one
+    (the last block is shifted back); the rows are ragged, queries grouped.
+    """
+    rng = np.random.default_rng(7)
+    B, kv_heads, groups, D, T = 2, 2, 2, 16, 3
+    capacity = 2 * _attention_blocks.QUANTIZED_BLOCK_SIZE + 37
+    lengths = np.array([capacity, _attention_blocks.QUANTIZED_BLOCK_SIZE + 5], np.int32)
+    k, v = randn(rng, B, capacity, kv_heads, D) * 3, randn(rng, B, capacity, kv_heads, D)
+    cache = jss.KVCache.allocate(batch=B, kv_heads=kv_heads, head_dim=D, capacity=capacity, quantize=quantize)
+    cache = cache.append(jss.KVChunk(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths)))
+    view = cache.view()
+    q = randn(rng, B, T, kv_heads * groups, D)
+    out, lse = jss.attend_with_lse(jnp.asarray(q), view)
+    dequantized = [np.asarray(x, np.float64) * np.asarray(s, np.float64)
+                   for x, s in ((view.k, view.k_scale), (view.v, view.v_scale))]
+    assert_close(out, lse, *reference(q, *dequantized, lengths, np.asarray(view.positions)))
+    exact, _ = reference(q, np.moveaxis(k, 1, 2), np.moveaxis(v, 1, 2), lengths, np.asarray(view.positions))
+    relative = np.linalg.norm(np.asarray(out) - exact) / np.linalg.norm(exact)
+    assert 0 < relative <= (2e-2 if quantize == "int8" else 8e-2)  # the documented bound on normal data

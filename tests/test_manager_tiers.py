@@ -16,7 +16,7 @@ from examples.world_model import (
     rollout,
     start_session,
 )
-from tests.world import PROMPT, B, D, H, encode, rebuild_cond
+from tests.support.world import PROMPT, B, D, H, encode, rebuild_cond
 
 TOKENS, CAPACITY = 12, 32
 
