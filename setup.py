@@ -9,7 +9,7 @@ pure JAX.
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-UNIX_FLAGS = ["-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi"]
+UNIX_FLAGS = ["-std=c++17", "-O3", "-fopenmp-simd", "-Wno-psabi", "-g0"]  # no debug info: the wheel ships code only
 
 
 class BuildWithFfiHeaders(build_ext):

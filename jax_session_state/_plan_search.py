@@ -10,13 +10,16 @@ one option per session.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import math
+import types
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # annotations only: the planner imports this module
-    from jax_session_state.planner import ObjectUsage, SessionUsage
+    from jax_session_state.planner import Action, ObjectUsage, Plan, SessionUsage
 
 PINNED_HOST_SUFFIX = "/pinned_host"
+
 
 def parking_destination(device_key: str) -> str | None:
     """The key that parked bytes of ``device_key`` move to.
@@ -228,3 +231,53 @@ def search(
                 chosen.append(tried + 1)
                 take(menus[depth][tried + 1], 1)
                 break
+
+
+class Projection:
+    """Projected usage as a plan grows, with the keys still over budget."""
+
+    def __init__(self, usage: Mapping[str, int], budgets: Mapping[str, int], host_room: int | None):
+        self.usage = dict(usage)
+        self.budgets = budgets
+        self.over = {k for k, b in budgets.items() if self.usage.get(k, 0) > b}
+        self.room_left = math.inf if host_room is None else host_room
+        self.actions: list[Action] = []
+        self.acted_on: dict[tuple[int, str], Action] = {}  # (actor index, object name)
+
+    def shift(self, key: str, amount: int) -> None:
+        self.usage[key] = self.usage.get(key, 0) + amount
+        if key in self.budgets and self.usage[key] > self.budgets[key]:
+            self.over.add(key)
+        else:
+            self.over.discard(key)
+
+    def gain(self, bytes_by_device: Mapping[str, int]) -> int:
+        """Bytes that releasing ``bytes_by_device`` frees on over-budget keys."""
+        return sum(b for k, b in bytes_by_device.items() if k in self.over)
+
+    def to_plan(self) -> Plan:
+        """The plan so far, less evictions and parks superseded by a preemption."""
+        from jax_session_state.planner import Plan, PreemptSession  # the planner imports this module
+        preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
+        actions = tuple(
+            a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted
+        )
+        return Plan(actions, types.MappingProxyType({k: b for k, b in sorted(self.usage.items()) if b}))
+
+
+def actors(
+    sessions: Sequence[SessionUsage], protect: Hashable | None, over: Collection[str]
+) -> list[SessionUsage]:
+    """Unpinned, unprotected sessions holding bytes on an over-budget key, LRU first."""
+    actors = [
+        s
+        for s in sessions
+        if not s.pinned
+        and (protect is None or s.session_id != protect)
+        and (
+            any(k in over for k in s.attrs_bytes_by_device)
+            or any(k in over for o in s.objects if o.state != "evicted" for k in o.bytes_by_device)
+        )
+    ]
+    actors.sort(key=lambda s: s.last_used)  # stable: input order breaks ties
+    return actors

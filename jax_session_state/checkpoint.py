@@ -38,11 +38,9 @@ Example:
   >>> import tempfile
   >>> import jax, jax.numpy as jnp
   >>> import jax_session_state as jss
-  >>> session = jss.Session(
-  ...     objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)},
-  ...     attrs={"rng": jax.random.key(0)},
-  ... )
-  >>> session = session.append(kv=(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))))
+  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+  >>> rows = jnp.ones((1, 3, 2, 4))
+  >>> session = jss.Session(objects={"kv": kv.append((rows, rows))}, attrs={"rng": jax.random.key(0)})
   >>> path = tempfile.mkdtemp()
   >>> jss.checkpoint.save(path, session).name
   'ckpt-000001'

@@ -30,6 +30,7 @@ from typing import Literal
 
 from jax_session_state import _plan_search
 from jax_session_state._plan_search import (
+    Projection,
     add_footprint,
     evictable,
     parkable,
@@ -134,21 +135,24 @@ class SessionUsage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class EvictObject:
+class _FreeingObject:
+    """An action on one object of a session that frees ``freed`` bytes per device key."""
+
+    session_id: Hashable
+    name: str
+    freed: Mapping[str, int]
+
+
+class EvictObject(_FreeingObject):
     """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key."""
 
-    session_id: Hashable
-    name: str
-    freed: Mapping[str, int]
+    __slots__ = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DemoteObject:
+class DemoteObject(_FreeingObject):
     """Replace an object by its next lower tier (lossy, not undone); ``freed`` is the bytes it saves per device key."""
 
-    session_id: Hashable
-    name: str
-    freed: Mapping[str, int]
+    __slots__ = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,60 +200,8 @@ class Refusal:
     message: str
 
 
-class _Projection:
-    """Projected usage as a plan grows, with the keys still over budget."""
-
-    def __init__(self, usage: Mapping[str, int], budgets: Mapping[str, int], host_room: int | None):
-        self.usage = dict(usage)
-        self.budgets = budgets
-        self.over = {k for k, b in budgets.items() if self.usage.get(k, 0) > b}
-        self.room_left = math.inf if host_room is None else host_room
-        self.actions: list[Action] = []
-        self.acted_on: dict[tuple[int, str], Action] = {}  # (actor index, object name)
-
-    def shift(self, key: str, amount: int) -> None:
-        self.usage[key] = self.usage.get(key, 0) + amount
-        if key in self.budgets and self.usage[key] > self.budgets[key]:
-            self.over.add(key)
-        else:
-            self.over.discard(key)
-
-    def gain(self, bytes_by_device: Mapping[str, int]) -> int:
-        """Bytes that releasing ``bytes_by_device`` frees on over-budget keys."""
-        return sum(b for k, b in bytes_by_device.items() if k in self.over)
-
-    def to_plan(self) -> Plan:
-        """The plan so far, less evictions and parks superseded by a preemption."""
-        preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
-        actions = tuple(
-            a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted
-        )
-        return Plan(actions, types.MappingProxyType({k: b for k, b in sorted(self.usage.items()) if b}))
-
-
-def _actors(
-    sessions: Sequence[SessionUsage], protect: Hashable | None, over: Collection[str]
-) -> list[SessionUsage]:
-    """Unpinned, unprotected sessions holding bytes on an over-budget key, LRU first."""
-    actors = [
-        s
-        for s in sessions
-        if not s.pinned
-        and (protect is None or s.session_id != protect)
-        and (
-            any(k in over for k in s.attrs_bytes_by_device)
-            or any(k in over for o in s.objects if o.state != "evicted" for k in o.bytes_by_device)
-        )
-    ]
-    actors.sort(key=lambda s: s.last_used)  # stable: input order breaks ties
-    return actors
-
-
-
-
-
 def _evict_phase(
-    ledger: _Projection,
+    ledger: Projection,
     actors: Sequence[SessionUsage],
     allowed: Mapping[int, Collection[str]] | None = None,
     room_keys: Collection[str] = (),
@@ -295,7 +247,7 @@ def _evict_phase(
             ledger.acted_on[index, obj.name] = action
 
 
-def _demote_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
+def _demote_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
     """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name)."""
     for index, session in enumerate(actors):
         if not ledger.over:
@@ -319,7 +271,7 @@ def _demote_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
 
 
 def _park_phase(
-    ledger: _Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+    ledger: Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
 ) -> None:
     """Parks, LRU session first, larger objects first, where room allows (not objects acted on)."""
     for index, session in enumerate(actors):
@@ -350,7 +302,7 @@ def _park_phase(
             ledger.acted_on[index, obj.name] = action
 
 
-def _preempt_phase(ledger: _Projection, actors: Sequence[SessionUsage]) -> None:
+def _preempt_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
     """Preempts LRU sessions that still hold bytes on an over-budget key, then leaves out the
     ones that later preemptions made needless (each loses a session's history)."""
     taken: list[tuple[PreemptSession, dict[str, int]]] = []
@@ -398,7 +350,7 @@ def _searched_plan(
     search_limit: int,
 ) -> tuple[Plan | None, bool]:
     """The exact search's evictions and parks, replayed in rule order; (None, proven) if none fit."""
-    start = _Projection(usage, budgets, host_room)
+    start = Projection(usage, budgets, host_room)
     over = start.over
 
     def candidates() -> Iterator[_plan_search.Candidates]:
@@ -412,7 +364,7 @@ def _searched_plan(
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
     if selection is None:
         return None, proven
-    replay = _Projection(usage, budgets, host_room)
+    replay = Projection(usage, budgets, host_room)
     parks = {i: option.parks for i, option in selection.items()}
     room_keys = {
         parking_destination(k)
@@ -509,10 +461,10 @@ def plan(
     usage: dict[str, int] = {}
     for session in sessions:
         add_footprint(usage, session)
-    greedy = _Projection(usage, budgets, host_room)
+    greedy = Projection(usage, budgets, host_room)
     if not greedy.over:
         return greedy.to_plan()
-    actors = _actors(sessions, protect, greedy.over)
+    actors = _plan_search.actors(sessions, protect, greedy.over)
     _evict_phase(greedy, actors)
     _demote_phase(greedy, actors)
     if park:
