@@ -112,3 +112,12 @@ def test_help_prints_the_flags_and_runs_nothing(script):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr
     assert "-h, --help" in done.stdout and done.stdout.rstrip().count("\n") < 40  # the flags, then nothing else
+
+
+def test_rollout_demo_with_int8_caches_reports_bytes_and_drift(tmp_path):
+    done = run_example("world_model_rollout.py", "--steps", "12", "--quantize", "int8", "--out", str(tmp_path))
+    bytes_line = next(line for line in done.stdout.splitlines() if line.startswith("K/V caches:"))
+    ratio = float(re.search(r"\((\d+\.\d+)x\)", bytes_line).group(1))
+    assert ratio <= 0.32  # head_dim 16: a float32 scale per 16 int8 values
+    drift = next(line for line in done.stdout.splitlines() if line.startswith("frames against the float32 rollout"))
+    assert 0 < float(re.search(r"relative \(L2\) ([0-9.e+-]+)", drift).group(1)) <= 2e-2
