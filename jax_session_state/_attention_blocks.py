@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from jax_session_state._attention_pooled import fold_rows, fold_slots
 from jax_session_state.objects.paged import PagedView
 
 BLOCK_SIZE = 64
@@ -26,6 +27,9 @@ SMALLEST_BUCKET = 256
 """The ``"bucketed"`` implementation's smallest static prefix (keys)."""
 
 _F32 = jnp.float32
+
+Rows = tuple[Array, int] | None
+"""``(first, count)``: a block read takes only batch rows ``[first, first + count)`` (None: every row)."""
 
 
 def _to_rows(x: Array, kv_heads: int) -> Array:
@@ -96,7 +100,12 @@ def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int)
 def _block_count(lengths: Array, capacity: int, n: int) -> Array:
     # The trip count depends on lengths only (not on queries), so under vmap over
     # lanes sharing one prefix the loop, and every block read, stays unbatched.
-    return (jnp.clip(jnp.max(lengths), 0, capacity) + n - 1) // n
+    return jnp.max(_row_blocks(lengths, capacity, n))
+
+
+def _row_blocks(lengths: Array, capacity: int, n: int) -> Array:
+    """The blocks of ``n`` slots each row reads: its valid length (at most the capacity), rounded up."""
+    return (jnp.clip(lengths, 0, capacity) + n - 1) // n
 
 
 def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
@@ -110,8 +119,16 @@ def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
     return start, start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3), first
 
 
-def _block_f32(cache: Array, start: Array, n: int) -> Array:
-    """Keys ``[start, start + n)`` of a head-major cache as float32.
+def _key_slice(cache: Array, start: Array, n: int, rows: Rows) -> Array:
+    """Slots ``[start, start + n)`` of a head-major ``[B, kv_heads, C, ...]`` array, of every row or of ``rows``."""
+    if rows is None:
+        return lax.dynamic_slice_in_dim(cache, start, n, axis=2)
+    first, count = rows
+    return lax.dynamic_slice(cache, (first, 0, start, 0), (count, cache.shape[1], n, cache.shape[3]))
+
+
+def _block_f32(cache: Array, start: Array, n: int, rows: Rows = None) -> Array:
+    """Keys ``[start, start + n)`` of a head-major cache as float32 (of ``rows`` only, where given).
 
     A 16-bit cache is sliced as 16-bit integers: XLA:CPU widens bfloat16 and
     float16 operations to float32, and would widen the whole capacity on
@@ -119,14 +136,14 @@ def _block_f32(cache: Array, start: Array, n: int) -> Array:
     32k bfloat16 cache holding 4k tokens).
     """
     if cache.dtype.itemsize != 2:  # float32 as it is; int8 and fp8 values widened block by block
-        return lax.dynamic_slice_in_dim(cache, start, n, axis=2).astype(_F32)
+        return _key_slice(cache, start, n, rows).astype(_F32)
     bits = lax.bitcast_convert_type(cache, jnp.uint16)
-    return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, n, axis=2), cache.dtype).astype(_F32)
+    return lax.bitcast_convert_type(_key_slice(bits, start, n, rows), cache.dtype).astype(_F32)
 
 
-def _block_scales(scale: Array, start: Array, n: int) -> Array:
+def _block_scales(scale: Array, start: Array, n: int, rows: Rows = None) -> Array:
     """The row scales of keys ``[start, start + n)`` of a quantized cache, laid out as scores: ``[B, Hk, 1, n]``."""
-    return jnp.swapaxes(lax.dynamic_slice_in_dim(scale, start, n, axis=2), 2, 3)
+    return jnp.swapaxes(_key_slice(scale, start, n, rows), 2, 3)
 
 
 def _relative_offsets(q: Array) -> Array:
@@ -152,10 +169,43 @@ def _gather_pages(view: PagedView, first: Any, count: int) -> tuple[Array, Array
 
 
 def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float) -> tuple[Array, Array]:
-    """The pure-JAX loop over a paged view: blocks of whole pages up to the longest slot, online softmax."""
+    """The pure-JAX loop over a paged view: blocks of whole pages up to the longest slot, online softmax.
+
+    Under ``jax.vmap`` over independent paged caches (a pool of them) the
+    pools fold into one (page ids offset) and the loop runs once, or slot
+    by slot where that is cheaper (``_attention_pooled``).
+    """
+    pages = max(1, BLOCK_SIZE // view.page_size)  # table columns per block
+    cache = {"k_pages": view.k_pages, "v_pages": view.v_pages, "page_table": view.page_table, "lengths": view.lengths}
+
+    def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
+        table, lengths = cache["page_table"], cache["lengths"]
+        if row is not None:
+            table = lax.dynamic_slice_in_dim(table, row, q.shape[0], axis=0)
+            lengths = lax.dynamic_slice_in_dim(lengths, row, q.shape[0], axis=0)
+        paged = view.replace(k_pages=cache["k_pages"], v_pages=cache["v_pages"], page_table=table, lengths=lengths)
+        return _read_pages(q, paged, q_positions, causal, scale, pages)
+
+    def blocks(cache: dict[str, Array]) -> Array:
+        return _row_blocks(cache["lengths"], cache["page_table"].shape[1] * view.page_size, pages * view.page_size)
+
+    return fold_slots(read, blocks, fold=_fold_paged)(q, q_positions, cache)
+
+
+def _fold_paged(cache: dict[str, Array], slots: int) -> dict[str, Array]:
+    """Stacked paged caches as one: the pools end to end, each table's page ids offset to its pool."""
+    num_pages = cache["k_pages"].shape[1]
+    table = cache["page_table"]
+    offset = (jnp.arange(slots, dtype=table.dtype) * num_pages)[:, None, None]
+    return {"k_pages": fold_rows(cache["k_pages"]), "v_pages": fold_rows(cache["v_pages"]),
+            "page_table": fold_rows(jnp.where(table >= 0, table + offset, -1)), "lengths": fold_rows(cache["lengths"])}
+
+
+def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float,
+                pages: int) -> tuple[Array, Array]:
+    """Blocks of ``pages`` table columns of every slot of ``view``, up to its longest slot."""
     size, kv_heads = view.page_size, view.k_pages.shape[2]
     groups = q.shape[2] // kv_heads
-    pages = max(1, BLOCK_SIZE // size)  # table columns per block
     columns = view.page_table.shape[1]
     padded = -(-columns // pages) * pages
     if padded != columns:  # whole blocks: pad the (small) table, never the pool
