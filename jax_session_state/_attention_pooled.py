@@ -10,10 +10,13 @@ batched:
 - the slots are folded into the batch axis (reshapes), so the block index
   stays one scalar and every block read is one slice of the stacked cache;
 - when their lengths are so ragged that running every slot to the longest
-  costs more than it saves (:func:`read_slot_by_slot`), the slots are read one
-  after another, each to its own block count, straight from the stacked
-  cache (no copy of a slot).  The choice is made at run time (``lax.cond``)
-  from the slots' block counts, so one compiled step serves both.
+  costs more than it saves, the slots are read one after another, each to
+  its own block count, straight from the stacked cache (no copy of a slot);
+- a small cache that has a dense reader (a ring) is read in one dense pass
+  over every slot where it is full enough that the loop saves nothing.
+
+:func:`cheapest_reading` picks one at run time (``lax.switch``) from the
+slots' block counts, so one compiled step serves every mix of lengths.
 
 Anything else (lanes that share one cache, a cache only partly batched) is
 the reader under plain ``vmap``, where the loop index stays unbatched.
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-__all__ = ["LOOP_OVERHEAD", "fold_slots", "read_slot_by_slot"]
+__all__ = ["APART", "DENSE", "DENSE_BLOCK_COST", "LOOP_OVERHEAD", "TOGETHER", "cheapest_reading", "fold_rows", "fold_slots"]
 
 Cache = dict[str, Array]
 """Per-row operands of a reader, each with a leading batch axis (K, V, lengths...)."""
@@ -47,19 +50,31 @@ of one slot's block of work (measured on XLA:CPU with 16 slots of the
 example world model's heads: about 0.17 and 0.13; a slot's block costs
 nearly the same folded or alone, so folding pays only for even lengths)."""
 
+DENSE_BLOCK_COST = 0.8
+"""One slot's block of work in one dense pass over every slot of a small
+cache (a ring), against the same block in a loop (measured on XLA:CPU: the
+world model's full rings read densely take about 0.85 of the folded loop)."""
 
-def read_slot_by_slot(per_slot_blocks: Array) -> Array:
-    """Whether reading the slots one by one beats one loop to the longest slot's block count.
+TOGETHER, APART, DENSE = 0, 1, 2
+"""How :func:`fold_slots` reads stacked caches: one loop over the folded
+slots, slot by slot, or one dense pass over every slot of every cache."""
+
+
+def cheapest_reading(per_slot_blocks: Array, dense_blocks: int | None = None) -> Array:
+    """Which reading of stacked caches costs least: :data:`TOGETHER`, :data:`APART` or :data:`DENSE`.
 
     A folded loop of ``max`` iterations reads ``S`` slots' blocks each time;
-    slot by slot costs ``sum`` iterations of one slot's block, plus one
-    loop per slot.  Each iteration also pays :data:`LOOP_OVERHEAD`.
+    slot by slot costs ``sum`` iterations of one slot's block, plus one loop
+    per slot; each iteration also pays :data:`LOOP_OVERHEAD`.  Where a
+    dense pass exists (``dense_blocks``: the blocks of a whole cache), it
+    reads every block of every slot at :data:`DENSE_BLOCK_COST`.
     """
     slots = per_slot_blocks.shape[0]
     blocks = per_slot_blocks.astype(jnp.float32)
-    together = jnp.max(blocks) * (slots + LOOP_OVERHEAD)
-    apart = jnp.sum(blocks) * (1 + LOOP_OVERHEAD) + slots * LOOP_OVERHEAD
-    return apart < together
+    costs = [jnp.max(blocks) * (slots + LOOP_OVERHEAD), jnp.sum(blocks) * (1 + LOOP_OVERHEAD) + slots * LOOP_OVERHEAD]
+    if dense_blocks is not None:
+        costs.append(jnp.asarray(slots * dense_blocks * DENSE_BLOCK_COST, jnp.float32))
+    return jnp.argmin(jnp.stack(costs)).astype(jnp.int32)
 
 
 def fold_rows(x: Array) -> Array:
@@ -72,7 +87,7 @@ def fold_slots(
     blocks: Callable[[Cache], Array],
     *,
     fold: Callable[[Cache, int], Cache] | None = None,
-    unbatched: Reader | None = None,
+    dense: tuple[Reader, int] | None = None,
 ) -> Callable[[Array, Array, Cache], tuple[Array, Array]]:
     """``reader`` as ``f(q, q_positions, cache) -> (out, lse)`` with the batching rule above.
 
@@ -82,11 +97,12 @@ def fold_slots(
         cache needs.
       fold: stacked cache operands and the number of slots -> one cache of
         ``slots * batch`` rows; default: merge the two leading axes of each.
-      unbatched: what runs outside ``vmap`` (default ``reader``), e.g. one
-        dense pass where a loop pays off only for many slots.
+      dense: a reader that reads every slot of a small cache in one pass,
+        and the blocks that costs: it runs outside ``vmap``, and under it
+        where it is the cheapest reading (a ring that is full).
     """
     fold = fold or (lambda cache, slots: jax.tree_util.tree_map(fold_rows, cache))
-    outside = unbatched or reader
+    outside = reader if dense is None else dense[0]
 
     @jax.custom_batching.custom_vmap
     def primal(q: Array, q_positions: Array, cache: Cache) -> tuple[Array, Array]:
@@ -105,11 +121,12 @@ def fold_slots(
         stacked = fold(cache, slots)
         per_slot = jnp.max(blocks(stacked).reshape(slots, batch), axis=1)
 
-        def together() -> tuple[Array, Array]:
-            # The folded reader keeps this rule, for a vmap outside this one.
-            inner = primal if unbatched is None else fold_slots(reader, blocks, fold=fold)
-            out, lse = inner(fold_rows(q), fold_rows(q_positions), stacked)
-            return out.reshape(q.shape), lse.reshape(q.shape[:4])
+        def folded(inner: Callable[..., tuple[Array, Array]]) -> Callable[[], tuple[Array, Array]]:
+            def read() -> tuple[Array, Array]:
+                out, lse = inner(fold_rows(q), fold_rows(q_positions), stacked)
+                return out.reshape(q.shape), lse.reshape(q.shape[:4])
+
+            return read
 
         def apart() -> tuple[Array, Array]:
             def one(args: tuple[Array, Array, Array]) -> tuple[Array, Array]:
@@ -118,9 +135,15 @@ def fold_slots(
 
             return lax.map(one, (q, q_positions, jnp.arange(slots, dtype=jnp.int32)))
 
+        # The folded readers keep a batching rule, for a vmap outside this one.
+        together = folded(primal if dense is None else fold_slots(reader, blocks, fold=fold))
+        readings = [together, apart]
+        if dense is not None:
+            readings.append(folded(fold_slots(dense[0], blocks, fold=fold)))
         if slots == 1:
             return together(), (True, True)
-        return lax.cond(read_slot_by_slot(per_slot), apart, together), (True, True)
+        which = cheapest_reading(per_slot, None if dense is None else dense[1])
+        return lax.switch(which, readings), (True, True)
 
     @jax.custom_jvp
     def attend(q: Array, q_positions: Array, cache: Cache) -> tuple[Array, Array]:

@@ -460,7 +460,8 @@ def _ring_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_
         return _dense_with_lse(q, ring, causal, scale, q_positions)
 
     read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n, window=view.window, sink=view.sink)
-    return fold_slots(read, functools.partial(_cache_blocks, n=n), unbatched=dense)(q, q_positions, cache)
+    dense_blocks = -(-view.k.shape[2] // n)
+    return fold_slots(read, functools.partial(_cache_blocks, n=n), dense=(dense, dense_blocks))(q, q_positions, cache)
 
 
 def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:

@@ -3,9 +3,9 @@
 Each slot has its own cache and its own valid length.  The pure loop folds
 the slots into its batch (one loop, one slice per block read, no gather) or
 reads them one by one, each to its own block count, when the lengths are
-ragged enough (``_attention_pooled.read_slot_by_slot``); ring views under
-vmap read blocks up to each slot's filled slots; paged views fold their pools.
-Both choices run in one compiled function, chosen at run time.
+ragged enough; ring views may also be read in one dense pass when full
+(``_attention_pooled.cheapest_reading``); paged views fold their pools.
+Every choice runs in one compiled function, picked at run time.
 """
 
 import re
@@ -48,6 +48,13 @@ def slot_blocks(lengths, capacity=CAPACITY, n=jss.attention.BLOCK_SIZE):
 
 RAGGED = np.array([[CAPACITY, 3], [5, 0], [64, 1], [0, 0], [17, 40], [2, 9]], np.int32)  # one long slot
 EVEN = np.array([[700, 650], [690, 1], [640, 700], [700, 0], [660, 700], [700, 700]], np.int32)
+RING = (4, 150, 200)  # sink, window, slots
+RING_LENGTHS = {  # some rings wrapped, some filling up, some empty
+    "one by one": (np.minimum(RAGGED, 400), _attention_pooled.APART),
+    "folded": (np.array([[100, 128], [120, 70], [99, 0], [128, 128], [65, 128], [100, 110]], np.int32),
+               _attention_pooled.TOGETHER),
+    "dense": (np.minimum(EVEN, 400), _attention_pooled.DENSE),
+}
 
 
 def inputs(seed, capacity=CAPACITY):
@@ -63,11 +70,14 @@ def dirty(k, lengths):
     return np.where(past, 1e4, k).astype(np.float32)
 
 
-def test_the_cost_model_reads_ragged_slots_one_by_one_and_even_slots_together():
-    assert bool(_attention_pooled.read_slot_by_slot(slot_blocks(RAGGED)))
-    assert not bool(_attention_pooled.read_slot_by_slot(slot_blocks(EVEN)))
+def test_the_cost_model_reads_ragged_slots_one_by_one_even_ones_together_and_full_rings_densely():
+    pooled = _attention_pooled
+    assert int(pooled.cheapest_reading(slot_blocks(RAGGED))) == pooled.APART
+    assert int(pooled.cheapest_reading(slot_blocks(EVEN))) == pooled.TOGETHER
     # 16 slots, one at 8192 tokens and 15 at 256 (the pool benchmark): one by one
-    assert bool(_attention_pooled.read_slot_by_slot(jnp.asarray([128] + [4] * 15)))
+    assert int(pooled.cheapest_reading(jnp.asarray([128] + [4] * 15))) == pooled.APART
+    for lengths, reading in RING_LENGTHS.values():
+        assert int(pooled.cheapest_reading(slot_blocks(lengths, RING[2]), -(-RING[2] // 64))) == reading
 
 
 @pytest.mark.parametrize("implementation", ["loop", "native"])
@@ -110,11 +120,11 @@ def test_the_pooled_loop_compiles_once_for_both_choices_and_has_no_gather():
     assert " gather(" in plain.lower(q, k, v, RAGGED).compile().as_text()
 
 
-@pytest.mark.parametrize("lengths", [RAGGED, EVEN], ids=["one by one", "folded"])
-def test_ring_views_under_vmap_read_each_slots_filled_slots(lengths):
-    sink, window, capacity = 4, 150, 200
+@pytest.mark.parametrize("reading", list(RING_LENGTHS))
+def test_ring_views_under_vmap_read_each_slots_filled_slots(reading):
+    sink, window, capacity = RING
     q, k, v = inputs(3, capacity)
-    lengths = np.minimum(lengths, 400)  # some rings wrapped, some filling up, some empty
+    lengths = RING_LENGTHS[reading][0]
     positions = np.stack([[ring_positions(int(n), capacity, sink) for n in slot] for slot in lengths])
     f = jax.jit(jax.vmap(lambda q, k, v, n, p: jss.attend_with_lse(
         q, jss.KVView(k=k, v=v, lengths=n, positions=p, window=window, sink=sink))))
