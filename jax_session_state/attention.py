@@ -13,6 +13,11 @@
   time (``lax.platform_dependent``).
 - :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
   one dense, masked pass over its slots using ``positions``.
+- Under ``jax.vmap`` over independent caches (a ``SessionPool``'s slots,
+  each with its own length), the pure readers have a batching rule
+  (``_attention_pooled``): the slots fold into the batch, or are read one
+  by one to each slot's own length when the lengths are ragged, or (rings)
+  in one dense pass when full -- picked at run time, never a gather.
 - :class:`BranchKVView` (a speculative lane): cascade attention -- the shared
   prefix and the lane's own rows separately, merged by log-sum-exp.  Under
   ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
@@ -445,8 +450,11 @@ _native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
 
 
 def _ring_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
-    """A ring view: one dense pass over its slots; under ``jax.vmap`` over a pool's rings, blocks up to each
-    slot's valid slots (before a ring wraps, slot ``j`` holds position ``j``: a ring filling up reads what it holds).
+    """A ring view: one dense pass over its slots.
+
+    Under ``jax.vmap`` over a pool's rings, a loop over blocks up to each
+    slot's filled slots where that is cheaper (a ring never holds a position
+    below its slot index, so the slots past its length are empty).
     """
     _, scale = _checked_scale(q, view.k, scale)
     cache = {"k": view.k, "v": view.v, "lengths": view.lengths, "positions": view.positions}
