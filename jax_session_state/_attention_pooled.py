@@ -18,8 +18,11 @@ batched:
 :func:`cheapest_reading` picks one at run time (``lax.switch``) from the
 slots' block counts, so one compiled step serves every mix of lengths.
 
-Anything else (lanes that share one cache, a cache only partly batched) is
-the reader under plain ``vmap``, where the loop index stays unbatched.
+Lanes that share one cache (queries batched, no cache operand) become more
+query rows of one call, as in the native kernel's rule, so the cache is read
+once for all lanes and a ``vmap`` outside (a pool of sessions that branch)
+still meets this rule; a cache only partly batched is the reader under
+plain ``vmap``.
 
 Derivatives are the reader's own (``jax.custom_jvp``: forward mode is
 ``jax.jvp`` of the reader, reverse mode transposes it), so ``jax.grad``
@@ -111,13 +114,18 @@ def fold_slots(
     @primal.def_vmap
     def rule(slots: int, batched: Any, q: Array, q_positions: Array, cache: Cache) -> Any:
         q_batched, positions_batched, cache_batched = batched
-        if not all(jax.tree_util.tree_leaves(cache_batched)):
-            axes = (0 if q_batched else None, 0 if positions_batched else None,
-                    jax.tree_util.tree_map(lambda b: 0 if b else None, cache_batched))
-            return jax.vmap(lambda q, p, c: outside(q, p, c, None), in_axes=axes)(q, q_positions, cache), (True, True)
         q = q if q_batched else jnp.broadcast_to(q, (slots, *q.shape))
         q_positions = q_positions if positions_batched else jnp.broadcast_to(q_positions, (slots, *q_positions.shape))
-        batch = q.shape[1]
+        batch, T = q.shape[1:3]
+        if not any(jax.tree_util.tree_leaves(cache_batched)):  # lanes sharing one cache: more query rows
+            rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, slots * T, *x.shape[3:])  # noqa: E731
+            out, lse = primal(rows(q), rows(q_positions), cache)
+            lanes_back = lambda x: jnp.moveaxis(x.reshape(batch, slots, T, *x.shape[2:]), 1, 0)  # noqa: E731
+            return (lanes_back(out), lanes_back(lse)), (True, True)
+        if not all(jax.tree_util.tree_leaves(cache_batched)):
+            axes = jax.tree_util.tree_map(lambda b: 0 if b else None, cache_batched)
+            return jax.vmap(lambda q, p, c: outside(q, p, c, None), in_axes=(0, 0, axes))(q, q_positions, cache), \
+                (True, True)
         stacked = fold(cache, slots)
         per_slot = jnp.max(blocks(stacked).reshape(slots, batch), axis=1)
 

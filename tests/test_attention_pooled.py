@@ -244,3 +244,25 @@ def test_quantized_caches_under_vmap_match_their_dequantized_values(ring):
         k, v = (np.asarray(x, np.float64) * np.asarray(s) for x, s in ((view.k, view.k_scale), (view.v, view.v_scale)))
         ref = reference(q[slot], k, v, view.lengths, view.positions, window=view.window, sink=view.sink)
         assert_close(out[slot], lse[slot], *ref)
+
+
+def test_lanes_sharing_each_slots_cache_inside_a_pool_read_it_once_and_without_a_gather():
+    """vmap over slots of vmap over lanes that share the slot's cache: the lanes become query rows."""
+    lanes = 3
+    q, k, v = inputs(9)
+    q = np.stack([q * (lane + 1) for lane in range(lanes)], axis=1)  # [slots, lanes, batch, T, heads, dim]
+    lane_positions = RAGGED[:, None, :, None] - 1 - np.arange(lanes)[None, :, None, None] * 2 - np.arange(T)
+
+    def per_slot(q, k, v, n, p):
+        return jax.vmap(lambda q, p: jss.attend_with_lse(q, append_view(k, v, n), q_positions=p,
+                                                         implementation="loop"))(q, p)
+
+    f = jax.jit(jax.vmap(per_slot))
+    out, lse = f(q, dirty(k, RAGGED), v, RAGGED, lane_positions)
+    for slot in range(SLOTS):
+        positions = np.where(np.arange(CAPACITY) < RAGGED[slot][:, None], np.arange(CAPACITY), -1)
+        for lane in range(lanes):
+            ref = reference(q[slot, lane], k[slot], v[slot], RAGGED[slot], positions,
+                            q_positions=lane_positions[slot, lane])
+            assert_close(out[slot, lane], lse[slot, lane], *ref)
+    assert " gather(" not in f.lower(q, k, v, RAGGED, lane_positions).compile().as_text()
