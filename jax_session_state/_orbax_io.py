@@ -9,17 +9,20 @@ merge without OCDBT) are silenced only while these calls run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jax_session_state.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 __all__ = ["AS_NUMPY", "Destination", "read_arrays", "write_arrays"]
 
@@ -42,12 +45,21 @@ class _WithoutOcdbtMergeWarning(logging.Filter):
         return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
 
 
+@functools.cache
+def _orbax() -> Any:
+    """``orbax.checkpoint``, imported on the first save or restore: ``import jax_session_state`` stays fast."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
+
+
 @contextlib.contextmanager
 def _checkpointer() -> Iterator[ocp.Checkpointer]:
     """An Orbax checkpointer, with the OCDBT merge warning filtered while it is used."""
     absl, quiet = logging.getLogger("absl"), _WithoutOcdbtMergeWarning()  # one filter per call: threads may overlap
     absl.addFilter(quiet)
     try:
+        ocp = _orbax()
         yield ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_OPTIONS))
     finally:
         absl.removeFilter(quiet)
@@ -56,7 +68,7 @@ def _checkpointer() -> Iterator[ocp.Checkpointer]:
 def write_arrays(directory: Path, values: Mapping[str, Any]) -> None:
     """Writes ``values`` (jax or numpy arrays by key) to ``directory``, which must not exist."""
     with _checkpointer() as checkpointer:
-        checkpointer.save(directory, args=ocp.args.PyTreeSave(dict(values)))
+        checkpointer.save(directory, args=_orbax().args.PyTreeSave(dict(values)))
 
 
 def read_arrays(
@@ -67,7 +79,7 @@ def read_arrays(
     Raises:
       CheckpointError: the files cannot be read (missing, damaged or truncated).
     """
-    item, restore_args = {}, {}
+    ocp, item, restore_args = _orbax(), {}, {}
     for key, (shape, dtype_name) in layout.items():
         place, dtype = destinations[key], jnp.dtype(dtype_name)
         on_host = isinstance(place, str)
