@@ -34,6 +34,9 @@ on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
 every object, attrs replicated), or a ``target`` session to copy placement
 from, or neither for the default device.
 
+:data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
+format version this library writes and reads (``CHANGELOG.md`` lists each).
+
 Example:
   >>> import tempfile
   >>> import jax, jax.numpy as jnp
@@ -110,6 +113,17 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
     Raises:
       TypeError: ``state`` is not something a checkpoint can hold.
       CheckpointError: a spec, structure or attr that cannot be recorded.
+
+    Example:
+      >>> import tempfile
+      >>> from pathlib import Path
+      >>> import jax_session_state as jss
+      >>> session = jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+      >>> path = tempfile.mkdtemp()
+      >>> [jss.checkpoint.save(path, session).name for _ in range(2)]
+      ['ckpt-000001', 'ckpt-000002']
+      >>> [p.name for p in Path(path).glob("ckpt-*")]  # the older one goes once the new one is in place
+      ['ckpt-000002']
     """
     content = next((c for c in _CONTENTS.values() if isinstance(state, c.type)), None)
     if content is None:
@@ -162,6 +176,18 @@ def restore(
         wrong.  Nothing is half-restored.
       BudgetExceededError, SessionAdmissionError: a manager's sessions do
         not fit ``target``; it is left empty.
+
+    Example:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager()
+      >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,)).commit(jnp.ones(2))}))
+      >>> path = tempfile.mkdtemp()
+      >>> _ = jss.checkpoint.save(path, manager)
+      >>> again = jss.checkpoint.restore(path, target=jss.SessionStateManager(max_sessions=8))
+      >>> again.get("user")["h"].view()
+      Array([1., 1.], dtype=float32)
     """
     if target is not None and not isinstance(target, (Session, SessionStateManager)):
         raise TypeError(f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}.")
