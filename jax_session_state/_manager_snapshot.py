@@ -31,6 +31,19 @@ class Held:
       donated: whether its arrays were deleted by a step in progress (between
         a ``get`` and its ``put``).
       pinned: whether a ``pin()`` block holds it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> def new_session(x):  # 80 bytes of K/V
+      ...     kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+      ...     return jss.Session(objects={"kv": kv.append((jnp.full((1, 2, 1, 2), x),) * 2)})
+      >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 100})
+      >>> manager.create("a", new_session(1.0))
+      >>> manager.create("b", new_session(2.0))  # parks "a"'s K/V to make room
+      >>> held = manager.held()
+      >>> sorted(held["a"].parked), held["a"].evicted, held["b"].parked, held["b"].pinned
+      (['kv'], frozenset(), {}, False)
     """
 
     session: Session
@@ -54,6 +67,14 @@ class SnapshotSession(NamedTuple):
       session: the session; parked objects hold their arrays in host memory,
         evicted objects are non-resident.
       evicted: names of the objects the manager evicted (to be rebuilt).
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager()
+      >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))}))
+      >>> session_id, session, evicted = manager.snapshot().sessions[0]
+      >>> session_id, list(session.objects), evicted
+      ('user', ['h'], frozenset())
     """
 
     session_id: Hashable
@@ -68,6 +89,20 @@ class ManagerSnapshot:
     Attributes:
       settings: the manager's constructor settings (:meth:`SessionStateManager.settings`).
       sessions: every session, least recently used first.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> session = jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))})
+      >>> manager = jss.SessionStateManager(max_sessions=8)
+      >>> for user in ("a", "b"):
+      ...     manager.create(user, session)
+      >>> snapshot = manager.snapshot()
+      >>> snapshot.settings["max_sessions"], [s.session_id for s in snapshot.sessions]
+      (8, ['a', 'b'])
+      >>> copy = jss.SessionStateManager(max_sessions=8)
+      >>> copy.load(snapshot)  # what checkpoint.restore does with a saved manager
+      >>> copy.stats()["sessions"]
+      2
     """
 
     settings: Mapping[str, Any]
