@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.machinery
 import pkgutil
 import tempfile
 import types
@@ -29,10 +30,12 @@ OPTIONS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 
 
 def _modules(*, public: bool) -> list[ModuleType]:
+    """The package's Python modules (not the native kernel's shared library), or only its public ones."""
     names = [
         info.name
         for info in pkgutil.walk_packages(jss.__path__, prefix="jax_session_state.")
-        if not (public and any(part.startswith("_") for part in info.name.split(".")))
+        if isinstance(info.module_finder.find_spec(info.name).loader, importlib.machinery.SourceFileLoader)
+        and not (public and any(part.startswith("_") for part in info.name.split(".")))
     ]
     return [jss, *(importlib.import_module(name) for name in names)]
 
