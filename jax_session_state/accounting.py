@@ -240,8 +240,9 @@ def device_bytes(x: Any, seen: SeenStorages | set | None = None) -> dict[str, in
       >>> try:
       ...     jax.jit(jss.device_bytes)(jnp.zeros(2))
       ... except TypeError as error:
-      ...     print(str(error)[:56])
-      byte accounting counts the storage of concrete arrays; i
+      ...     print(error)
+      byte accounting counts the storage of concrete arrays; it got a traced value. Count bytes
+      outside jit, on the step's inputs or outputs.
     """
     add = _adder(seen)
     out: dict[str, int] = {}

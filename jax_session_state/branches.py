@@ -236,8 +236,9 @@ def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | No
       >>> try:
       ...     branch(session.stage(kv=(jnp.ones((1, 1, 1, 2)),) * 2), 3, window=2)
       ... except ValueError as error:
-      ...     print(str(error)[:52])
-      cannot branch a session with staged data in ['kv']:
+      ...     print(error)
+      cannot branch a session with staged data in ['kv']: lanes share only committed data. Commit
+      or discard it first.
     """
     if lanes < 1:
         raise ValueError(f"branch() needs at least one lane; got {lanes}.")

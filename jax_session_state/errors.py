@@ -64,8 +64,10 @@ class CapacityError(SessionStateError, RuntimeError):
       >>> try:
       ...     jss.check(full)
       ... except jss.CapacityError as error:
-      ...     print(str(error)[:52])
-      a write inside jit was refused and wrote nothing (it
+      ...     print(error)
+      a write inside jit was refused and wrote nothing (it did not fit, its per-row counts were
+      out of range, or it named a slot it may not use), in: <root>: KVCache(...). Allocate more
+      capacity ...
     """
 
 
@@ -79,8 +81,9 @@ class NotResidentError(SessionStateError, RuntimeError):
       >>> try:
       ...     evicted.view()
       ... except jss.NotResidentError as error:
-      ...     print(str(error)[:60])
-      view() on EncodeOnceKV(batch=1, kv_heads=1, head_dim=2, capa
+      ...     print(error)
+      view() on EncodeOnceKV(...), which is not resident (it was evicted or reset). Rebuild it,
+      restore it through the manager, or start over with .empty().
     """
 
 
@@ -99,8 +102,9 @@ class DonatedError(NotResidentError):
       >>> try:
       ...     kv.view()  # the old cache's buffers now belong to ``new``
       ... except jss.DonatedError as error:
-      ...     print(str(error).split(", whose")[1][:48])
-       storage ('k') was donated to a jitted call and
+      ...     print(error)
+      view() on KVCache(...), whose storage ('k') was donated to a jitted call and deleted. Use
+      that call's output instead, or fork() before donating.
     """
 
 
@@ -116,8 +120,9 @@ class PayloadError(SessionStateError, ValueError):
       >>> try:
       ...     kv.append((jnp.ones((1, 1, 1, 3)),) * 2)  # head_dim 3, not 2
       ... except jss.PayloadError as error:
-      ...     print(str(error).split(": ", 1)[1])
-      k must have shape [1, T, 1, 2] and dtype float32 (with T=1); got shape [1, 1, 1, 3] and dtype float32.
+      ...     print(error)
+      KVCache(...).commit: k must have shape [1, T, 1, 2] and dtype float32 (with T=1); got shape
+      [1, 1, 1, 3] and dtype float32.
     """
 
 
@@ -131,8 +136,9 @@ class PayloadTypeError(SessionStateError, TypeError):
       >>> try:
       ...     kv.append((jnp.ones((1, 1, 1, 2), jnp.int32),) * 2)
       ... except jss.PayloadTypeError as error:
-      ...     print(str(error).split("; ")[1])
-      got shape [1, 1, 1, 2] and dtype int32. Cast it first.
+      ...     print(error)
+      KVCache(...).commit: k must have shape [1, T, 1, 2] and dtype float32; got shape [1, 1, 1, 2]
+      and dtype int32. Cast it first.
     """
 
 
@@ -145,8 +151,10 @@ class NotEvictableError(SessionStateError, RuntimeError):
       >>> try:
       ...     carry.evict()
       ... except jss.NotEvictableError as error:
-      ...     print(str(error)[:46])
-      FixedState(float32[2]) cannot be evicted: it h
+      ...     print(error)
+      FixedState(float32[2]) cannot be evicted: it has no recompute source, so its contents could
+      not be rebuilt. Declare recompute_source= at allocate, park it to host memory, or reset() it
+      deliberately.
     """
 
 
@@ -159,8 +167,9 @@ class NotDemotableError(SessionStateError, RuntimeError):
       >>> try:
       ...     kv.demote()
       ... except jss.NotDemotableError as error:
-      ...     print(str(error).split(": ")[1])
-      allocate it with tiers=("int8",) to let it be quantized when memory is short.
+      ...     print(error)
+      KVCache(...) has no lower tier to demote to: allocate it with tiers=("int8",) to let it be
+      quantized when memory is short.
     """
 
 
@@ -174,7 +183,8 @@ class RecomputeGraphError(SessionStateError, ValueError):
       ...     jss.Session(objects={"cond": cond})
       ... except jss.RecomputeGraphError as error:
       ...     print(error)
-      recompute source 'prompt' of 'cond' is not in this session; it holds ['cond']. Add it, or allocate 'cond' without it.
+      recompute source 'prompt' of 'cond' is not in this session; it holds ['cond']. Add it, or
+      allocate 'cond' without it.
     """
 
 
@@ -193,8 +203,12 @@ class BudgetExceededError(SessionStateError, RuntimeError):
       >>> try:
       ...     manager.create("b", new_session())  # nothing to drop or park, no preemption
       ... except jss.BudgetExceededError as error:
-      ...     print(str(error)[:50], "...;", manager.stats()["sessions"], "session held")
-      creating session 'b' does not fit the byte budget ...; 1 session held
+      ...     print(error)
+      creating session 'b' does not fit the byte budget (cpu:0 over its budget of 100 bytes by 60
+      while creating session 'b'); after everything the manager may free it is still over budget:
+      cpu:0 by 60 bytes. Nothing changed. Raise byte_budget, ...
+      >>> list(manager.held())  # "a" as it was, "b" not admitted
+      ['a']
     """
 
 
@@ -209,8 +223,10 @@ class SessionAdmissionError(SessionStateError, RuntimeError):
       >>> try:
       ...     manager.create("b", session)
       ... except jss.SessionAdmissionError as error:
-      ...     print(str(error)[:75])
-      cannot create session 'b': the manager holds max_sessions=1 sessions and it
+      ...     print(error)
+      cannot create session 'b': the manager holds max_sessions=1 sessions and it may not evict
+      (evict_when_full=False). Nothing changed; release() a session, raise max_sessions, or allow
+      eviction.
     """
 
 
@@ -228,8 +244,10 @@ class SessionStateLostError(SessionStateError, LookupError):
       >>> try:
       ...     manager.get("a")
       ... except jss.SessionStateLostError as error:
-      ...     print(str(error)[:70])
-      session 'a' is gone: preempted at the count cap (max_sessions=1) while
+      ...     print(error)
+      session 'a' is gone: preempted at the count cap (max_sessions=1) while creating session 'b'.
+      Its state cannot be returned and nothing was created; start it again with create('a', session)
+      (from a checkpoint if you keep them), and pin() sessions that must not be lost.
     """
 
 
@@ -264,6 +282,6 @@ class CheckpointError(SessionStateError, ValueError):
       ...     try:
       ...         jss.checkpoint.restore(empty)
       ...     except jss.CheckpointError as error:
-      ...         print(str(error).split(empty)[1])
-       (a save that crashed leaves none).
+      ...         print(error)
+      no complete checkpoint in ... (a save that crashed leaves none).
     """

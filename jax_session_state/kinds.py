@@ -110,7 +110,8 @@ def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., 
       ...     Carry.allocate(size=2, sise=3)
       ... except TypeError as error:
       ...     print(error)
-      Carry.allocate() got unexpected keyword argument(s): sise; it takes recompute_cost, recompute_source, sharding, size.
+      Carry.allocate() got unexpected keyword argument(s): sise; it takes recompute_cost,
+      recompute_source, sharding, size.
     """
 
     def wrap(allocate: Callable[..., Any]) -> Callable[..., Any]:
@@ -208,8 +209,10 @@ def check_same_spec(obj: Any, name: str, old: Any, new: Any) -> None:
       >>> try:
       ...     check_same_spec(kv, "k", kv.k, kv.k[:, :, :4])
       ... except jss.PayloadTypeError as error:
-      ...     print(str(error).split(": ", 1)[1][:70])
-      a write changed storage 'k' from PyTreeDef(*) [float32[1, 1, 8, 2]] to
+      ...     print(error)
+      KVCache(...): a write changed storage 'k' from PyTreeDef(*) [float32[1, 1, 8, 2]] to
+      PyTreeDef(*) [float32[1, 1, 4, 2]]; every write must keep structure, shapes and dtypes (a
+      changed one compiles the step again and breaks donation).
     """
     if old is None:
         return
