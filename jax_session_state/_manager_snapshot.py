@@ -35,15 +35,14 @@ class Held:
     Example:
       >>> import jax.numpy as jnp
       >>> import jax_session_state as jss
-      >>> def new_session(x):  # 80 bytes of K/V
-      ...     kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
-      ...     return jss.Session(objects={"kv": kv.append((jnp.full((1, 2, 1, 2), x),) * 2)})
-      >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 100})
-      >>> manager.create("a", new_session(1.0))
-      >>> manager.create("b", new_session(2.0))  # parks "a"'s K/V to make room
-      >>> held = manager.held()
+      >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 40})  # room for one carry of 33 bytes
+      >>> for user, x in (("a", 1.0), ("b", 2.0)):  # "b" parks "a"'s carry to host memory
+      ...     carry = jss.FixedState.allocate(shapes=(4,)).commit(jnp.full(4, x))
+      ...     manager.create(user, jss.Session(objects={"h": carry}))
+      >>> with manager.pin("b"):
+      ...     held = manager.held()
       >>> sorted(held["a"].parked), held["a"].evicted, held["b"].parked, held["b"].pinned
-      (['kv'], frozenset(), {}, False)
+      (['h'], frozenset(), {}, True)
     """
 
     session: Session
