@@ -21,8 +21,10 @@ older ones: a crash at any moment leaves the previous checkpoint complete.
 checks, before it returns anything: that ``manifest.json`` parses, is of this
 format and version, and matches its BLAKE2b digest (so every name, spec,
 attr value, key implementation and array entry is the one saved); and that
-every array's bytes, in row-major order, match their BLAKE2b digest in the
-manifest (so no changed, swapped or moved value is returned).  A
+every array's bytes, in row-major order, match their digest in the manifest
+(CRC-32 of each 1 MiB chunk under a BLAKE2b root: every changed byte is
+found, and any swapped or moved values but for one chance in 2**32 per
+chunk).  A
 :class:`~jax_session_state.errors.CheckpointError` means the checkpoint was
 not restored, and says which file and what was wrong: none found, another
 format or version, a damaged or truncated file, or a ``target`` that does not
