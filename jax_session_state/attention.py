@@ -30,7 +30,9 @@
 ``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
 dense pass over the valid prefix rounded up to a power of two, picked by
 ``lax.switch``: a handful of kernels, for accelerators; opt-in until
-measured there).
+measured there); :data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is
+the keys per block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
+``"bucketed"`` compiles a pass for.
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -151,6 +153,20 @@ def attend(
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
+
+    Example:
+      Causal attention of the 3 rows just written, against a dense numpy reference:
+
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_session_state as jss
+      >>> k, v, q = jax.random.normal(jax.random.key(0), (3, 1, 3, 1, 4))  # [batch, T, heads, dim]
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=16).append((k, v))
+      >>> causal = np.triu(np.full((3, 3), -np.inf), 1)  # a key after the query is hidden
+      >>> scores = np.einsum("qd,kd->qk", q[0, :, 0], k[0, :, 0]) / np.sqrt(4) + causal
+      >>> weights = np.exp(scores - scores.max(-1, keepdims=True))
+      >>> reference = (weights / weights.sum(-1, keepdims=True)) @ v[0, :, 0]
+      >>> bool(np.allclose(jss.attend(q, kv.view())[0, :, 0], reference, atol=1e-5))
+      True
     """
     return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions,
                            implementation=implementation)[0]
@@ -171,6 +187,18 @@ def attend_with_lse(
       ``out`` as :func:`attend`, and ``lse``: ``Float32[Array, "batch T
       q_heads"]``, ``-inf`` where a query sees nothing.  Two results over
       disjoint keys merge exactly with :func:`merge_attention`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> k = jax.random.normal(jax.random.key(0), (1, 4, 1, 8))
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=8, capacity=16).append((k, k))
+      >>> out, lse = jss.attend_with_lse(k, kv.view())
+      >>> out.shape, lse.shape, lse.dtype
+      ((1, 4, 1, 8), (1, 4, 1), dtype('float32'))
+      >>> _, nothing = jss.attend_with_lse(k, kv.view(), q_positions=jnp.full((1, 4), -1))  # sees no key
+      >>> bool(jnp.isneginf(nothing).all())
+      True
     """
     if q.ndim != 4:
         raise ValueError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
@@ -203,6 +231,21 @@ def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
     Returns:
       ``(out, lse)`` equal to attention over the union of the keys; zeros and
       ``-inf`` where both sides are empty, never NaN.
+
+    Example:
+      Attention over 8 keys is the merge of attention over the first 5 and over the last 3:
+
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 8, 2, 4))
+      >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 4))
+      >>> def cache(rows):
+      ...     kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+      ...     return kv.append((k[:, rows], v[:, rows])).view()
+      >>> merged, _ = jss.merge_attention(*jss.attend_with_lse(q, cache(slice(0, 5)), causal=False),
+      ...                                 *jss.attend_with_lse(q, cache(slice(5, 8)), causal=False))
+      >>> bool(jnp.allclose(merged, jss.attend(q, cache(slice(0, 8)), causal=False), atol=1e-5))
+      True
     """
     top = jnp.maximum(lse_a, lse_b)
     top = jnp.where(top == -jnp.inf, 0.0, top)
