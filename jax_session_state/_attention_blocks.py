@@ -146,6 +146,60 @@ def _block_scales(scale: Array, start: Array, n: int, rows: Rows = None) -> Arra
     return jnp.swapaxes(_key_slice(scale, start, n, rows), 2, 3)
 
 
+def _append_block(k: Array, k_scale: Array | None) -> int:
+    return min(BLOCK_SIZE if k_scale is None else QUANTIZED_BLOCK_SIZE, k.shape[2])
+
+
+def _cache_blocks(cache: dict[str, Array], *, n: int) -> Array:
+    """The blocks each row of a head-major cache reads (slot ``j`` holds a position ``>= j``)."""
+    return _row_blocks(cache["lengths"], cache["k"].shape[2], n)
+
+
+def _read_blocks(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None, *, causal: bool,
+                 scale: float, n: int, window: int | None = None, sink: int = 0) -> tuple[Array, Array]:
+    """Blocks of ``n`` slots of a head-major cache up to the longest row, online softmax.
+
+    ``cache``: ``k``, ``v``, ``lengths``, and ``k_scale`` / ``v_scale``
+    where quantized; with ``positions`` (a ring, ``[B, C]``, -1 where not
+    shown) a slot's key position is read there and ``window`` / ``sink``
+    apply, else slot ``j`` holds position ``j``.  With ``row`` only the
+    ``q.shape[0]`` cache rows from ``row`` on are read (one slot of a pool).
+    The caller has checked the shapes; ``scale`` is the score scale.
+    """
+    rows = None if row is None else (row, q.shape[0])
+    cut = (lambda x: x) if row is None else (lambda x: lax.dynamic_slice_in_dim(x, row, q.shape[0], axis=0))
+    k, v, lengths = cache["k"], cache["v"], cut(cache["lengths"])
+    k_scale, v_scale = cache.get("k_scale"), cache.get("v_scale")
+    key_positions = cache.get("positions")
+    groups = q.shape[2] // k.shape[1]
+    qh = _to_rows(q, k.shape[1])
+    last = _last_visible(lengths, q_positions, causal, groups)
+    if key_positions is not None:
+        key_positions = cut(key_positions)
+        query_position = jnp.repeat(q_positions, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1]
+    one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
+
+    def body(i: Array, state: Any) -> Any:
+        start, slot, first = _block(k, i, n)
+        keys = _block_f32(k, start, n, rows) * scale
+        values = _block_f32(v, start, n, rows) * one
+        if key_positions is None:
+            visible = (slot >= first) & (slot <= last)
+        else:
+            key_position = lax.dynamic_slice_in_dim(key_positions, start, n, axis=1)[:, None, None, :]
+            visible = (slot >= first) & (key_position >= 0) & (key_position <= last)
+            if window is not None:
+                visible &= (key_position < sink) | (query_position - key_position < window)
+        scores = _scores(keys, qh)
+        if k_scale is None:
+            return _online_update(state, scores, visible, values)
+        # Row scales multiply the [M, n] scores and weights, not the [n, head_dim] blocks.
+        scores = scores * _block_scales(k_scale, start, n, rows)
+        return _online_update(state, scores, visible, values, _block_scales(v_scale, start, n, rows))
+
+    return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
+
+
 def _relative_offsets(q: Array) -> Array:
     """The last T positions as offsets from each row's length: a constant (the kernel adds the lengths)."""
     B, T = q.shape[:2]

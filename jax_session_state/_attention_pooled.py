@@ -118,9 +118,9 @@ def fold_slots(
         q_positions = q_positions if positions_batched else jnp.broadcast_to(q_positions, (slots, *q_positions.shape))
         batch, T = q.shape[1:3]
         if not any(jax.tree_util.tree_leaves(cache_batched)):  # lanes sharing one cache: more query rows
-            rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, slots * T, *x.shape[3:])  # noqa: E731
+            rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, slots * T, *x.shape[3:])
             out, lse = primal(rows(q), rows(q_positions), cache)
-            lanes_back = lambda x: jnp.moveaxis(x.reshape(batch, slots, T, *x.shape[2:]), 1, 0)  # noqa: E731
+            lanes_back = lambda x: jnp.moveaxis(x.reshape(batch, slots, T, *x.shape[2:]), 1, 0)
             return (lanes_back(out), lanes_back(lse)), (True, True)
         if not all(jax.tree_util.tree_leaves(cache_batched)):
             axes = jax.tree_util.tree_map(lambda b: 0 if b else None, cache_batched)
@@ -145,9 +145,7 @@ def fold_slots(
 
         # The folded readers keep a batching rule, for a vmap outside this one.
         together = folded(primal if dense is None else fold_slots(reader, blocks, fold=fold))
-        readings = [together, apart]
-        if dense is not None:
-            readings.append(folded(fold_slots(dense[0], blocks, fold=fold)))
+        readings = [together, apart] if dense is None else [together, apart, folded(primal)]
         if slots == 1:
             return together(), (True, True)
         which = cheapest_reading(per_slot, None if dense is None else dense[1])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_pooled, _native
+from jax_session_state import _attention_blocks, _attention_pooled, _native
 from tests.support.attention_reference import assert_close, randn, reference
 
 SLOTS, BATCH, KV_HEADS, GROUPS, DIM, T = 6, 2, 2, 2, 8, 3
@@ -114,7 +114,7 @@ def test_the_pooled_loop_compiles_once_for_both_choices_and_has_no_gather():
     hlo = f.lower(q, k, v, RAGGED).compile().as_text()
     assert " gather(" not in hlo and "conditional(" in hlo
     # plain vmap of the same loop (a batched trip count) reads every block by a gather of the whole cache
-    plain = jax.jit(jax.vmap(lambda q, k, v, n: jss.attention._read_blocks(
+    plain = jax.jit(jax.vmap(lambda q, k, v, n: _attention_blocks._read_blocks(
         q, jss.attention._default_positions(q, n, None), {"k": k, "v": v, "lengths": n}, None,
         causal=True, scale=DIM ** -0.5, n=64)))
     assert " gather(" in plain.lower(q, k, v, RAGGED).compile().as_text()
@@ -228,7 +228,7 @@ def test_native_kernel_folds_independent_caches_into_one_call_with_every_slot_in
 @pytest.mark.parametrize("ring", [False, True], ids=["append", "ring"])
 def test_quantized_caches_under_vmap_match_their_dequantized_values(ring):
     rng = np.random.default_rng(8)
-    kind = dict(window=40, sink=2, max_staged=9) if ring else dict(capacity=2000)
+    kind = {"window": 40, "sink": 2, "max_staged": 9} if ring else {"capacity": 2000}
     caches = []
     for slot, steps in enumerate([1, 200, 3, 0, 7, 2]):  # one long slot: read one by one
         cache = jss.KVCache.allocate(batch=1, kv_heads=KV_HEADS, head_dim=DIM, quantize="int8", **kind)
