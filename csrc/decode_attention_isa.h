@@ -44,6 +44,7 @@ JSS_INLINE Rows load_rows(const float* p) { return load_as<Rows>(p); }
 JSS_INLINE void store_rows(float* p, Rows x) { store_as(p, x); }
 JSS_INLINE RowInts load_row_ints(const int32_t* p) { return load_as<RowInts>(p); }
 typedef uint16_t Halves __attribute__((vector_size(2 * kLanes)));
+typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 // Generic over a float or a vector of floats (Floats or Rows, which may be one type).
 template <typename F>
 using IntsOf = typename std::conditional<std::is_same<F, float>::value, int32_t, decltype(F{} > F{})>::type;
@@ -92,14 +93,43 @@ JSS_INLINE F exp_clamped(F x) {
 JSS_INLINE float exp_nonpositive(float x) { return exp_clamped<float>(std::max(x, kExpFloor)); }
 
 // kLanes cache elements as floats: float32 as they are, bfloat16 (E =
-// uint16_t) widened in registers (zero-extend, shift into the high half).
+// uint16_t) widened in registers (zero-extend, shift into the high half),
+// int8 values converted (their row scales are applied by the caller).  On
+// x86 through intrinsics: GCC lowers a generic int8 -> float conversion
+// element by element, and a 16-bit widening in five instructions for two.
 template <typename E>
 JSS_INLINE Floats load_elements(const E* p) {
   if constexpr (std::is_same<E, float>::value) {
     return load(p);
+  } else if constexpr (std::is_same<E, int8_t>::value) {
+#if defined(JSS_X86) && JSS_LANES == 16
+    return (Floats)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(JSS_X86) && JSS_LANES == 8
+    return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(JSS_X86)  // SSE2: sign-extend by unpacking each byte into the top of its lane
+    int32_t word;
+    std::memcpy(&word, p, sizeof word);
+    __m128i x = _mm_cvtsi32_si128(word);
+    x = _mm_unpacklo_epi8(x, x);
+    x = _mm_srai_epi32(_mm_unpacklo_epi16(x, x), 24);
+    return (Floats)_mm_cvtepi32_ps(x);
+#else
+    return __builtin_convertvector(load_as<Bytes>(p), Floats);
+#endif
   } else {
+#if defined(JSS_X86) && JSS_LANES == 16
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return (Floats)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(JSS_X86) && JSS_LANES == 8
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return (Floats)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#elif defined(JSS_X86)
+    const __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return (Floats)_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), halves));
+#else
     const Ints wide = __builtin_convertvector(load_as<Halves>(p), Ints) << 16;
     return bits_to_float<Floats>(wide);
+#endif
   }
 }
 
@@ -107,11 +137,33 @@ JSS_INLINE Floats load_elements(const E* p) {
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
 // D elements of a tile as float32: copied (f32 with a row stride, paged) or
-// widened (bf16: the high half of a float; f16: exponent rebiased, with
-// subnormals, infinities and NaN).
+// widened (bf16: the high half of a float; f16 and float8_e4m3fn: exponent
+// rebiased, with subnormals, infinities and NaN; int8: converted; the row
+// scales of quantized values are applied by the caller).
 JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
   if (dtype == Dtype::kF32) {
     std::memcpy(dst, src, D * sizeof(float));
+    return;
+  }
+  if (dtype == Dtype::kI8) {
+    const int8_t* b = reinterpret_cast<const int8_t*>(src);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(b[d]);
+    return;
+  }
+  // Exponents are rebiased in the integer bits; subnormals go through an
+  // integer conversion (XLA runs with denormal inputs read as zero).
+  if (dtype == Dtype::kF8) {  // e4m3fn: no infinities, NaN at magnitude 0x7f
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t bits = b[d], magnitude = bits & 0x7fu;
+      const float subnormal = static_cast<float>(magnitude) * 0.001953125f;  // m * 2^-9
+      uint32_t small;
+      std::memcpy(&small, &subnormal, sizeof small);
+      uint32_t widened = magnitude < 0x08u ? small : (magnitude << 20) + (120u << 23);
+      widened = magnitude == 0x7fu ? 0x7fc00000u : widened;
+      out[d] = widened | ((bits & 0x80u) << 24);
+    }
     return;
   }
   const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
@@ -121,13 +173,11 @@ JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
     return;
   }
   for (int64_t d = 0; d < D; ++d) {
-    const uint32_t bits = h[d], magnitude = bits & 0x7fffu;
-    float f;
-    const uint32_t shifted = magnitude << 13;
-    std::memcpy(&f, &shifted, sizeof f);
-    f *= 5.192296858534828e+33f;  // 2^112: rebias the exponent (exact for subnormals too)
-    uint32_t widened;
-    std::memcpy(&widened, &f, sizeof widened);
+    const uint32_t bits = h[d], magnitude = bits & 0x7fffu, shifted = magnitude << 13;
+    const float subnormal = static_cast<float>(magnitude) * 5.9604644775390625e-8f;  // m * 2^-24
+    uint32_t small;
+    std::memcpy(&small, &subnormal, sizeof small);
+    uint32_t widened = magnitude < 0x400u ? small : shifted + (112u << 23);
     widened = magnitude >= 0x7c00u ? (shifted | 0x7f800000u) : widened;  // inf, nan
     out[d] = widened | ((bits & 0x8000u) << 16);
   }
@@ -155,6 +205,26 @@ JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int6
   }
   *keys = kbuf;
   *values = vbuf;
+}
+
+// The row scales of the tile [start, start + n) of a quantized pair (nullptr
+// otherwise): in place for a dense cache, else gathered into ksbuf/vsbuf.
+JSS_INLINE void tile_scales(const PairSource& src, int64_t start, int64_t n, float* ksbuf, float* vsbuf,
+                            const float** k_scale, const float** v_scale) {
+  if (!src.quantized()) {
+    *k_scale = *v_scale = nullptr;
+  } else if (src.pages == nullptr && src.scale_stride == 1) {
+    *k_scale = src.k_scale + start;
+    *v_scale = src.v_scale + start;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t index = src.scale_index(start + i);
+      ksbuf[i] = src.k_scale[index];
+      vsbuf[i] = src.v_scale[index];
+    }
+    *k_scale = ksbuf;
+    *v_scale = vsbuf;
+  }
 }
 
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
@@ -220,9 +290,11 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
 }
 
 // Few query rows (T = 1 decoding): a dot product per key and row; tiles are
-// the outer loop, so each tile is fetched once for all rows.  E = uint16_t:
-// a dense bfloat16 cache, read in place and widened in registers (a pass
-// through the tile buffer costs more than the FMAs of so few rows).
+// the outer loop, so each tile is fetched once for all rows.  E = uint16_t
+// (a dense bfloat16 cache) or int8_t (dense int8): read in place and
+// widened in registers (a pass through the tile buffer costs more than the
+// FMAs of so few rows).  A quantized tile's key scales multiply the scores,
+// its value scales the weights (after their sum is taken).
 template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
   const int64_t D = kDim > 0 ? kDim : dim;
@@ -236,17 +308,22 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
   }
   for (int64_t start = in.first_key; start < end_all; start += kTile) {
     const E *keys, *values;
+    const float *k_scale, *v_scale;
+    const int64_t tile = std::min(kTile, end_all - start);
     if constexpr (std::is_same<E, float>::value) {
-      fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+      fetch_tile(in.source, start, tile, D, kbuf, vbuf, &keys, &values);
     } else {
       keys = reinterpret_cast<const E*>(in.source.k) + start * D;
       values = reinterpret_cast<const E*>(in.source.v) + start * D;
     }
+    tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t end = std::min(in.end_key, in.last[m] + 1);
       if (start >= end) continue;
       const int64_t n = std::min(kTile, end - start);
       score_keys<kDim, E>(in.q.data() + m * D, keys, n, D, p);
+      if (k_scale != nullptr)
+        for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
       float tile_top = kNegInf;
       for (int64_t j = 0; j < n; ++j) tile_top = std::max(tile_top, p[j]);
       const float top = chunk.top[m], new_top = std::max(top, tile_top);
@@ -260,6 +337,8 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
       const float decay = exp_nonpositive(top - new_top);  // 0 while nothing was seen
       chunk.top[m] = new_top;
       chunk.total[m] = chunk.total[m] * decay + tile_total;
+      if (v_scale != nullptr)
+        for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
       float* acc = chunk.acc + m * D;
       const float* weights = p;
       accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D);
@@ -295,8 +374,10 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
   }
   Rows s[kTile];  // a tile's scores (one vector of rows per key), then its weights
   for (int64_t start = in.first_key; start < end_all; start += kTile) {
-    const float *keys, *values;
-    fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+    const float *keys, *values, *k_scale, *v_scale;
+    const int64_t tile = std::min(kTile, end_all - start);
+    fetch_tile(in.source, start, tile, D, kbuf, vbuf, &keys, &values);
+    tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t block = 0; block < blocks; ++block) {
       const int64_t end = ends[block];
       if (start >= end) continue;
@@ -312,6 +393,8 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
           const Rows x = load_rows(q_block + d * kRowLanes);
           for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * key[u][d];
         }
+        if (k_scale != nullptr)
+          for (int64_t u = 0; u < kKeys; ++u) acc[u] *= k_scale[std::min(j + u, n - 1)];
         for (int64_t u = 0; u < kKeys; ++u)
           s[j + u] = static_cast<int32_t>(start + j + u) <= last ? acc[u] : neg_inf;
       }
@@ -326,6 +409,8 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
       }
       store_rows(totals.data() + block * kRowLanes, load_rows(totals.data() + block * kRowLanes) * decay + tile_total);
       store_rows(tops.data() + block * kRowLanes, new_top);
+      if (v_scale != nullptr)
+        for (int64_t j = 0; j < n; ++j) s[j] *= v_scale[j];
       // Weights past a row's last key are exactly 0, so rows go kValueRows at a time over the tile's n keys.
       const float* weights = reinterpret_cast<const float*>(s);
       int64_t r = 0;
@@ -362,9 +447,11 @@ JSS_INLINE void run_chunk_dim(const ChunkInput& in, int64_t M, int64_t dim, cons
   std::fill(chunk.acc, chunk.acc + M * dim, 0.0f);
   if (M >= kLaneRows) {
     rows_in_lanes<kDim>(in, M, dim, chunk);
-  } else if constexpr (kDim > 0 && kLanes >= 8) {  // SSE2 widens no faster in registers than through the buffer
+  } else if constexpr (kDim > 0) {
     if (in.source.dtype == Dtype::kBF16 && in.source.pages == nullptr) {
       rows_by_dot<kDim, uint16_t>(in, M, dim, chunk);
+    } else if (in.source.dtype == Dtype::kI8 && in.source.pages == nullptr) {
+      rows_by_dot<kDim, int8_t>(in, M, dim, chunk);
     } else {
       rows_by_dot<kDim>(in, M, dim, chunk);
     }
