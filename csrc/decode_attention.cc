@@ -32,11 +32,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -307,7 +309,8 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
 
   // Chunks: one per pair, or each pair's keys split so both threads have work.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const bool parallel = threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
+  static const bool serial_debug = getenv("JSS_DEBUG_SERIAL") != nullptr;
+  const bool parallel = !serial_debug && threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
   int64_t splits = 1;
   if (parallel && pairs < 4 * threads) splits = (4 * threads + pairs - 1) / pairs;
   std::vector<Chunk> chunks;

@@ -133,6 +133,32 @@ JSS_INLINE Floats load_elements(const E* p) {
   }
 }
 
+// Dense bfloat16 rows of a head dim that is a multiple of 2 * kLanes are
+// read as pairs: 2 * kLanes elements loaded as kLanes 32-bit lanes, whose low
+// halves (the even elements) shift up and whose high halves (the odd ones)
+// are masked, two instructions for 2 * kLanes floats.  Queries and value
+// accumulators are then laid out the same way within each block of 2 *
+// kLanes: the even elements, then the odd ones (paired_order).
+template <int64_t kDim, typename E>
+constexpr bool kPaired = std::is_same<E, uint16_t>::value && kDim > 0 && kDim % (2 * kLanes) == 0;
+
+JSS_INLINE void load_pair(const uint16_t* p, Floats* even, Floats* odd) {
+  const Ints bits = load_as<Ints>(p);
+  *even = bits_to_float<Floats>(bits << 16);
+  *odd = bits_to_float<Floats>(bits & static_cast<int32_t>(0xffff0000u));
+}
+
+// x[0, D) into (to_pairs) or out of the paired layout, through tmp[D].
+JSS_INLINE void paired_order(float* x, int64_t D, bool to_pairs, float* tmp) {
+  for (int64_t block = 0; block < D; block += 2 * kLanes)
+    for (int64_t i = 0; i < kLanes; ++i)
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t natural = block + 2 * i + half, paired = block + half * kLanes + i;
+        tmp[to_pairs ? paired : natural] = x[to_pairs ? natural : paired];
+      }
+  std::memcpy(x, tmp, D * sizeof(float));
+}
+
 // The largest power of two <= n (n >= 1).
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
@@ -240,11 +266,24 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
       Floats local[kRows][kSlab];
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t c = 0; c < kSlab; ++c) {
-          const Floats value = load_elements(values + j * kDim + (c0 + c) * kLanes);
-          for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
+      for (int64_t j = 0; j < n; ++j) {
+        if constexpr (kPaired<kDim, E>) {
+          static_assert(kSlab % 2 == 0, "a slab holds whole pairs");
+          for (int64_t c = 0; c < kSlab; c += 2) {
+            Floats even, odd;
+            load_pair(values + j * kDim + (c0 + c) * kLanes, &even, &odd);
+            for (int64_t r = 0; r < kRows; ++r) {
+              local[r][c] += weight[r][j * stride] * even;
+              local[r][c + 1] += weight[r][j * stride] * odd;
+            }
+          }
+        } else {
+          for (int64_t c = 0; c < kSlab; ++c) {
+            const Floats value = load_elements(values + j * kDim + (c0 + c) * kLanes);
+            for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
+          }
         }
+      }
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
     }
@@ -258,10 +297,35 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
   }
 }
 
-JSS_INLINE float lane_sum(Floats x) {
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += x[l];
-  return sum;
+// Lanes [0, L/2) of the result: a's groups of 2W lanes folded to W (each
+// half added to the other); lanes [L/2, L): b's.
+template <int W, int... J>
+JSS_INLINE Floats fold_groups(Floats a, Floats b, std::integer_sequence<int, J...>) {
+  constexpr int H = kLanes / 2;
+  return __builtin_shufflevector(a, b, ((J < H ? 0 : kLanes) + (J % H) / W * 2 * W + J % W)...) +
+         __builtin_shufflevector(a, b, ((J < H ? 0 : kLanes) + (J % H) / W * 2 * W + J % W + W)...);
+}
+template <int W>
+JSS_INLINE Floats fold_groups(Floats a, Floats b) {
+  return fold_groups<W>(a, b, std::make_integer_sequence<int, kLanes>{});
+}
+
+// The lane sums of x[0 .. N) (each lane a group of G partial sums of one
+// key), stored in key order from p on (p has room for kLanes more floats):
+// pairs of vectors folded into one while groups have two lanes or more,
+// then a single vector folded into itself.  A transposing reduction: a
+// shuffle and an add per two keys and level instead of a lane-by-lane sum.
+template <int N, int G>
+JSS_INLINE void lane_sums(Floats* x, float* p) {
+  if constexpr (G == 1) {
+    for (int i = 0; i < N; ++i) store(p + i * kLanes, x[i]);
+  } else if constexpr (N > 1) {
+    for (int i = 0; i < N / 2; ++i) x[i] = fold_groups<G / 2>(x[2 * i], x[2 * i + 1]);
+    lane_sums<N / 2, G / 2>(x, p);
+  } else {
+    x[0] = fold_groups<G / 2>(x[0], x[0]);
+    lane_sums<1, G / 2>(x, p);
+  }
 }
 
 // The scores of a tile's n keys for one query row qm, into p; kKeys keys at
@@ -271,11 +335,23 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kKeys) {
       Floats acc[kKeys] = {};
-      for (int64_t c = 0; c < kDim; c += kLanes) {
-        const Floats x = load(qm + c);
-        for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * kDim + c);
+      if constexpr (kPaired<kDim, E>) {  // qm in the paired layout
+        for (int64_t c = 0; c < kDim; c += 2 * kLanes) {
+          const Floats x_even = load(qm + c), x_odd = load(qm + c + kLanes);
+          for (int64_t u = 0; u < kKeys; ++u) {
+            Floats even, odd;
+            load_pair(keys + std::min(j + u, n - 1) * kDim + c, &even, &odd);
+            acc[u] += x_even * even;
+            acc[u] += x_odd * odd;
+          }
+        }
+      } else {
+        for (int64_t c = 0; c < kDim; c += kLanes) {
+          const Floats x = load(qm + c);
+          for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * kDim + c);
+        }
       }
-      for (int64_t u = 0; u < kKeys; ++u) p[j + u] = lane_sum(acc[u]);
+      lane_sums<kKeys, kLanes>(acc, p + j);
     }
   } else {
     static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
@@ -298,8 +374,16 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
 template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
   const int64_t D = kDim > 0 ? kDim : dim;
-  float p[kTile + kKeys];  // a tile's scores, then its weights
+  float p[kTile + kKeys + kLanes];  // a tile's scores, then its weights
   float *kbuf = in.kbuf, *vbuf = in.vbuf;
+  const float* q = in.q.data();
+  std::vector<float> paired_q, tmp;
+  if constexpr (kPaired<kDim, E>) {
+    paired_q.assign(in.q.begin(), in.q.end());
+    tmp.resize(D);
+    for (int64_t m = 0; m < M; ++m) paired_order(paired_q.data() + m * D, D, true, tmp.data());
+    q = paired_q.data();
+  }
   int64_t end_all = in.first_key;
   for (int64_t m = 0; m < M; ++m) {
     chunk.top[m] = kNegInf;
@@ -321,7 +405,7 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
       const int64_t end = std::min(in.end_key, in.last[m] + 1);
       if (start >= end) continue;
       const int64_t n = std::min(kTile, end - start);
-      score_keys<kDim, E>(in.q.data() + m * D, keys, n, D, p);
+      score_keys<kDim, E>(q + m * D, keys, n, D, p);
       if (k_scale != nullptr)
         for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
       float tile_top = kNegInf;
@@ -343,6 +427,9 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
       const float* weights = p;
       accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D);
     }
+  }
+  if constexpr (kPaired<kDim, E>) {
+    for (int64_t m = 0; m < M; ++m) paired_order(chunk.acc + m * D, D, false, tmp.data());
   }
 }
 
