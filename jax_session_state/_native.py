@@ -156,9 +156,15 @@ def use(native: bool) -> Iterator[None]:
         _use_native = before
 
 
-DECLINED_ROWS = {"baseline": 4}
+DECLINED_ROWS = {"baseline": 4, **({"avx2": 16} if ISAS.get("avx512") else {})}
 """Per ISA path, the query rows per kv head (``T * q_heads / kv_heads``) from
-which it is slower than the pure loop and declines (measured: benchmarks/attention.py)."""
+which it is slower than the pure loop over a float32 cache and declines
+(measured: benchmarks/attention.py).  Many rows make a step bound by its
+FMAs, and XLA's dots in the pure loop use the widest vectors the CPU has:
+SSE2 never keeps up with them, and AVX2 falls behind where the CPU has
+AVX-512 (its FMAs are half as wide), so there the ``avx2`` path declines 16
+rows and more.  A 16-bit or quantized cache always takes the kernel: the
+pure loop reads those several times slower."""
 
 
 def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None, quantized: bool = False) -> bool:
@@ -171,7 +177,7 @@ def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None, quant
     ``kv_heads``: where ``k`` is not head-major ``[B, kv_heads, C, D]`` (pages).
     """
     rows = q.shape[1] * (q.shape[2] // max(k.shape[1] if kv_heads is None else kv_heads, 1))
-    fast = rows < DECLINED_ROWS.get(ISA or "", rows + 1)
+    fast = k.dtype != jnp.float32 or rows < DECLINED_ROWS.get(ISA or "", rows + 1)
     dtypes = QUANTIZED_DTYPES if quantized else DTYPES
     return k.dtype == v.dtype and any(k.dtype == d for d in dtypes) and jnp.issubdtype(q.dtype, jnp.floating) and fast
 
