@@ -32,7 +32,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -309,8 +308,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
 
   // Chunks: one per pair, or each pair's keys split so both threads have work.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  static const bool serial_debug = getenv("JSS_DEBUG_SERIAL") != nullptr;
-  const bool parallel = !serial_debug && threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
+  const bool parallel = threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
   int64_t splits = 1;
   if (parallel && pairs < 4 * threads) splits = (4 * threads + pairs - 1) / pairs;
   std::vector<Chunk> chunks;

@@ -7,7 +7,8 @@
   32k-capacity cache holding 1k tokens attends like a 1k cache;
   ``positions`` is not read.  On a single CPU device, where the native
   kernel was built (``jax_session_state._native``: float32, bfloat16 and
-  float16 caches, one build per instruction set), it runs as one XLA FFI
+  float16 caches, and int8 / fp8 ones whose row scales it applies to the
+  scores and weights; one build per instruction set), it runs as one XLA FFI
   call that reads the cache in place on every core; elsewhere a
   ``lax.fori_loop`` over 64-key blocks whose trip count is computed at run
   time (``lax.platform_dependent``).
