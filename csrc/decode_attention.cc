@@ -85,11 +85,10 @@ struct PairSource {
   int64_t row_stride;          // bytes between rows of one page (dense: between all rows)
   const int32_t* pages;        // the pair's page table (nullptr: dense)
   int64_t page_size, page_stride, num_pages;  // rows per page, bytes per page, pages in the pool
-  bool dense_f32;              // rows of D floats back to back: read in place
   const float *k_scale = nullptr, *v_scale = nullptr;  // quantized: the row scales (else nullptr)
   int64_t scale_stride = 0, scale_page_stride = 0;      // floats between rows' scales, between pages'
 
-  bool contiguous() const { return dense_f32; }
+  bool read_in_place() const { return dtype == Dtype::kF32 && pages == nullptr; }  // else tile buffers too
   bool quantized() const { return k_scale != nullptr; }
   int64_t page_of(int64_t p) const { return std::clamp<int64_t>(pages[p / page_size], 0, num_pages - 1); }
   int64_t row_offset(int64_t p) const {
@@ -334,7 +333,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
       in.last[m] = last[b * shape.T + m / G];
     }
     std::vector<float> buffers;
-    if (!in.source.contiguous()) {
+    if (!in.source.read_in_place()) {
       buffers.resize(2 * kTile * (D + 1));
       in.kbuf = buffers.data();
       in.vbuf = buffers.data() + kTile * D;
@@ -406,7 +405,7 @@ ffi::Error DenseAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
   const float* v_scales = quantized ? static_cast<const float*>(v_scale->untyped_data()) : nullptr;
   const auto source = [&](int64_t pair) {
     const int64_t offset = pair * shape.capacity * row;
-    PairSource src{k_data + offset, v_data + offset, dtype, row, nullptr, 0, 0, 0, dtype == Dtype::kF32};
+    PairSource src{k_data + offset, v_data + offset, dtype, row, nullptr, 0, 0, 0};
     if (quantized) {
       src.k_scale = k_scales + pair * shape.capacity;
       src.v_scale = v_scales + pair * shape.capacity;
@@ -464,7 +463,7 @@ ffi::Error PagedAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
   const auto source = [&](int64_t pair) {
     const int64_t b = pair / kv_heads, h = pair % kv_heads;
     PairSource src{k_data + h * row, v_data + h * row, dtype, kv_heads * row, table + b * table_dims[1],
-                   page_size, page_size * kv_heads * row, k_dims[0], false};
+                   page_size, page_size * kv_heads * row, k_dims[0]};
     if (quantized) {
       src.k_scale = k_scales + h;
       src.v_scale = v_scales + h;

@@ -209,15 +209,31 @@ JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
   }
 }
 
-// The tile [start, start + n) of a pair's keys and values as contiguous
-// float32 rows: in place for a dense float32 cache, else through kbuf/vbuf.
-JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int64_t D, float* kbuf, float* vbuf,
-                           const float** keys, const float** values) {
-  if (src.contiguous()) {
-    *keys = reinterpret_cast<const float*>(src.k) + start * D;
-    *values = reinterpret_cast<const float*>(src.v) + start * D;
-    return;
-  }
+// Up to n rows of a pair's keys and values from row start, as rows of E
+// (float32 or the cache's own 16-bit / int8 type) where they lie: a dense
+// cache's n rows, or a page's rows up to its end.  Returns the rows given
+// and sets *stride to the elements between two of them.
+template <typename E>
+JSS_INLINE int64_t tile_in_place(const PairSource& src, int64_t start, int64_t n, const E** keys, const E** values,
+                                 int64_t* stride) {
+  const int64_t offset = src.row_offset(start);
+  *keys = reinterpret_cast<const E*>(src.k + offset);
+  *values = reinterpret_cast<const E*>(src.v + offset);
+  *stride = src.row_stride / static_cast<int64_t>(sizeof(E));
+  return src.pages == nullptr ? n : std::min(n, src.page_size - start % src.page_size);
+}
+
+// Up to n rows of a pair's keys and values from row start as float32 rows:
+// in place for a dense float32 cache, and for float32 pages where
+// pages_in_place (a page's rows up to its end: few query rows, where a copy
+// costs more than short tiles); else copied or widened into kbuf/vbuf (all
+// n; many rows, whose accumulators are reloaded once per tile).  Returns the
+// rows given; *stride as tile_in_place.
+JSS_INLINE int64_t fetch_tile(const PairSource& src, int64_t start, int64_t n, int64_t D, bool pages_in_place,
+                              float* kbuf, float* vbuf, const float** keys, const float** values, int64_t* stride) {
+  if (src.dtype == Dtype::kF32 && (src.pages == nullptr || pages_in_place))
+    return tile_in_place(src, start, n, keys, values, stride);
+  *stride = D;
   if (src.pages == nullptr) {  // dense, another dtype: the tile's rows are one run of n * D elements
     const int64_t offset = src.row_offset(start);
     widen(src.k + offset, src.dtype, n * D, kbuf);
@@ -231,6 +247,7 @@ JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int6
   }
   *keys = kbuf;
   *values = vbuf;
+  return n;
 }
 
 // The row scales of the tile [start, start + n) of a quantized pair (nullptr
@@ -254,11 +271,11 @@ JSS_INLINE void tile_scales(const PairSource& src, int64_t start, int64_t n, flo
 }
 
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
-// values[j], j < n.  The head dim goes in slabs of registers, so the rows'
+// values[j], j < n (row j at values + j * value_stride).  The head dim goes in slabs of registers, so the rows'
 // accumulators of a slab stay in registers over the tile's keys.
 template <int64_t kDim, int64_t kRows, typename E = float>
 JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
-                                  const E* values, int64_t n, int64_t dim) {
+                                  const E* values, int64_t n, int64_t dim, int64_t value_stride) {
   if constexpr (kDim > 0) {
     constexpr int64_t kChunks = kDim / kLanes;
     constexpr int64_t kSlab = std::min(kChunks, floor_pow2(std::max<int64_t>(1, kRegs / kRows)));
@@ -271,7 +288,7 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
           static_assert(kSlab % 2 == 0, "a slab holds whole pairs");
           for (int64_t c = 0; c < kSlab; c += 2) {
             Floats even, odd;
-            load_pair(values + j * kDim + (c0 + c) * kLanes, &even, &odd);
+            load_pair(values + j * value_stride + (c0 + c) * kLanes, &even, &odd);
             for (int64_t r = 0; r < kRows; ++r) {
               local[r][c] += weight[r][j * stride] * even;
               local[r][c + 1] += weight[r][j * stride] * odd;
@@ -279,7 +296,7 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
           }
         } else {
           for (int64_t c = 0; c < kSlab; ++c) {
-            const Floats value = load_elements(values + j * kDim + (c0 + c) * kLanes);
+            const Floats value = load_elements(values + j * value_stride + (c0 + c) * kLanes);
             for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
           }
         }
@@ -292,7 +309,7 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
     for (int64_t r = 0; r < kRows; ++r) {
       for (int64_t d = 0; d < dim; ++d) acc[r][d] *= decay[r];
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * dim + d];
+        for (int64_t d = 0; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * value_stride + d];
     }
   }
 }
@@ -328,10 +345,10 @@ JSS_INLINE void lane_sums(Floats* x, float* p) {
   }
 }
 
-// The scores of a tile's n keys for one query row qm, into p; kKeys keys at
-// once, past the end the last key is read again.
+// The scores of a tile's n keys (row j at keys + j * stride) for one query
+// row qm, into p; kKeys keys at once, past the end the last key is read again.
 template <int64_t kDim, typename E = float>
-JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, float* p) {
+JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, int64_t stride, float* p) {
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kKeys) {
       Floats acc[kKeys] = {};
@@ -340,7 +357,7 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
           const Floats x_even = load(qm + c), x_odd = load(qm + c + kLanes);
           for (int64_t u = 0; u < kKeys; ++u) {
             Floats even, odd;
-            load_pair(keys + std::min(j + u, n - 1) * kDim + c, &even, &odd);
+            load_pair(keys + std::min(j + u, n - 1) * stride + c, &even, &odd);
             acc[u] += x_even * even;
             acc[u] += x_odd * odd;
           }
@@ -348,7 +365,7 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
       } else {
         for (int64_t c = 0; c < kDim; c += kLanes) {
           const Floats x = load(qm + c);
-          for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * kDim + c);
+          for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * stride + c);
         }
       }
       lane_sums<kKeys, kLanes>(acc, p + j);
@@ -356,7 +373,7 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
   } else {
     static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
     for (int64_t j = 0; j < n; ++j) {
-      const float* key = keys + j * dim;
+      const float* key = keys + j * stride;
       float score = 0.0f;
 #pragma omp simd reduction(+ : score)
       for (int64_t d = 0; d < dim; ++d) score += qm[d] * key[d];
@@ -390,22 +407,22 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
     chunk.total[m] = 0.0f;
     end_all = std::max(end_all, std::min(in.end_key, in.last[m] + 1));
   }
-  for (int64_t start = in.first_key; start < end_all; start += kTile) {
+  for (int64_t start = in.first_key, tile; start < end_all; start += tile) {
     const E *keys, *values;
     const float *k_scale, *v_scale;
-    const int64_t tile = std::min(kTile, end_all - start);
+    int64_t stride;
     if constexpr (std::is_same<E, float>::value) {
-      fetch_tile(in.source, start, tile, D, kbuf, vbuf, &keys, &values);
+      tile = fetch_tile(in.source, start, std::min(kTile, end_all - start), D, true, kbuf, vbuf, &keys, &values,
+                        &stride);
     } else {
-      keys = reinterpret_cast<const E*>(in.source.k) + start * D;
-      values = reinterpret_cast<const E*>(in.source.v) + start * D;
+      tile = tile_in_place(in.source, start, std::min(kTile, end_all - start), &keys, &values, &stride);
     }
     tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t end = std::min(in.end_key, in.last[m] + 1);
       if (start >= end) continue;
-      const int64_t n = std::min(kTile, end - start);
-      score_keys<kDim, E>(q + m * D, keys, n, D, p);
+      const int64_t n = std::min(tile, end - start);
+      score_keys<kDim, E>(q + m * D, keys, n, D, stride, p);
       if (k_scale != nullptr)
         for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
       float tile_top = kNegInf;
@@ -425,7 +442,7 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
         for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
       float* acc = chunk.acc + m * D;
       const float* weights = p;
-      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D);
+      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D, stride);
     }
   }
   if constexpr (kPaired<kDim, E>) {
@@ -460,21 +477,22 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
     end_all = std::max(end_all, ends[block]);
   }
   Rows s[kTile];  // a tile's scores (one vector of rows per key), then its weights
-  for (int64_t start = in.first_key; start < end_all; start += kTile) {
+  for (int64_t start = in.first_key, tile; start < end_all; start += tile) {
     const float *keys, *values, *k_scale, *v_scale;
-    const int64_t tile = std::min(kTile, end_all - start);
-    fetch_tile(in.source, start, tile, D, kbuf, vbuf, &keys, &values);
+    int64_t stride;
+    tile = fetch_tile(in.source, start, std::min(kTile, end_all - start), D, false, kbuf, vbuf, &keys, &values,
+                      &stride);
     tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t block = 0; block < blocks; ++block) {
       const int64_t end = ends[block];
       if (start >= end) continue;
       const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
-      const int64_t n = std::min(kTile, end - start);
+      const int64_t n = std::min(tile, end - start);
       const float* q_block = qt.data() + block * D * kRowLanes;
       const RowInts last = load_row_ints(lasts.data() + block * kRowLanes);
       for (int64_t j = 0; j < n; j += kKeys) {
         const float* key[kKeys];
-        for (int64_t u = 0; u < kKeys; ++u) key[u] = keys + std::min(j + u, n - 1) * D;
+        for (int64_t u = 0; u < kKeys; ++u) key[u] = keys + std::min(j + u, n - 1) * stride;
         Rows acc[kKeys] = {};
         for (int64_t d = 0; d < D; ++d) {
           const Rows x = load_rows(q_block + d * kRowLanes);
@@ -510,13 +528,13 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
           row_decay[i] = decay[r + i];
           row_weights[i] = weights + r + i;
         }
-        accumulate_values<kDim, kValueRows>(acc, row_decay, row_weights, kRowLanes, values, n, D);
+        accumulate_values<kDim, kValueRows>(acc, row_decay, row_weights, kRowLanes, values, n, D, stride);
       }
       for (; r < rows; ++r) {
         float* acc = chunk.acc + (m0 + r) * D;
         const float row_decay = decay[r];
         const float* row_weights = weights + r;
-        accumulate_values<kDim, 1>(&acc, &row_decay, &row_weights, kRowLanes, values, n, D);
+        accumulate_values<kDim, 1>(&acc, &row_decay, &row_weights, kRowLanes, values, n, D, stride);
       }
     }
   }
@@ -535,9 +553,9 @@ JSS_INLINE void run_chunk_dim(const ChunkInput& in, int64_t M, int64_t dim, cons
   if (M >= kLaneRows) {
     rows_in_lanes<kDim>(in, M, dim, chunk);
   } else if constexpr (kDim > 0) {
-    if (in.source.dtype == Dtype::kBF16 && in.source.pages == nullptr) {
+    if (in.source.dtype == Dtype::kBF16) {
       rows_by_dot<kDim, uint16_t>(in, M, dim, chunk);
-    } else if (in.source.dtype == Dtype::kI8 && in.source.pages == nullptr) {
+    } else if (in.source.dtype == Dtype::kI8) {
       rows_by_dot<kDim, int8_t>(in, M, dim, chunk);
     } else {
       rows_by_dot<kDim>(in, M, dim, chunk);

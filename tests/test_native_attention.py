@@ -374,3 +374,27 @@ def test_native_status_says_which_kernel_functions_traced_now_use():
     assert _native.ISAS.get(_native.ISA)
     with _native.use(False):
         assert jss.attention.native_status() == "pure JAX: turned off by _native.use(False)"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("T, groups, page_size", [(1, 1, 16), (1, 2, 5), (16, 2, 16)])
+def test_pages_are_read_in_place_page_by_page(dtype, T, groups, page_size):
+    """Token-major pages through a shuffled table, head dim 64 (the specialised, paired and in-register reads)."""
+    rng = np.random.default_rng(51 + T + page_size)
+    batch, kv_heads, D, table_pages = 3, 2, 64, 11
+    num_pages = batch * table_pages + 3
+    k, v = (np.array(jnp.asarray(randn(rng, num_pages, page_size, kv_heads, D), dtype)) for _ in range(2))
+    table = rng.permutation(num_pages)[: batch * table_pages].reshape(batch, table_pages).astype(np.int32)
+    capacity = table_pages * page_size
+    lengths = np.asarray([capacity, 29, 0], np.int32)
+    q = randn(rng, batch, T, kv_heads * groups, D)
+    positions = jnp.asarray(lengths[:, None] - T + np.arange(T), jnp.int32)
+    out, lse = jax.jit(lambda *args: _native.paged_kernel(*args, causal=True, scale=0.125, relative=False))(
+        jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), jnp.asarray(q), jnp.asarray(lengths), positions)
+
+    def head_major(pages):
+        return pages.astype(np.float64)[table].reshape(batch, capacity, kv_heads, D).transpose(0, 2, 1, 3)
+
+    key_positions = np.broadcast_to(np.arange(capacity), (batch, capacity))
+    assert_close(out, lse, *reference(q, head_major(k), head_major(v), lengths, key_positions, scale=0.125))
