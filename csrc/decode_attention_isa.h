@@ -133,8 +133,8 @@ JSS_INLINE Floats load_elements(const E* p) {
   }
 }
 
-// Dense bfloat16 rows of a head dim that is a multiple of 2 * kLanes are
-// read as pairs: 2 * kLanes elements loaded as kLanes 32-bit lanes, whose low
+// bfloat16 rows read in place, of a head dim that is a multiple of 2 *
+// kLanes, are read as pairs: 2 * kLanes elements loaded as kLanes 32-bit lanes, whose low
 // halves (the even elements) shift up and whose high halves (the odd ones)
 // are masked, two instructions for 2 * kLanes floats.  Queries and value
 // accumulators are then laid out the same way within each block of 2 *
@@ -271,8 +271,9 @@ JSS_INLINE void tile_scales(const PairSource& src, int64_t start, int64_t n, flo
 }
 
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
-// values[j], j < n (row j at values + j * value_stride).  The head dim goes in slabs of registers, so the rows'
-// accumulators of a slab stay in registers over the tile's keys.
+// values[j], j < n (row j at values + j * value_stride).  The head dim goes
+// in slabs of registers, so the rows' accumulators of a slab stay in
+// registers over the tile's keys.
 template <int64_t kDim, int64_t kRows, typename E = float>
 JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
                                   const E* values, int64_t n, int64_t dim, int64_t value_stride) {
@@ -383,10 +384,10 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
 }
 
 // Few query rows (T = 1 decoding): a dot product per key and row; tiles are
-// the outer loop, so each tile is fetched once for all rows.  E = uint16_t
-// (a dense bfloat16 cache) or int8_t (dense int8): read in place and
-// widened in registers (a pass through the tile buffer costs more than the
-// FMAs of so few rows).  A quantized tile's key scales multiply the scores,
+// the outer loop, so each tile is fetched once for all rows, in place where
+// it lies (float32; E = uint16_t: bfloat16, E = int8_t: int8, widened in
+// registers; pages up to their end): a pass through the tile buffer costs
+// more than the FMAs of so few rows.  A quantized tile's key scales multiply the scores,
 // its value scales the weights (after their sum is taken).
 template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
