@@ -493,67 +493,54 @@ ffi::Error QuantizedPagedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::Any
 
 }  // namespace
 
+// What every handler's binding ends with: lengths [B], q_positions [B, T]
+// (after the cache operands), out [B, T, Hq, D], lse [B, T, Hq] and the
+// attributes scale, causal and relative.
+template <typename Binding>
+auto with_queries(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<S32x1>()
+      .template Arg<S32x2>()
+      .template Ret<F32x4>()
+      .template Ret<F32x3>()
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<bool>("relative");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JssDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32x4>()          // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: f32, bf16 or f16
-                                  .Arg<ffi::AnyBuffer>()  // v [B, Hk, C, D]
-                                  .Arg<S32x1>()          // lengths [B]
-                                  .Arg<S32x2>()          // q_positions [B, T]
-                                  .Ret<F32x4>()          // out [B, T, Hq, D]
-                                  .Ret<F32x3>()          // lse [B, T, Hq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("relative"));
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: f32, bf16 or f16
+                                             .Arg<ffi::AnyBuffer>()));  // v [B, Hk, C, D]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JssPagedDecodeAttention, PagedDecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32x4>()          // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: f32, bf16 or f16
-                                  .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
-                                  .Arg<S32x2>()          // page_table [B, N]
-                                  .Arg<S32x1>()          // lengths [B]
-                                  .Arg<S32x2>()          // q_positions [B, T]
-                                  .Ret<F32x4>()          // out [B, T, Hq, D]
-                                  .Ret<F32x3>()          // lse [B, T, Hq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("relative"));
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: f32, bf16 or f16
+                                             .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
+                                             .Arg<S32x2>()));  // page_table [B, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JssQuantizedDecodeAttention, QuantizedDecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32x4>()          // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: int8 or float8_e4m3fn
-                                  .Arg<ffi::AnyBuffer>()  // v [B, Hk, C, D]
-                                  .Arg<ffi::AnyBuffer>()  // k_scale [B, Hk, C, 1] float32
-                                  .Arg<ffi::AnyBuffer>()  // v_scale [B, Hk, C, 1] float32
-                                  .Arg<S32x1>()          // lengths [B]
-                                  .Arg<S32x2>()          // q_positions [B, T]
-                                  .Ret<F32x4>()          // out [B, T, Hq, D]
-                                  .Ret<F32x3>()          // lse [B, T, Hq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("relative"));
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: int8 or float8_e4m3fn
+                                             .Arg<ffi::AnyBuffer>()  // v [B, Hk, C, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_scale [B, Hk, C, 1] float32
+                                             .Arg<ffi::AnyBuffer>()));  // v_scale [B, Hk, C, 1] float32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JssQuantizedPagedDecodeAttention, QuantizedPagedDecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32x4>()          // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: int8 or float8_e4m3fn
-                                  .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
-                                  .Arg<ffi::AnyBuffer>()  // k_scale pages [P, S, Hk, 1] float32
-                                  .Arg<ffi::AnyBuffer>()  // v_scale pages [P, S, Hk, 1] float32
-                                  .Arg<S32x2>()          // page_table [B, N]
-                                  .Arg<S32x1>()          // lengths [B]
-                                  .Arg<S32x2>()          // q_positions [B, T]
-                                  .Ret<F32x4>()          // out [B, T, Hq, D]
-                                  .Ret<F32x3>()          // lse [B, T, Hq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("relative"));
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: int8 or float8_e4m3fn
+                                             .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_scale pages [P, S, Hk, 1] float32
+                                             .Arg<ffi::AnyBuffer>()  // v_scale pages [P, S, Hk, 1] float32
+                                             .Arg<S32x2>()));  // page_table [B, N]
 
 // The instruction-set paths: their names ("baseline", "avx2", "avx512"),
 // whether this CPU runs one, and the one in use.
