@@ -99,6 +99,23 @@ def test_a_quantized_cache_takes_the_kernel_in_a_compiled_step_without_a_dequant
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.max(np.abs(ref)))
 
 
+@needs_native
+def test_vmap_over_lanes_of_one_quantized_cache_runs_the_kernel_per_lane():
+    rng = np.random.default_rng(25)
+    k, k_scale, k64 = quantized_rows(rng, (2, 2, 90, 32), "int8")
+    v, v_scale, v64 = quantized_rows(rng, (2, 2, 90, 32), "int8")
+    lengths = np.asarray([70, 9], np.int32)
+    view = quantized_view(k, v, k_scale, v_scale, lengths)
+    q = randn(rng, 3, 2, 4, 4, 32)  # 3 lanes
+    q_positions = rng.integers(-2, 90, (3, 2, 4)).astype(np.int32)
+    f = jax.jit(jax.vmap(lambda q, p: jss.attend_with_lse(q, view, q_positions=p)))
+    assert _native.QUANTIZED_TARGET in f.lower(jnp.asarray(q), jnp.asarray(q_positions)).compile().as_text()
+    out, lse = f(jnp.asarray(q), jnp.asarray(q_positions))
+    for lane in range(3):
+        ref = reference(q[lane], k64, v64, lengths, view.positions, q_positions=q_positions[lane])
+        assert_close(out[lane], lse[lane], *ref)
+
+
 def paged_case(rng, fmt, batch=3, kv_heads=2, page_size=16, table_pages=9, head_dim=64):
     """Token-major quantized pages, a shuffled page table and the same rows head-major in float64."""
     num_pages = batch * table_pages + 2
