@@ -3,7 +3,7 @@
 ``time CAPACITY``: ``attend`` of one query token over a float32 cache and
 its int8 demotion, both holding ``CAPACITY`` tokens, on the native path
 ``JSS_NATIVE_ISA`` selected at import; prints the median best-of seconds of
-each as JSON.
+each and which kernel each compiled step calls (its HLO) as JSON.
 
 ``memory CAPACITY``: compiles a donated ``demote()`` from shapes alone,
 reads the resident memory (the baseline), fills a float32 cache
@@ -47,7 +47,10 @@ def timing(capacity: int) -> dict:
     for run in runs.values():
         run()
     seconds = interleaved(runs, rounds=9, repeat=5, best_of=True, pause=0.005)
-    return {"seconds": seconds, "native": _native.enabled(), "status": _native.status()}
+    targets = {"float32": (f32, _native.TARGET), "int8": (int8, _native.QUANTIZED_TARGET)}
+    kernels = {name: "native kernel" if f'"{target}"' in step.lower(q, cache).compile().as_text() else "pure loop"
+               for name, (cache, target) in targets.items()}
+    return {"seconds": seconds, "kernels": kernels, "status": _native.status()}
 
 
 def memory(capacity: int) -> dict:

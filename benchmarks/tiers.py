@@ -11,9 +11,9 @@ Measures, in one run:
     <= 2e-2); fp8 (``float8_e4m3fn``) rows for information;
 (c) ``attend`` of one token at 32k valid, int8 time over float32 time
     (bar <= 0.5), once per path of the native kernel the CPU runs
-    (``JSS_NATIVE_ISA``, a fresh process per path): float32 takes the
-    native kernel, int8 the pure-JAX block loop (the native kernel reads
-    float caches only);
+    (``JSS_NATIVE_ISA``, a fresh process per path); each row says which
+    kernel each cache's compiled step calls (both take the native kernel,
+    which reads the int8 values in place and applies their row scales);
 (d) the peak resident memory of a jitted, donated ``demote()`` of a 32k
     float32 cache (batch 1, 8 heads x 128), in a fresh process, resident
     set minus the baseline before the cache existed, over the float32
@@ -111,11 +111,11 @@ def time_rows(capacity: int, cpu: str) -> list[dict[str, Any]]:
             env[_native.ENV_ISA] = path
         result = _child("time", capacity, env)
         seconds = result["seconds"]
-        f32_kernel = "native kernel" if result["native"] else "pure loop"
+        kernels = result["kernels"]
         rows.append(_bar(
-            f"time: [{path or 'no native'}] attend T=1 at {capacity} valid, int8 (pure loop) / float32 "
-            f"({f32_kernel}); {seconds['int8'] * 1e3:.2f} ms / {seconds['float32'] * 1e3:.2f} ms on {cpu}",
-            seconds["int8"] / seconds["float32"], BARS["time"], part="time", path=path,
+            f"time: [{path or 'no native'}] attend T=1 at {capacity} valid, int8 ({kernels['int8']}) / float32 "
+            f"({kernels['float32']}); {seconds['int8'] * 1e3:.2f} ms / {seconds['float32'] * 1e3:.2f} ms on {cpu}",
+            seconds["int8"] / seconds["float32"], BARS["time"], part="time", path=path, kernels=kernels,
             int8_ms=seconds["int8"] * 1e3, float32_ms=seconds["float32"] * 1e3, native_status=result["status"]))
     return rows
 

@@ -9,8 +9,11 @@
 // p <= qp; qp is q_positions[b, t], plus lengths[b] when the attribute
 // relative is set (offsets from the end).  Query head h * G + g reads kv head
 // h (GQA with G = q_heads / kv_heads).  A query that sees nothing gets zeros
-// and lse = -inf.  The cache is float32, bfloat16 or float16; queries,
-// accumulation and results are float32.
+// and lse = -inf.  The cache is float32, bfloat16 or float16, or quantized
+// (JssQuantizedDecodeAttention, JssQuantizedPagedDecodeAttention): int8 or
+// float8_e4m3fn values with one float32 scale per row and kv head for K and
+// one for V, applied to the scores and to the weights of the values, never
+// to a dequantized copy.  Queries, accumulation and results are float32.
 //
 // Work: for every (batch row, kv head) pair, its T * G query rows walk the
 // keys in tiles of kTile with an online softmax (running max, sum and
@@ -34,6 +37,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -60,7 +64,11 @@ constexpr float kExpFloor = -88.0f;
 #define JSS_INLINE inline
 #endif
 
-enum class Dtype { kF32, kBF16, kF16 };
+enum class Dtype { kF32, kBF16, kF16, kI8, kF8 };
+
+constexpr int64_t element_bytes(Dtype dtype) {
+  return dtype == Dtype::kF32 ? 4 : (dtype == Dtype::kI8 || dtype == Dtype::kF8) ? 1 : 2;
+}
 
 struct Shape {
   int64_t batch, T, q_heads, kv_heads, capacity, dim, groups;
@@ -69,20 +77,27 @@ struct Shape {
 
 // Where one (batch row, kv head) pair's rows lie.  Row p starts at byte
 // k + row_offset(p) (and the same offset from v): dense, p * row_stride; paged,
-// through the row's page table.
+// through the row's page table.  A quantized cache's row scales lie the same
+// way, in floats: k_scale[scale_index(p)].
 struct PairSource {
   const char *k, *v;
   Dtype dtype;
   int64_t row_stride;          // bytes between rows of one page (dense: between all rows)
   const int32_t* pages;        // the pair's page table (nullptr: dense)
   int64_t page_size, page_stride, num_pages;  // rows per page, bytes per page, pages in the pool
-  bool dense_f32;              // rows of D floats back to back: read in place
+  const float *k_scale = nullptr, *v_scale = nullptr;  // quantized: the row scales (else nullptr)
+  int64_t scale_stride = 0, scale_page_stride = 0;      // floats between rows' scales, between pages'
 
-  bool contiguous() const { return dense_f32; }
+  bool read_in_place() const { return dtype == Dtype::kF32 && pages == nullptr; }  // else tile buffers too
+  bool quantized() const { return k_scale != nullptr; }
+  int64_t page_of(int64_t p) const { return std::clamp<int64_t>(pages[p / page_size], 0, num_pages - 1); }
   int64_t row_offset(int64_t p) const {
     if (pages == nullptr) return p * row_stride;
-    const int64_t page = std::clamp<int64_t>(pages[p / page_size], 0, num_pages - 1);
-    return page * page_stride + (p % page_size) * row_stride;
+    return page_of(p) * page_stride + (p % page_size) * row_stride;
+  }
+  int64_t scale_index(int64_t p) const {
+    if (pages == nullptr) return p * scale_stride;
+    return page_of(p) * scale_page_stride + (p % page_size) * scale_stride;
   }
 };
 
@@ -101,6 +116,7 @@ struct ChunkInput {
   std::vector<int64_t> last;  // [M]: the last key each row sees
   int64_t first_key, end_key;  // keys this chunk reads: [first_key, end_key)
   float *kbuf, *vbuf;          // [kTile, D] each
+  float *ksbuf, *vsbuf;        // [kTile] each: a paged tile's row scales
 };
 
 using ChunkFn = void (*)(const ChunkInput&, int64_t, int64_t, const Chunk&);
@@ -114,6 +130,7 @@ using ChunkFn = void (*)(const ChunkInput&, int64_t, int64_t, const Chunk&);
 // (jax_session_state._native.DECLINED_ROWS).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define JSS_X86 1
+#include <immintrin.h>
 namespace baseline {  // x86-64: SSE2, 16 registers
 #define JSS_LANES 4
 #define JSS_KEYS 8
@@ -238,15 +255,27 @@ using F32x3 = ffi::Buffer<ffi::F32, 3>;
 using S32x2 = ffi::Buffer<ffi::S32, 2>;
 using S32x1 = ffi::Buffer<ffi::S32, 1>;
 
-// The cache's element type, or false where the kernel does not read it.
-bool cache_dtype(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, Dtype* dtype) {
+// The cache's element type, or false where the kernel does not read it
+// (a float type unquantized; int8 or float8_e4m3fn quantized).
+bool cache_dtype(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, bool quantized, Dtype* dtype) {
   if (k.element_type() != v.element_type()) return false;
   switch (k.element_type()) {
-    case ffi::DataType::F32: *dtype = Dtype::kF32; return true;
-    case ffi::DataType::BF16: *dtype = Dtype::kBF16; return true;
-    case ffi::DataType::F16: *dtype = Dtype::kF16; return true;
+    case ffi::DataType::F32: *dtype = Dtype::kF32; return !quantized;
+    case ffi::DataType::BF16: *dtype = Dtype::kBF16; return !quantized;
+    case ffi::DataType::F16: *dtype = Dtype::kF16; return !quantized;
+    case ffi::DataType::S8: *dtype = Dtype::kI8; return quantized;
+    case ffi::DataType::F8E4M3FN: *dtype = Dtype::kF8; return quantized;
     default: return false;
   }
+}
+
+// Row scales of a quantized cache: float32, one per row of the cache (its
+// shape without head_dim, a trailing 1 allowed).
+bool scales_match(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& cache) {
+  const auto dims = scale.dimensions(), cache_dims = cache.dimensions();
+  if (scale.element_type() != ffi::DataType::F32 || (dims.size() != 3 && dims.size() != 4)) return false;
+  if (dims.size() == 4 && dims[3] != 1) return false;
+  return std::equal(dims.begin(), dims.begin() + 3, cache_dims.begin());
 }
 
 // Attention of every query over its pair's rows, as source(pair) lays them out.
@@ -297,17 +326,19 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
     const Chunk& chunk = chunks[i];
     const int64_t b = chunk.pair / shape.kv_heads, h = chunk.pair % shape.kv_heads, G = shape.groups;
     ChunkInput in{source(chunk.pair), std::vector<float>(M * D), std::vector<int64_t>(M), chunk.first_key,
-                  chunk.end_key, nullptr, nullptr};
+                  chunk.end_key, nullptr, nullptr, nullptr, nullptr};
     for (int64_t m = 0; m < M; ++m) {
       const float* row = q + ((b * shape.T + m / G) * shape.q_heads + h * G + m % G) * D;
       for (int64_t d = 0; d < D; ++d) in.q[m * D + d] = row[d] * scale;
       in.last[m] = last[b * shape.T + m / G];
     }
     std::vector<float> buffers;
-    if (!in.source.contiguous()) {
-      buffers.resize(2 * kTile * D);
+    if (!in.source.read_in_place()) {
+      buffers.resize(2 * kTile * (D + 1));
       in.kbuf = buffers.data();
       in.vbuf = buffers.data() + kTile * D;
+      in.ksbuf = buffers.data() + 2 * kTile * D;
+      in.vsbuf = in.ksbuf + kTile;
     }
     run_chunk(in, M, D, chunk);
   };
@@ -348,90 +379,168 @@ bool queries_match(const Shape& shape, S32x1& lengths, S32x2& q_positions) {
          q_positions.dimensions()[0] == shape.batch && q_positions.dimensions()[1] == shape.T;
 }
 
-// A head-major cache: k, v [B, Hk, C, D].
-ffi::Error DecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x1 lengths,
-                           S32x2 q_positions, ffi::Result<F32x4> out, ffi::Result<F32x3> lse, float scale, bool causal,
-                           bool relative) {
+// A head-major cache: k, v [B, Hk, C, D]; quantized, with k_scale, v_scale [B, Hk, C(, 1)].
+ffi::Error DenseAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                          const ffi::AnyBuffer* k_scale, const ffi::AnyBuffer* v_scale, S32x1& lengths,
+                          S32x2& q_positions, ffi::Result<F32x4>& out, ffi::Result<F32x3>& lse, float scale,
+                          bool causal, bool relative) {
   Dtype dtype;
+  const bool quantized = k_scale != nullptr;
   const auto q_dims = q.dimensions(), k_dims = k.dimensions(), v_dims = v.dimensions();
-  if (!cache_dtype(k, v, &dtype) || k_dims.size() != 4 || !std::equal(k_dims.begin(), k_dims.end(), v_dims.begin()) ||
-      q_dims[0] != k_dims[0] || q_dims[3] != k_dims[3] || k_dims[1] == 0) {
+  if (!cache_dtype(k, v, quantized, &dtype) || k_dims.size() != 4 ||
+      !std::equal(k_dims.begin(), k_dims.end(), v_dims.begin()) || q_dims[0] != k_dims[0] ||
+      q_dims[3] != k_dims[3] || k_dims[1] == 0 ||
+      (quantized && !(scales_match(*k_scale, k) && scales_match(*v_scale, v)))) {
     return ffi::Error::InvalidArgument(
-        "decode attention: q [B, T, Hq, D] float32 and k, v [B, Hk, C, D] of one float type do not match");
+        quantized ? "quantized decode attention: q [B, T, Hq, D] float32, k, v [B, Hk, C, D] int8 or float8_e4m3fn "
+                    "and k_scale, v_scale [B, Hk, C, 1] float32 do not match"
+                  : "decode attention: q [B, T, Hq, D] float32 and k, v [B, Hk, C, D] of one float type do not match");
   }
   const Shape shape{q_dims[0], q_dims[1], q_dims[2], k_dims[1], k_dims[2], q_dims[3], q_dims[2] / k_dims[1]};
   if (!queries_match(shape, lengths, q_positions))
     return ffi::Error::InvalidArgument("decode attention: lengths [B] and q_positions [B, T] do not match q");
-  const int64_t element = dtype == Dtype::kF32 ? 4 : 2, row = shape.dim * element;
+  const int64_t row = shape.dim * element_bytes(dtype);
   const char *k_data = static_cast<const char*>(k.untyped_data()), *v_data = static_cast<const char*>(v.untyped_data());
+  const float* k_scales = quantized ? static_cast<const float*>(k_scale->untyped_data()) : nullptr;
+  const float* v_scales = quantized ? static_cast<const float*>(v_scale->untyped_data()) : nullptr;
   const auto source = [&](int64_t pair) {
     const int64_t offset = pair * shape.capacity * row;
-    return PairSource{k_data + offset, v_data + offset, dtype, row, nullptr, 0, 0, 0, dtype == Dtype::kF32};
+    PairSource src{k_data + offset, v_data + offset, dtype, row, nullptr, 0, 0, 0};
+    if (quantized) {
+      src.k_scale = k_scales + pair * shape.capacity;
+      src.v_scale = v_scales + pair * shape.capacity;
+      src.scale_stride = 1;
+    }
+    return src;
   };
   return Attend(pool, shape, q.typed_data(), source, lengths.typed_data(), q_positions.typed_data(),
                 out->typed_data(), lse->typed_data(), scale, causal, relative);
 }
 
-// A paged cache: k_pages, v_pages [P, S, Hk, D] (token-major pages), page_table [B, pages per row].
-ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x2 page_table,
-                                S32x1 lengths, S32x2 q_positions, ffi::Result<F32x4> out, ffi::Result<F32x3> lse,
-                                float scale, bool causal, bool relative) {
+ffi::Error DecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x1 lengths,
+                           S32x2 q_positions, ffi::Result<F32x4> out, ffi::Result<F32x3> lse, float scale, bool causal,
+                           bool relative) {
+  return DenseAttention(pool, q, k, v, nullptr, nullptr, lengths, q_positions, out, lse, scale, causal, relative);
+}
+
+ffi::Error QuantizedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                    ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, S32x1 lengths, S32x2 q_positions,
+                                    ffi::Result<F32x4> out, ffi::Result<F32x3> lse, float scale, bool causal,
+                                    bool relative) {
+  return DenseAttention(pool, q, k, v, &k_scale, &v_scale, lengths, q_positions, out, lse, scale, causal, relative);
+}
+
+// A paged cache: k_pages, v_pages [P, S, Hk, D] (token-major pages), page_table [B, pages per row];
+// quantized, with scale pages k_scale, v_scale [P, S, Hk(, 1)].
+ffi::Error PagedAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+                          const ffi::AnyBuffer* k_scale, const ffi::AnyBuffer* v_scale, S32x2& page_table,
+                          S32x1& lengths, S32x2& q_positions, ffi::Result<F32x4>& out, ffi::Result<F32x3>& lse,
+                          float scale, bool causal, bool relative) {
   Dtype dtype;
+  const bool quantized = k_scale != nullptr;
   const auto q_dims = q.dimensions(), k_dims = k.dimensions(), v_dims = v.dimensions();
   const auto table_dims = page_table.dimensions();
-  if (!cache_dtype(k, v, &dtype) || k_dims.size() != 4 || !std::equal(k_dims.begin(), k_dims.end(), v_dims.begin()) ||
-      q_dims[0] != table_dims[0] || q_dims[3] != k_dims[3] || k_dims[0] == 0 || k_dims[2] == 0) {
+  if (!cache_dtype(k, v, quantized, &dtype) || k_dims.size() != 4 ||
+      !std::equal(k_dims.begin(), k_dims.end(), v_dims.begin()) || q_dims[0] != table_dims[0] ||
+      q_dims[3] != k_dims[3] || k_dims[0] == 0 || k_dims[2] == 0 ||
+      (quantized && !(scales_match(*k_scale, k) && scales_match(*v_scale, v)))) {
     return ffi::Error::InvalidArgument(
-        "paged decode attention: q [B, T, Hq, D] float32, pages [P, S, Hk, D] of one float type and "
-        "page_table [B, N] do not match");
+        quantized ? "quantized paged decode attention: q [B, T, Hq, D] float32, pages [P, S, Hk, D] int8 or "
+                    "float8_e4m3fn, scale pages [P, S, Hk, 1] float32 and page_table [B, N] do not match"
+                  : "paged decode attention: q [B, T, Hq, D] float32, pages [P, S, Hk, D] of one float type and "
+                    "page_table [B, N] do not match");
   }
   const int64_t page_size = k_dims[1], kv_heads = k_dims[2];
   const Shape shape{q_dims[0], q_dims[1], q_dims[2], kv_heads, table_dims[1] * page_size, q_dims[3],
                     q_dims[2] / kv_heads};
   if (!queries_match(shape, lengths, q_positions))
     return ffi::Error::InvalidArgument("paged decode attention: lengths [B] and q_positions [B, T] do not match q");
-  const int64_t element = dtype == Dtype::kF32 ? 4 : 2, row = shape.dim * element;
+  const int64_t row = shape.dim * element_bytes(dtype);
   const char *k_data = static_cast<const char*>(k.untyped_data()), *v_data = static_cast<const char*>(v.untyped_data());
+  const float* k_scales = quantized ? static_cast<const float*>(k_scale->untyped_data()) : nullptr;
+  const float* v_scales = quantized ? static_cast<const float*>(v_scale->untyped_data()) : nullptr;
   const int32_t* table = page_table.typed_data();
   const auto source = [&](int64_t pair) {
     const int64_t b = pair / kv_heads, h = pair % kv_heads;
-    return PairSource{k_data + h * row, v_data + h * row, dtype, kv_heads * row, table + b * table_dims[1],
-                      page_size, page_size * kv_heads * row, k_dims[0], false};
+    PairSource src{k_data + h * row, v_data + h * row, dtype, kv_heads * row, table + b * table_dims[1],
+                   page_size, page_size * kv_heads * row, k_dims[0]};
+    if (quantized) {
+      src.k_scale = k_scales + h;
+      src.v_scale = v_scales + h;
+      src.scale_stride = kv_heads;
+      src.scale_page_stride = page_size * kv_heads;
+    }
+    return src;
   };
   return Attend(pool, shape, q.typed_data(), source, lengths.typed_data(), q_positions.typed_data(),
                 out->typed_data(), lse->typed_data(), scale, causal, relative);
 }
 
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x2 page_table,
+                                S32x1 lengths, S32x2 q_positions, ffi::Result<F32x4> out, ffi::Result<F32x3> lse,
+                                float scale, bool causal, bool relative) {
+  return PagedAttention(pool, q, k, v, nullptr, nullptr, page_table, lengths, q_positions, out, lse, scale, causal,
+                        relative);
+}
+
+ffi::Error QuantizedPagedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                         ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, S32x2 page_table,
+                                         S32x1 lengths, S32x2 q_positions, ffi::Result<F32x4> out,
+                                         ffi::Result<F32x3> lse, float scale, bool causal, bool relative) {
+  return PagedAttention(pool, q, k, v, &k_scale, &v_scale, page_table, lengths, q_positions, out, lse, scale, causal,
+                        relative);
+}
+
 }  // namespace
 
+// What every handler's binding ends with: lengths [B], q_positions [B, T]
+// (after the cache operands), out [B, T, Hq, D], lse [B, T, Hq] and the
+// attributes scale, causal and relative.
+template <typename Binding>
+auto with_queries(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<S32x1>()
+      .template Arg<S32x2>()
+      .template Ret<F32x4>()
+      .template Ret<F32x3>()
+      .template Attr<float>("scale")
+      .template Attr<bool>("causal")
+      .template Attr<bool>("relative");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JssDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32x4>()          // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: f32, bf16 or f16
-                                  .Arg<ffi::AnyBuffer>()  // v [B, Hk, C, D]
-                                  .Arg<S32x1>()          // lengths [B]
-                                  .Arg<S32x2>()          // q_positions [B, T]
-                                  .Ret<F32x4>()          // out [B, T, Hq, D]
-                                  .Ret<F32x3>()          // lse [B, T, Hq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("relative"));
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: f32, bf16 or f16
+                                             .Arg<ffi::AnyBuffer>()));  // v [B, Hk, C, D]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JssPagedDecodeAttention, PagedDecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32x4>()          // q [B, T, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: f32, bf16 or f16
-                                  .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
-                                  .Arg<S32x2>()          // page_table [B, N]
-                                  .Arg<S32x1>()          // lengths [B]
-                                  .Arg<S32x2>()          // q_positions [B, T]
-                                  .Ret<F32x4>()          // out [B, T, Hq, D]
-                                  .Ret<F32x3>()          // lse [B, T, Hq]
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("relative"));
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: f32, bf16 or f16
+                                             .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
+                                             .Arg<S32x2>()));  // page_table [B, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JssQuantizedDecodeAttention, QuantizedDecodeAttention,
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k [B, Hk, C, D]: int8 or float8_e4m3fn
+                                             .Arg<ffi::AnyBuffer>()  // v [B, Hk, C, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_scale [B, Hk, C, 1] float32
+                                             .Arg<ffi::AnyBuffer>()));  // v_scale [B, Hk, C, 1] float32
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JssQuantizedPagedDecodeAttention, QuantizedPagedDecodeAttention,
+                              with_queries(ffi::Ffi::Bind()
+                                             .Ctx<ffi::ThreadPool>()
+                                             .Arg<F32x4>()          // q [B, T, Hq, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_pages [P, S, Hk, D]: int8 or float8_e4m3fn
+                                             .Arg<ffi::AnyBuffer>()  // v_pages [P, S, Hk, D]
+                                             .Arg<ffi::AnyBuffer>()  // k_scale pages [P, S, Hk, 1] float32
+                                             .Arg<ffi::AnyBuffer>()  // v_scale pages [P, S, Hk, 1] float32
+                                             .Arg<S32x2>()));  // page_table [B, N]
 
 // The instruction-set paths: their names ("baseline", "avx2", "avx512"),
 // whether this CPU runs one, and the one in use.

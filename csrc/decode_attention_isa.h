@@ -44,6 +44,7 @@ JSS_INLINE Rows load_rows(const float* p) { return load_as<Rows>(p); }
 JSS_INLINE void store_rows(float* p, Rows x) { store_as(p, x); }
 JSS_INLINE RowInts load_row_ints(const int32_t* p) { return load_as<RowInts>(p); }
 typedef uint16_t Halves __attribute__((vector_size(2 * kLanes)));
+typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 // Generic over a float or a vector of floats (Floats or Rows, which may be one type).
 template <typename F>
 using IntsOf = typename std::conditional<std::is_same<F, float>::value, int32_t, decltype(F{} > F{})>::type;
@@ -92,26 +93,103 @@ JSS_INLINE F exp_clamped(F x) {
 JSS_INLINE float exp_nonpositive(float x) { return exp_clamped<float>(std::max(x, kExpFloor)); }
 
 // kLanes cache elements as floats: float32 as they are, bfloat16 (E =
-// uint16_t) widened in registers (zero-extend, shift into the high half).
+// uint16_t) widened in registers (zero-extend, shift into the high half),
+// int8 values converted (their row scales are applied by the caller).  On
+// x86 through intrinsics: GCC lowers a generic int8 -> float conversion
+// element by element, and a 16-bit widening in five instructions for two.
 template <typename E>
 JSS_INLINE Floats load_elements(const E* p) {
   if constexpr (std::is_same<E, float>::value) {
     return load(p);
+  } else if constexpr (std::is_same<E, int8_t>::value) {
+#if defined(JSS_X86) && JSS_LANES == 16
+    return (Floats)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(JSS_X86) && JSS_LANES == 8
+    return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(JSS_X86)  // SSE2: sign-extend by unpacking each byte into the top of its lane
+    int32_t word;
+    std::memcpy(&word, p, sizeof word);
+    __m128i x = _mm_cvtsi32_si128(word);
+    x = _mm_unpacklo_epi8(x, x);
+    x = _mm_srai_epi32(_mm_unpacklo_epi16(x, x), 24);
+    return (Floats)_mm_cvtepi32_ps(x);
+#else
+    return __builtin_convertvector(load_as<Bytes>(p), Floats);
+#endif
   } else {
+#if defined(JSS_X86) && JSS_LANES == 16
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return (Floats)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(JSS_X86) && JSS_LANES == 8
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return (Floats)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#elif defined(JSS_X86)
+    const __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return (Floats)_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), halves));
+#else
     const Ints wide = __builtin_convertvector(load_as<Halves>(p), Ints) << 16;
     return bits_to_float<Floats>(wide);
+#endif
   }
+}
+
+// bfloat16 rows read in place, of a head dim that is a multiple of 2 *
+// kLanes, are read as pairs: 2 * kLanes elements loaded as kLanes 32-bit lanes, whose low
+// halves (the even elements) shift up and whose high halves (the odd ones)
+// are masked, two instructions for 2 * kLanes floats.  Queries and value
+// accumulators are then laid out the same way within each block of 2 *
+// kLanes: the even elements, then the odd ones (paired_order).
+template <int64_t kDim, typename E>
+constexpr bool kPaired = std::is_same<E, uint16_t>::value && kDim > 0 && kDim % (2 * kLanes) == 0;
+
+JSS_INLINE void load_pair(const uint16_t* p, Floats* even, Floats* odd) {
+  const Ints bits = load_as<Ints>(p);
+  *even = bits_to_float<Floats>(bits << 16);
+  *odd = bits_to_float<Floats>(bits & static_cast<int32_t>(0xffff0000u));
+}
+
+// x[0, D) into (to_pairs) or out of the paired layout, through tmp[D].
+JSS_INLINE void paired_order(float* x, int64_t D, bool to_pairs, float* tmp) {
+  for (int64_t block = 0; block < D; block += 2 * kLanes)
+    for (int64_t i = 0; i < kLanes; ++i)
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t natural = block + 2 * i + half, paired = block + half * kLanes + i;
+        tmp[to_pairs ? paired : natural] = x[to_pairs ? natural : paired];
+      }
+  std::memcpy(x, tmp, D * sizeof(float));
 }
 
 // The largest power of two <= n (n >= 1).
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
 // D elements of a tile as float32: copied (f32 with a row stride, paged) or
-// widened (bf16: the high half of a float; f16: exponent rebiased, with
-// subnormals, infinities and NaN).
+// widened (bf16: the high half of a float; f16 and float8_e4m3fn: exponent
+// rebiased, with subnormals, infinities and NaN; int8: converted; the row
+// scales of quantized values are applied by the caller).
 JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
   if (dtype == Dtype::kF32) {
     std::memcpy(dst, src, D * sizeof(float));
+    return;
+  }
+  if (dtype == Dtype::kI8) {
+    const int8_t* b = reinterpret_cast<const int8_t*>(src);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(b[d]);
+    return;
+  }
+  // Exponents are rebiased in the integer bits; subnormals go through an
+  // integer conversion (XLA runs with denormal inputs read as zero).
+  if (dtype == Dtype::kF8) {  // e4m3fn: no infinities, NaN at magnitude 0x7f
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t bits = b[d], magnitude = bits & 0x7fu;
+      const float subnormal = static_cast<float>(magnitude) * 0.001953125f;  // m * 2^-9
+      uint32_t small;
+      std::memcpy(&small, &subnormal, sizeof small);
+      uint32_t widened = magnitude < 0x08u ? small : (magnitude << 20) + (120u << 23);
+      widened = magnitude == 0x7fu ? 0x7fc00000u : widened;
+      out[d] = widened | ((bits & 0x80u) << 24);
+    }
     return;
   }
   const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
@@ -121,27 +199,41 @@ JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
     return;
   }
   for (int64_t d = 0; d < D; ++d) {
-    const uint32_t bits = h[d], magnitude = bits & 0x7fffu;
-    float f;
-    const uint32_t shifted = magnitude << 13;
-    std::memcpy(&f, &shifted, sizeof f);
-    f *= 5.192296858534828e+33f;  // 2^112: rebias the exponent (exact for subnormals too)
-    uint32_t widened;
-    std::memcpy(&widened, &f, sizeof widened);
+    const uint32_t bits = h[d], magnitude = bits & 0x7fffu, shifted = magnitude << 13;
+    const float subnormal = static_cast<float>(magnitude) * 5.9604644775390625e-8f;  // m * 2^-24
+    uint32_t small;
+    std::memcpy(&small, &subnormal, sizeof small);
+    uint32_t widened = magnitude < 0x400u ? small : shifted + (112u << 23);
     widened = magnitude >= 0x7c00u ? (shifted | 0x7f800000u) : widened;  // inf, nan
     out[d] = widened | ((bits & 0x8000u) << 16);
   }
 }
 
-// The tile [start, start + n) of a pair's keys and values as contiguous
-// float32 rows: in place for a dense float32 cache, else through kbuf/vbuf.
-JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int64_t D, float* kbuf, float* vbuf,
-                           const float** keys, const float** values) {
-  if (src.contiguous()) {
-    *keys = reinterpret_cast<const float*>(src.k) + start * D;
-    *values = reinterpret_cast<const float*>(src.v) + start * D;
-    return;
-  }
+// Up to n rows of a pair's keys and values from row start, as rows of E
+// (float32 or the cache's own 16-bit / int8 type) where they lie: a dense
+// cache's n rows, or a page's rows up to its end.  Returns the rows given
+// and sets *stride to the elements between two of them.
+template <typename E>
+JSS_INLINE int64_t tile_in_place(const PairSource& src, int64_t start, int64_t n, const E** keys, const E** values,
+                                 int64_t* stride) {
+  const int64_t offset = src.row_offset(start);
+  *keys = reinterpret_cast<const E*>(src.k + offset);
+  *values = reinterpret_cast<const E*>(src.v + offset);
+  *stride = src.row_stride / static_cast<int64_t>(sizeof(E));
+  return src.pages == nullptr ? n : std::min(n, src.page_size - start % src.page_size);
+}
+
+// Up to n rows of a pair's keys and values from row start as float32 rows:
+// in place for a dense float32 cache, and for float32 pages where
+// pages_in_place (a page's rows up to its end: few query rows, where a copy
+// costs more than short tiles); else copied or widened into kbuf/vbuf (all
+// n; many rows, whose accumulators are reloaded once per tile).  Returns the
+// rows given; *stride as tile_in_place.
+JSS_INLINE int64_t fetch_tile(const PairSource& src, int64_t start, int64_t n, int64_t D, bool pages_in_place,
+                              float* kbuf, float* vbuf, const float** keys, const float** values, int64_t* stride) {
+  if (src.dtype == Dtype::kF32 && (src.pages == nullptr || pages_in_place))
+    return tile_in_place(src, start, n, keys, values, stride);
+  *stride = D;
   if (src.pages == nullptr) {  // dense, another dtype: the tile's rows are one run of n * D elements
     const int64_t offset = src.row_offset(start);
     widen(src.k + offset, src.dtype, n * D, kbuf);
@@ -155,14 +247,36 @@ JSS_INLINE void fetch_tile(const PairSource& src, int64_t start, int64_t n, int6
   }
   *keys = kbuf;
   *values = vbuf;
+  return n;
+}
+
+// The row scales of the tile [start, start + n) of a quantized pair (nullptr
+// otherwise): in place for a dense cache, else gathered into ksbuf/vsbuf.
+JSS_INLINE void tile_scales(const PairSource& src, int64_t start, int64_t n, float* ksbuf, float* vsbuf,
+                            const float** k_scale, const float** v_scale) {
+  if (!src.quantized()) {
+    *k_scale = *v_scale = nullptr;
+  } else if (src.pages == nullptr && src.scale_stride == 1) {
+    *k_scale = src.k_scale + start;
+    *v_scale = src.v_scale + start;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t index = src.scale_index(start + i);
+      ksbuf[i] = src.k_scale[index];
+      vsbuf[i] = src.v_scale[index];
+    }
+    *k_scale = ksbuf;
+    *v_scale = vsbuf;
+  }
 }
 
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
-// values[j], j < n.  The head dim goes in slabs of registers, so the rows'
-// accumulators of a slab stay in registers over the tile's keys.
+// values[j], j < n (row j at values + j * value_stride).  The head dim goes
+// in slabs of registers, so the rows' accumulators of a slab stay in
+// registers over the tile's keys.
 template <int64_t kDim, int64_t kRows, typename E = float>
 JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
-                                  const E* values, int64_t n, int64_t dim) {
+                                  const E* values, int64_t n, int64_t dim, int64_t value_stride) {
   if constexpr (kDim > 0) {
     constexpr int64_t kChunks = kDim / kLanes;
     constexpr int64_t kSlab = std::min(kChunks, floor_pow2(std::max<int64_t>(1, kRegs / kRows)));
@@ -170,11 +284,24 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
       Floats local[kRows][kSlab];
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t c = 0; c < kSlab; ++c) {
-          const Floats value = load_elements(values + j * kDim + (c0 + c) * kLanes);
-          for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
+      for (int64_t j = 0; j < n; ++j) {
+        if constexpr (kPaired<kDim, E>) {
+          static_assert(kSlab % 2 == 0, "a slab holds whole pairs");
+          for (int64_t c = 0; c < kSlab; c += 2) {
+            Floats even, odd;
+            load_pair(values + j * value_stride + (c0 + c) * kLanes, &even, &odd);
+            for (int64_t r = 0; r < kRows; ++r) {
+              local[r][c] += weight[r][j * stride] * even;
+              local[r][c + 1] += weight[r][j * stride] * odd;
+            }
+          }
+        } else {
+          for (int64_t c = 0; c < kSlab; ++c) {
+            const Floats value = load_elements(values + j * value_stride + (c0 + c) * kLanes);
+            for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
+          }
         }
+      }
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
     }
@@ -183,34 +310,71 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
     for (int64_t r = 0; r < kRows; ++r) {
       for (int64_t d = 0; d < dim; ++d) acc[r][d] *= decay[r];
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * dim + d];
+        for (int64_t d = 0; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * value_stride + d];
     }
   }
 }
 
-JSS_INLINE float lane_sum(Floats x) {
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += x[l];
-  return sum;
+// Lanes [0, L/2) of the result: a's groups of 2W lanes folded to W (each
+// half added to the other); lanes [L/2, L): b's.
+template <int W, int... J>
+JSS_INLINE Floats fold_groups(Floats a, Floats b, std::integer_sequence<int, J...>) {
+  constexpr int H = kLanes / 2;
+  return __builtin_shufflevector(a, b, ((J < H ? 0 : kLanes) + (J % H) / W * 2 * W + J % W)...) +
+         __builtin_shufflevector(a, b, ((J < H ? 0 : kLanes) + (J % H) / W * 2 * W + J % W + W)...);
+}
+template <int W>
+JSS_INLINE Floats fold_groups(Floats a, Floats b) {
+  return fold_groups<W>(a, b, std::make_integer_sequence<int, kLanes>{});
 }
 
-// The scores of a tile's n keys for one query row qm, into p; kKeys keys at
-// once, past the end the last key is read again.
+// The lane sums of x[0 .. N) (each lane a group of G partial sums of one
+// key), stored in key order from p on (p has room for kLanes more floats):
+// pairs of vectors folded into one while groups have two lanes or more,
+// then a single vector folded into itself.  A transposing reduction: a
+// shuffle and an add per two keys and level instead of a lane-by-lane sum.
+template <int N, int G>
+JSS_INLINE void lane_sums(Floats* x, float* p) {
+  if constexpr (G == 1) {
+    for (int i = 0; i < N; ++i) store(p + i * kLanes, x[i]);
+  } else if constexpr (N > 1) {
+    for (int i = 0; i < N / 2; ++i) x[i] = fold_groups<G / 2>(x[2 * i], x[2 * i + 1]);
+    lane_sums<N / 2, G / 2>(x, p);
+  } else {
+    x[0] = fold_groups<G / 2>(x[0], x[0]);
+    lane_sums<1, G / 2>(x, p);
+  }
+}
+
+// The scores of a tile's n keys (row j at keys + j * stride) for one query
+// row qm, into p; kKeys keys at once, past the end the last key is read again.
 template <int64_t kDim, typename E = float>
-JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, float* p) {
+JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, int64_t stride, float* p) {
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kKeys) {
       Floats acc[kKeys] = {};
-      for (int64_t c = 0; c < kDim; c += kLanes) {
-        const Floats x = load(qm + c);
-        for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * kDim + c);
+      if constexpr (kPaired<kDim, E>) {  // qm in the paired layout
+        for (int64_t c = 0; c < kDim; c += 2 * kLanes) {
+          const Floats x_even = load(qm + c), x_odd = load(qm + c + kLanes);
+          for (int64_t u = 0; u < kKeys; ++u) {
+            Floats even, odd;
+            load_pair(keys + std::min(j + u, n - 1) * stride + c, &even, &odd);
+            acc[u] += x_even * even;
+            acc[u] += x_odd * odd;
+          }
+        }
+      } else {
+        for (int64_t c = 0; c < kDim; c += kLanes) {
+          const Floats x = load(qm + c);
+          for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * load_elements(keys + std::min(j + u, n - 1) * stride + c);
+        }
       }
-      for (int64_t u = 0; u < kKeys; ++u) p[j + u] = lane_sum(acc[u]);
+      lane_sums<kKeys, kLanes>(acc, p + j);
     }
   } else {
     static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
     for (int64_t j = 0; j < n; ++j) {
-      const float* key = keys + j * dim;
+      const float* key = keys + j * stride;
       float score = 0.0f;
 #pragma omp simd reduction(+ : score)
       for (int64_t d = 0; d < dim; ++d) score += qm[d] * key[d];
@@ -220,33 +384,48 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
 }
 
 // Few query rows (T = 1 decoding): a dot product per key and row; tiles are
-// the outer loop, so each tile is fetched once for all rows.  E = uint16_t:
-// a dense bfloat16 cache, read in place and widened in registers (a pass
-// through the tile buffer costs more than the FMAs of so few rows).
+// the outer loop, so each tile is fetched once for all rows, in place where
+// it lies (float32; E = uint16_t: bfloat16, E = int8_t: int8, widened in
+// registers; pages up to their end): a pass through the tile buffer costs
+// more than the FMAs of so few rows.  A quantized tile's key scales multiply the scores,
+// its value scales the weights (after their sum is taken).
 template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
   const int64_t D = kDim > 0 ? kDim : dim;
-  float p[kTile + kKeys];  // a tile's scores, then its weights
+  float p[kTile + kKeys + kLanes];  // a tile's scores, then its weights
   float *kbuf = in.kbuf, *vbuf = in.vbuf;
+  const float* q = in.q.data();
+  std::vector<float> paired_q, tmp;
+  if constexpr (kPaired<kDim, E>) {
+    paired_q.assign(in.q.begin(), in.q.end());
+    tmp.resize(D);
+    for (int64_t m = 0; m < M; ++m) paired_order(paired_q.data() + m * D, D, true, tmp.data());
+    q = paired_q.data();
+  }
   int64_t end_all = in.first_key;
   for (int64_t m = 0; m < M; ++m) {
     chunk.top[m] = kNegInf;
     chunk.total[m] = 0.0f;
     end_all = std::max(end_all, std::min(in.end_key, in.last[m] + 1));
   }
-  for (int64_t start = in.first_key; start < end_all; start += kTile) {
+  for (int64_t start = in.first_key, tile; start < end_all; start += tile) {
     const E *keys, *values;
+    const float *k_scale, *v_scale;
+    int64_t stride;
     if constexpr (std::is_same<E, float>::value) {
-      fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+      tile = fetch_tile(in.source, start, std::min(kTile, end_all - start), D, true, kbuf, vbuf, &keys, &values,
+                        &stride);
     } else {
-      keys = reinterpret_cast<const E*>(in.source.k) + start * D;
-      values = reinterpret_cast<const E*>(in.source.v) + start * D;
+      tile = tile_in_place(in.source, start, std::min(kTile, end_all - start), &keys, &values, &stride);
     }
+    tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t end = std::min(in.end_key, in.last[m] + 1);
       if (start >= end) continue;
-      const int64_t n = std::min(kTile, end - start);
-      score_keys<kDim, E>(in.q.data() + m * D, keys, n, D, p);
+      const int64_t n = std::min(tile, end - start);
+      score_keys<kDim, E>(q + m * D, keys, n, D, stride, p);
+      if (k_scale != nullptr)
+        for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
       float tile_top = kNegInf;
       for (int64_t j = 0; j < n; ++j) tile_top = std::max(tile_top, p[j]);
       const float top = chunk.top[m], new_top = std::max(top, tile_top);
@@ -260,10 +439,15 @@ JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const 
       const float decay = exp_nonpositive(top - new_top);  // 0 while nothing was seen
       chunk.top[m] = new_top;
       chunk.total[m] = chunk.total[m] * decay + tile_total;
+      if (v_scale != nullptr)
+        for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
       float* acc = chunk.acc + m * D;
       const float* weights = p;
-      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D);
+      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D, stride);
     }
+  }
+  if constexpr (kPaired<kDim, E>) {
+    for (int64_t m = 0; m < M; ++m) paired_order(chunk.acc + m * D, D, false, tmp.data());
   }
 }
 
@@ -294,24 +478,29 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
     end_all = std::max(end_all, ends[block]);
   }
   Rows s[kTile];  // a tile's scores (one vector of rows per key), then its weights
-  for (int64_t start = in.first_key; start < end_all; start += kTile) {
-    const float *keys, *values;
-    fetch_tile(in.source, start, std::min(kTile, end_all - start), D, kbuf, vbuf, &keys, &values);
+  for (int64_t start = in.first_key, tile; start < end_all; start += tile) {
+    const float *keys, *values, *k_scale, *v_scale;
+    int64_t stride;
+    tile = fetch_tile(in.source, start, std::min(kTile, end_all - start), D, false, kbuf, vbuf, &keys, &values,
+                      &stride);
+    tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t block = 0; block < blocks; ++block) {
       const int64_t end = ends[block];
       if (start >= end) continue;
       const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
-      const int64_t n = std::min(kTile, end - start);
+      const int64_t n = std::min(tile, end - start);
       const float* q_block = qt.data() + block * D * kRowLanes;
       const RowInts last = load_row_ints(lasts.data() + block * kRowLanes);
       for (int64_t j = 0; j < n; j += kKeys) {
         const float* key[kKeys];
-        for (int64_t u = 0; u < kKeys; ++u) key[u] = keys + std::min(j + u, n - 1) * D;
+        for (int64_t u = 0; u < kKeys; ++u) key[u] = keys + std::min(j + u, n - 1) * stride;
         Rows acc[kKeys] = {};
         for (int64_t d = 0; d < D; ++d) {
           const Rows x = load_rows(q_block + d * kRowLanes);
           for (int64_t u = 0; u < kKeys; ++u) acc[u] += x * key[u][d];
         }
+        if (k_scale != nullptr)
+          for (int64_t u = 0; u < kKeys; ++u) acc[u] *= k_scale[std::min(j + u, n - 1)];
         for (int64_t u = 0; u < kKeys; ++u)
           s[j + u] = static_cast<int32_t>(start + j + u) <= last ? acc[u] : neg_inf;
       }
@@ -326,6 +515,8 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
       }
       store_rows(totals.data() + block * kRowLanes, load_rows(totals.data() + block * kRowLanes) * decay + tile_total);
       store_rows(tops.data() + block * kRowLanes, new_top);
+      if (v_scale != nullptr)
+        for (int64_t j = 0; j < n; ++j) s[j] *= v_scale[j];
       // Weights past a row's last key are exactly 0, so rows go kValueRows at a time over the tile's n keys.
       const float* weights = reinterpret_cast<const float*>(s);
       int64_t r = 0;
@@ -338,13 +529,13 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
           row_decay[i] = decay[r + i];
           row_weights[i] = weights + r + i;
         }
-        accumulate_values<kDim, kValueRows>(acc, row_decay, row_weights, kRowLanes, values, n, D);
+        accumulate_values<kDim, kValueRows>(acc, row_decay, row_weights, kRowLanes, values, n, D, stride);
       }
       for (; r < rows; ++r) {
         float* acc = chunk.acc + (m0 + r) * D;
         const float row_decay = decay[r];
         const float* row_weights = weights + r;
-        accumulate_values<kDim, 1>(&acc, &row_decay, &row_weights, kRowLanes, values, n, D);
+        accumulate_values<kDim, 1>(&acc, &row_decay, &row_weights, kRowLanes, values, n, D, stride);
       }
     }
   }
@@ -362,9 +553,11 @@ JSS_INLINE void run_chunk_dim(const ChunkInput& in, int64_t M, int64_t dim, cons
   std::fill(chunk.acc, chunk.acc + M * dim, 0.0f);
   if (M >= kLaneRows) {
     rows_in_lanes<kDim>(in, M, dim, chunk);
-  } else if constexpr (kDim > 0 && kLanes >= 8) {  // SSE2 widens no faster in registers than through the buffer
-    if (in.source.dtype == Dtype::kBF16 && in.source.pages == nullptr) {
+  } else if constexpr (kDim > 0) {
+    if (in.source.dtype == Dtype::kBF16) {
       rows_by_dot<kDim, uint16_t>(in, M, dim, chunk);
+    } else if (in.source.dtype == Dtype::kI8) {
+      rows_by_dot<kDim, int8_t>(in, M, dim, chunk);
     } else {
       rows_by_dot<kDim>(in, M, dim, chunk);
     }

@@ -13,7 +13,9 @@ The library holds the kernel once per instruction set (``baseline`` x86-64,
 ``avx2`` = x86-64-v3 with FMA, ``avx512`` = x86-64-v4) and uses the best one
 the CPU runs; ``JSS_NATIVE_ISA=baseline|avx2|avx512`` forces one (an error at
 import where the CPU lacks it).  Float32, bfloat16 and float16 caches are
-read (float32 accumulation).
+read, and quantized ones (int8 or ``float8_e4m3fn`` values with one float32
+scale per row and kv head, applied inside the kernel to the scores and the
+weights); accumulation is float32.
 
 Example:
   >>> from jax_session_state import _native
@@ -36,13 +38,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "kernel", "paged_kernel", "status", "supports", "use"]
+__all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "kernel", "paged_kernel", "quantized_kernel", "status",
+           "supports", "use"]
 
 TARGET = "jax_session_state_decode_attention"
 PAGED_TARGET = "jax_session_state_paged_decode_attention"
+QUANTIZED_TARGET = "jax_session_state_quantized_decode_attention"
+QUANTIZED_PAGED_TARGET = "jax_session_state_quantized_paged_decode_attention"
 ENV_SWITCH = "JSS_NATIVE_ATTENTION"
 ENV_ISA = "JSS_NATIVE_ISA"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+"""The stored values of a quantized cache the kernel reads (with its float32 row scales)."""
 
 Kernel = Callable[[Array, Array, Array, Array, Array], tuple[Array, Array]]
 
@@ -78,11 +85,12 @@ def _load() -> tuple[bool, str, dict[str, bool], str | None]:
         return False, "the extension _decode_attention was not built (no C++ compiler at install time?)", {}, None
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
-        handlers = library.JssDecodeAttention, library.JssPagedDecodeAttention
+        handlers = (library.JssDecodeAttention, library.JssPagedDecodeAttention, library.JssQuantizedDecodeAttention,
+                    library.JssQuantizedPagedDecodeAttention)
     except (OSError, AttributeError) as error:
         return False, f"{path.name} could not be loaded: {error}", {}, None
     paths, isa = _select_isa(library)
-    for target, handler in zip((TARGET, PAGED_TARGET), handlers):
+    for target, handler in zip((TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET), handlers):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
     return True, f"{path.name}, {isa} path ({how})", paths, isa
@@ -148,22 +156,30 @@ def use(native: bool) -> Iterator[None]:
         _use_native = before
 
 
-DECLINED_ROWS = {"baseline": 4}
+DECLINED_ROWS = {"baseline": 4, **({"avx2": 16} if ISAS.get("avx512") else {})}
 """Per ISA path, the query rows per kv head (``T * q_heads / kv_heads``) from
-which it is slower than the pure loop and declines (measured: benchmarks/attention.py)."""
+which it is slower than the pure loop over a float32 cache and declines
+(measured: benchmarks/attention.py).  Many rows make a step bound by its
+FMAs, and XLA's dots in the pure loop use the widest vectors the CPU has:
+SSE2 never keeps up with them, and AVX2 falls behind where the CPU has
+AVX-512 (its FMAs are half as wide), so there the ``avx2`` path declines 16
+rows and more.  A 16-bit or quantized cache always takes the kernel: the
+pure loop reads those several times slower."""
 
 
-def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None) -> bool:
+def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None, quantized: bool = False) -> bool:
     """Whether the kernel takes these operands on the path in use.
 
-    A float32, bfloat16 or float16 cache (one type for K and V), queries of
-    any float type (cast to float32 for the call), and a step the path runs
-    faster than the pure loop (see :data:`DECLINED_ROWS`).  ``kv_heads``:
-    where ``k`` is not head-major ``[B, kv_heads, C, D]`` (pages).
+    A float32, bfloat16 or float16 cache (one type for K and V), or with
+    ``quantized`` an int8 or ``float8_e4m3fn`` one (:data:`QUANTIZED_DTYPES`),
+    queries of any float type (cast to float32 for the call), and a step the
+    path runs faster than the pure loop (see :data:`DECLINED_ROWS`).
+    ``kv_heads``: where ``k`` is not head-major ``[B, kv_heads, C, D]`` (pages).
     """
     rows = q.shape[1] * (q.shape[2] // max(k.shape[1] if kv_heads is None else kv_heads, 1))
-    fast = rows < DECLINED_ROWS.get(ISA or "", rows + 1)
-    return k.dtype == v.dtype and any(k.dtype == d for d in DTYPES) and jnp.issubdtype(q.dtype, jnp.floating) and fast
+    fast = k.dtype != jnp.float32 or rows < DECLINED_ROWS.get(ISA or "", rows + 1)
+    dtypes = QUANTIZED_DTYPES if quantized else DTYPES
+    return k.dtype == v.dtype and any(k.dtype == d for d in dtypes) and jnp.issubdtype(q.dtype, jnp.floating) and fast
 
 
 def _call(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -176,17 +192,50 @@ def _call(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, c
 
 
 def paged_kernel(k_pages: Array, v_pages: Array, page_table: Array, q: Array, lengths: Array, q_positions: Array, *,
-                 causal: bool, scale: float, relative: bool) -> tuple[Array, Array]:
+                 causal: bool, scale: float, relative: bool, k_scale_pages: Array | None = None,
+                 v_scale_pages: Array | None = None) -> tuple[Array, Array]:
     """The native kernel over token-major pages ``[num_pages, page_size, kv_heads, head_dim]``, read in place.
+
+    Quantized pages (int8 or ``float8_e4m3fn``) come with their row scales
+    as pages ``Float32[Array, "num_pages page_size kv_heads 1"]`` (the
+    trailing 1 optional), ``k_scale_pages`` and ``v_scale_pages``.
 
     Returns ``(out, lse)`` as :func:`kernel`: ``out`` in q's dtype, ``lse`` float32.
     """
     result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
-    call = jax.ffi.ffi_call(PAGED_TARGET, result, vmap_method="sequential")
-    out, lse = call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+    scales = _scales(k_scale_pages, v_scale_pages)
+    call = jax.ffi.ffi_call(QUANTIZED_PAGED_TARGET if scales else PAGED_TARGET, result, vmap_method="sequential")
+    out, lse = call(q.astype(jnp.float32), k_pages, v_pages, *scales, page_table.astype(jnp.int32),
+                    lengths.astype(jnp.int32), q_positions.astype(jnp.int32), scale=np.float32(scale),
+                    causal=bool(causal), relative=bool(relative))
+    return out.astype(q.dtype), lse
+
+
+def quantized_kernel(q: Array, k: Array, v: Array, k_scale: Array, v_scale: Array, lengths: Array,
+                     q_positions: Array, *, causal: bool, scale: float, relative: bool) -> tuple[Array, Array]:
+    """The native kernel over a quantized head-major cache, read in place.
+
+    ``k``, ``v``: int8 or ``float8_e4m3fn`` ``[B, kv_heads, C, D]``;
+    ``k_scale``, ``v_scale``: ``Float32[Array, "B kv_heads C 1"]``, applied
+    to the scores and to the weights of the values inside the kernel.
+    Positions as in :func:`kernel` (offsets from each row's length with
+    ``relative``).  Under ``jax.vmap`` it runs once per lane.
+
+    Returns ``(out, lse)`` as :func:`kernel`.
+    """
+    result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+    call = jax.ffi.ffi_call(QUANTIZED_TARGET, result, vmap_method="sequential")
+    out, lse = call(q.astype(jnp.float32), k, v, *_scales(k_scale, v_scale), lengths.astype(jnp.int32),
                     q_positions.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal),
                     relative=bool(relative))
     return out.astype(q.dtype), lse
+
+
+def _scales(k_scale: Array | None, v_scale: Array | None) -> tuple[Array, ...]:
+    """Both row scales as float32, or none (an unquantized cache)."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("the native kernel reads a quantized cache with both k_scale and v_scale, or neither.")
+    return () if k_scale is None else (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
 
 
 def kernel(causal: bool, scale: float, relative: bool, fallback: Kernel) -> Kernel:

@@ -7,7 +7,8 @@
   32k-capacity cache holding 1k tokens attends like a 1k cache;
   ``positions`` is not read.  On a single CPU device, where the native
   kernel was built (``jax_session_state._native``: float32, bfloat16 and
-  float16 caches, one build per instruction set), it runs as one XLA FFI
+  float16 caches, and int8 / fp8 ones whose row scales it applies to the
+  scores and weights; one build per instruction set), it runs as one XLA FFI
   call that reads the cache in place on every core; elsewhere a
   ``lax.fori_loop`` over 64-key blocks whose trip count is computed at run
   time (``lax.platform_dependent``).
@@ -300,10 +301,9 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
         return _bucketed(q, view.lengths, positions, view.k.shape[2], causal, scale,
                          lambda n: (_dequantize(view.k[:, :, :n], view.k_scale, n),
                                     _dequantize(view.v[:, :, :n], view.v_scale, n)))
-    if view.quantized:  # the block loop dequantizes each block it reads (the native kernel reads floats)
-        if implementation == "native":
-            raise ValueError("attend(implementation='native'): the kernel reads float caches; this view is "
-                             f"quantized ({view.k.dtype}). Use 'auto' or 'loop'.")
+    if view.quantized:  # row scales applied to scores and weights, in the kernel or block by block in the loop
+        if _use_native(q, view.k, view.v, scale, implementation, quantized=True):
+            return _quantized_native_or_blockwise(q, view, causal, float(scale), q_positions)
         return _blockwise(q, view.k, view.v, view.lengths, _default_positions(q, view.lengths, q_positions),
                           causal=causal, scale=scale, k_scale=view.k_scale, v_scale=view.v_scale)
     if _use_native(q, view.k, view.v, scale, implementation):
@@ -318,15 +318,34 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
                       causal=causal, scale=scale)
 
 
-def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None) -> bool:
+def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None,
+                quantized: bool = False) -> bool:
     """Whether this call runs the native kernel ("auto" where it takes the operands, or "native")."""
     if implementation not in ("auto", "native") or not isinstance(scale, numbers.Real):
         return False
-    takes = _native.enabled() and _native.supports(q, k, v, kv_heads=kv_heads)
+    takes = _native.enabled() and _native.supports(q, k, v, kv_heads=kv_heads, quantized=quantized)
     if implementation == "native" and not takes:
         raise ValueError(f"attend(implementation='native'): the kernel on its {_native.ISA} path does not take a "
                          f"{k.dtype} cache with q of shape {list(q.shape)} (see _native.supports).")
     return takes
+
+
+def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: float,
+                                   q_positions: Array | None) -> tuple[Array, Array]:
+    """A quantized append-mode view: the native kernel on CPU (scales applied inside), the block loop elsewhere."""
+    relative = q_positions is None
+    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+
+    def native(q, k, v, k_scale, v_scale, lengths, positions):
+        return _native.quantized_kernel(q, k, v, k_scale, v_scale, lengths, positions, causal=causal, scale=scale,
+                                        relative=relative)
+
+    def loop(q, k, v, k_scale, v_scale, lengths, positions):
+        return _blockwise(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal, scale=scale,
+                          k_scale=k_scale, v_scale=v_scale)
+
+    return lax.platform_dependent(q, view.k, view.v, view.k_scale, view.v_scale, view.lengths, positions,
+                                  cpu=native, default=loop)
 
 
 def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
