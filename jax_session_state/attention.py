@@ -207,6 +207,22 @@ def attend_with_lse(
         raise ValueError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
     if implementation == "native" and not _native.enabled():
         raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_native.status()}")
+    if not isinstance(view, (KVView, BranchKVView, PagedView)):
+        raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
+    if _eager(q, view, q_positions, scale):  # one compiled program per signature, not one per call
+        return _compiled_attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
+    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
+
+
+def _eager(q: Array, view: Any, q_positions: Array | None, scale: Any) -> bool:
+    """Whether a call runs outside any transformation (no tracers), with a static scale."""
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((q, view, q_positions)))
+    return not traced and (scale is None or isinstance(scale, numbers.Real))
+
+
+def _attend(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Array | None, *, causal: bool,
+            scale: float | None, implementation: str) -> tuple[Array, Array]:
+    """:func:`attend_with_lse` once its arguments are checked."""
     if isinstance(view, BranchKVView):
         q_positions = _default_positions(q, view.window.lengths, q_positions)
         prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions, implementation)
@@ -214,9 +230,11 @@ def attend_with_lse(
         return merge_attention(*prefix, *lane)
     if isinstance(view, PagedView):
         return _paged_with_lse(q, view, causal, scale, q_positions, implementation)
-    if not isinstance(view, KVView):
-        raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
     return _kv_with_lse(q, view, causal, scale, q_positions, implementation)
+
+
+# An eager call's loops would be traced and compiled again on every call: run them as one cached program.
+_compiled_attend = jax.jit(_attend, static_argnames=("causal", "scale", "implementation"))
 
 
 def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
