@@ -80,9 +80,12 @@ from jax_session_state._attention_blocks import (
     _empty_state,
     _finish,
     _from_rows,
-    _gather_pages,
+    _absolute,
+    _backward_rows,
+    _gather_dequantized,
     _last_visible,
     _online_update,
+    _paged_attention,
     _paged_blockwise,
     _relative_offsets,
     _scores,
@@ -288,22 +291,17 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     if implementation == "bucketed":
         positions = _default_positions(q, view.lengths, q_positions)
         return _bucketed(q, view.lengths, positions, table_pages * size, causal, scale,
-                         lambda n: _gather_pages(view, 0, -(-n // size)))
-    if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads):
-        relative = q_positions is None
-        positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
-
-        def native(q, k_pages, v_pages, table, lengths, positions):
-            return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal,
-                                        scale=float(scale), relative=relative)
-
-        def loop(q, k_pages, v_pages, table, lengths, positions):
-            paged = view.replace(k_pages=k_pages, v_pages=v_pages, page_table=table, lengths=lengths)
-            return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
-
-        return lax.platform_dependent(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions,
-                                      cpu=native, default=loop)
-    return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
+                         lambda n: _gather_dequantized(view, 0, -(-n // size)))
+    if view.quantized:  # the page loop applies the scales block by block (the native kernel reads floats)
+        if implementation == "native":
+            raise ValueError("attend(implementation='native'): the paged kernel reads float pages; this view is "
+                             f"quantized ({view.k_pages.dtype}). Use 'auto' or 'loop'.")
+        return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
+    native = _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads)
+    relative = native and q_positions is None
+    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+    return _paged_attention(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions, causal,
+                            float(scale), relative, size, native)
 
 
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -333,11 +331,6 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
         return _online_update(state, scores, visible, values, _block_scales(v_scale, start, n))
 
     return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
-
-
-def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
-    """Query positions, given as they are or (``relative``) as offsets from each row's length."""
-    return lengths[:, None] + q_positions if relative else q_positions
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -372,10 +365,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
     d_out, d_lse = cotangents
     kv_heads, capacity = k.shape[1], k.shape[2]
     groups, n = q.shape[2] // kv_heads, min(BLOCK_SIZE, capacity)
-    qh, d_rows = _to_rows(q, kv_heads), _to_rows(d_out, kv_heads)
-    lse_rows = _to_rows(lse, kv_heads)
-    lse_rows = jnp.where(jnp.isneginf(lse_rows), jnp.inf, lse_rows)[..., None]  # sees nothing: P = 0
-    delta = (jnp.sum(d_rows * _to_rows(out, kv_heads), -1) - _to_rows(d_lse, kv_heads))[..., None]
+    qh, d_rows, lse_rows, delta = _backward_rows(q, kv_heads, d_out, d_lse, out, lse)
     last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, groups)
 
     def body(i: Array, grads: Any) -> Any:
