@@ -19,7 +19,8 @@
   once for every lane.
 - :class:`PagedView`: read page by page through the page table where the
   pages lie (the native kernel, or a loop over blocks of whole pages), never
-  gathered into a dense copy.
+  gathered into a dense copy.  A quantized view (int8 / fp8 pages) takes the
+  loop, which applies each page block's row scales to its scores and weights.
 
 ``implementation=`` picks how append-mode and paged views are read:
 ``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
@@ -39,10 +40,12 @@ not positions, so it is wrong once a ring wraps, it cannot express sinks,
 returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity.
 
-Gradients: the native kernel has a ``jax.custom_vjp`` (a flash-attention
-backward in pure JAX, blockwise like the forward), so ``jax.grad`` works
-under ``jit`` with traced lengths; forward-mode ``jax.jvp`` of append-mode
-attention does not.  Measurements and what was tried are in
+Gradients: append-mode attention through the native kernel and float paged
+attention (native paged kernel or page loop) have a ``jax.custom_vjp`` (a
+flash-attention backward in pure JAX, blockwise like the forward; a paged
+one scatter-adds into the pages), so ``jax.grad`` works under ``jit`` with
+traced lengths; forward-mode ``jax.jvp`` of them does not, nor do
+quantized views have gradients.  Measurements and what was tried are in
 ``benchmarks/NOTES.md``.
 
 Example:
