@@ -69,6 +69,8 @@ def test_int8_append_quantizes_only_the_rows_it_writes_in_place_and_compiles_onc
             np.testing.assert_allclose(got, reference_int8(want), rtol=1e-5, atol=1e-6)
     for _ in range(3):  # one trace for every step
         append(after, jss.KVChunk(k, v, jnp.asarray([1, 1, 1], jnp.int32)))
+    hlo = donated.lower(after, jss.KVChunk(k, v, jnp.asarray([1, 1, 1], jnp.int32))).compile().as_text()
+    assert f"f32[40,{PAGE},{H},{D}]" not in hlo  # the pool is never widened: only the chunk's rows are quantized
 
 
 def test_int8_pool_is_under_a_third_of_the_float32_pool():
