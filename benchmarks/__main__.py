@@ -29,6 +29,7 @@ MODULES = [
     "append",
     "attention",
     "branches",
+    "checkpoint_digest",
     "manager",
     "paged",
     "pool",

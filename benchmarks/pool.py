@@ -18,11 +18,12 @@ float32, batch 1).  Sixteen sessions, each at its own point of its rollout
   sessions (capacity 16k tokens, 256 MiB in all), in a fresh process: peak
   <= 1.25 x (pool bytes + the process's resident memory before allocating).
 
-Attention under the pool (no bar; for the attention kernels' owners): one
+Attention under the pool (no bar; target pooled / singles <= 1): one
 attention-only step over 16 append-mode caches, one holding 8192 tokens
-and 15 holding 256, pooled against 16 single calls, with the native kernel
-(its batching rule folds the slots into its batch) and with the pure-JAX
-loop (``vmap`` runs every slot to the longest slot's block count).
+and 15 holding 256 (ragged), and all 16 holding 1024 (even), pooled against
+16 single calls, with the native kernel (its batching rule folds the slots
+into its batch) and with the pure-JAX loop (its batching rule reads ragged
+slots one by one, each to its own length, and folds even ones into one loop).
 
 Run:  python -m benchmarks.pool [--full] [--out PATH]
 """
@@ -210,36 +211,43 @@ def memory_rows(slots: int, capacity: int, steps: int) -> list[dict[str, Any]]:
     ]
 
 
-def attention_rows(*, rounds: int, long: int = 8192, short: int = 256) -> list[dict[str, Any]]:
-    """Attention-only steps over 16 ragged append-mode caches: pooled against 16 single calls."""
+def attention_rows(*, rounds: int, long: int = 8192, short: int = 256, even: int = 1024) -> list[dict[str, Any]]:
+    """Attention-only steps over 16 append-mode caches: pooled against 16 single calls.
+
+    Ragged: one cache holding ``long`` tokens and 15 holding ``short``; even:
+    every cache holding ``even`` tokens (the pure loop folds them into one loop).
+    """
     c = WorldModelConfig()
     key = jax.random.key(2)
-    lengths = [long] + [short] * (SESSIONS - 1)
-    caches = []
-    for i, length in enumerate(lengths):
-        rows = jax.random.normal(jax.random.fold_in(key, i), (2, 1, length, c.kv_heads, c.head_dim))
-        caches.append(jss.KVCache.allocate(batch=1, kv_heads=c.kv_heads, head_dim=c.head_dim, capacity=long)
-                      .append(jss.KVChunk(rows[0], rows[1])))
-    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *caches)
     q = jax.random.normal(key, (SESSIONS, 1, c.tokens, c.heads, c.head_dim))
+    cases = {f"1 x {long} + 15 x {short} tokens": [long] + [short] * (SESSIONS - 1),
+             f"16 x {even} tokens": [even] * SESSIONS}
     rows_out = []
-    for native in ([True, False] if _native.AVAILABLE else [False]):
-        with _native.use(native):
-            one = jax.jit(lambda cache, q: jss.attend(q, cache.view()))
-            pooled = jax.jit(jax.vmap(lambda cache, q: jss.attend(q, cache.view())))
-            jax.block_until_ready((pooled(stacked, q), [one(cache, q[i]) for i, cache in enumerate(caches)]))
-        samples = _paired({
-            "pool": lambda pooled=pooled: jax.block_until_ready(pooled(stacked, q)),
-            "singles": lambda one=one: jax.block_until_ready([one(cache, q[i]) for i, cache in enumerate(caches)]),
-        }, rounds=rounds, repeat=3)
-        name = "native kernel" if native else "pure-JAX loop"
-        rows_out += [
-            {"measure": f"attention, 1 x {long} + 15 x {short} tokens, {name}: pooled (ms)",
-             "value": samples["pool"].min() * 1e3},
-            {"measure": f"attention, same, {name}: 16 single calls (ms)", "value": samples["singles"].min() * 1e3},
-            {"measure": f"ratio attention pooled / 16 single calls, {name} (no bar)",
-             "value": float(np.median(samples["pool"] / samples["singles"]))},
-        ]
+    for case, lengths in cases.items():
+        caches = []
+        for i, length in enumerate(lengths):
+            rows = jax.random.normal(jax.random.fold_in(key, i), (2, 1, length, c.kv_heads, c.head_dim))
+            caches.append(jss.KVCache.allocate(batch=1, kv_heads=c.kv_heads, head_dim=c.head_dim, capacity=long)
+                          .append(jss.KVChunk(rows[0], rows[1])))
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *caches)
+        for native in ([True, False] if _native.AVAILABLE else [False]):
+            with _native.use(native):
+                one = jax.jit(lambda cache, q: jss.attend(q, cache.view()))
+                pooled = jax.jit(jax.vmap(lambda cache, q: jss.attend(q, cache.view())))
+                jax.block_until_ready((pooled(stacked, q), [one(cache, q[i]) for i, cache in enumerate(caches)]))
+            samples = _paired({
+                "pool": lambda pooled=pooled, stacked=stacked: jax.block_until_ready(pooled(stacked, q)),
+                "singles": lambda one=one, caches=caches: jax.block_until_ready(
+                    [one(cache, q[i]) for i, cache in enumerate(caches)]),
+            }, rounds=rounds, repeat=3)
+            name = "native kernel" if native else "pure-JAX loop"
+            rows_out += [
+                {"measure": f"attention, {case}, {name}: pooled (ms)", "value": samples["pool"].min() * 1e3},
+                {"measure": f"attention, {case}, {name}: 16 single calls (ms)",
+                 "value": samples["singles"].min() * 1e3},
+                {"measure": f"ratio attention pooled / 16 single calls, {case}, {name} (no bar)",
+                 "value": float(np.median(samples["pool"] / samples["singles"]))},
+            ]
     return rows_out
 
 

@@ -151,8 +151,9 @@ def measured(candidates: dict[str, tuple[Callable[[], object], Callable[[], None
 ORBAX_VARIANTS = {
     "Orbax defaults (OCDBT, compressed)": ({}, None),
     "Orbax OCDBT, uncompressed": ({"use_compression": False}, None),
-    "Orbax plain zarr, uncompressed (the library's)": ({"use_ocdbt": False, "use_compression": False}, None),
-    "Orbax plain zarr, uncompressed, 16 MiB chunks": ({"use_ocdbt": False, "use_compression": False}, 16 * MIB),
+    "Orbax plain zarr, uncompressed": ({"use_ocdbt": False, "use_compression": False}, None),
+    "Orbax plain zarr, uncompressed, 16 MiB chunks (the library's)": (
+        {"use_ocdbt": False, "use_compression": False}, 16 * MIB),
     "Orbax plain zarr, uncompressed, no pinned-host copy": (
         {"use_ocdbt": False, "use_compression": False, "enable_pinned_host_transfer": False}, None),
 }

@@ -17,6 +17,7 @@ import numpy as np
 from jax import Array, lax
 
 from jax_session_state import _native
+from jax_session_state._attention_pooled import fold_rows, fold_slots
 from jax_session_state.objects.paged import PagedView
 
 BLOCK_SIZE = 64
@@ -29,6 +30,9 @@ SMALLEST_BUCKET = 256
 """The ``"bucketed"`` implementation's smallest static prefix (keys)."""
 
 _F32 = jnp.float32
+
+Rows = tuple[Array, int] | None
+"""``(first, count)``: a block read takes only batch rows ``[first, first + count)`` (None: every row)."""
 
 
 def _to_rows(x: Array, kv_heads: int) -> Array:
@@ -99,7 +103,12 @@ def _last_visible(lengths: Array, q_positions: Array, causal: bool, groups: int)
 def _block_count(lengths: Array, capacity: int, n: int) -> Array:
     # The trip count depends on lengths only (not on queries), so under vmap over
     # lanes sharing one prefix the loop, and every block read, stays unbatched.
-    return (jnp.clip(jnp.max(lengths), 0, capacity) + n - 1) // n
+    return jnp.max(_row_blocks(lengths, capacity, n))
+
+
+def _row_blocks(lengths: Array, capacity: int, n: int) -> Array:
+    """The blocks of ``n`` slots each row reads: its valid length (at most the capacity), rounded up."""
+    return (jnp.clip(lengths, 0, capacity) + n - 1) // n
 
 
 def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
@@ -113,8 +122,16 @@ def _block(cache: Array, i: Array, n: int) -> tuple[Array, Array, Array]:
     return start, start + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3), first
 
 
-def _block_f32(cache: Array, start: Array, n: int) -> Array:
-    """Keys ``[start, start + n)`` of a head-major cache as float32.
+def _key_slice(cache: Array, start: Array, n: int, rows: Rows) -> Array:
+    """Slots ``[start, start + n)`` of a head-major ``[B, kv_heads, C, ...]`` array, of every row or of ``rows``."""
+    if rows is None:
+        return lax.dynamic_slice_in_dim(cache, start, n, axis=2)
+    first, count = rows
+    return lax.dynamic_slice(cache, (first, 0, start, 0), (count, cache.shape[1], n, cache.shape[3]))
+
+
+def _block_f32(cache: Array, start: Array, n: int, rows: Rows = None) -> Array:
+    """Keys ``[start, start + n)`` of a head-major cache as float32 (of ``rows`` only, where given).
 
     A 16-bit cache is sliced as 16-bit integers: XLA:CPU widens bfloat16 and
     float16 operations to float32, and would widen the whole capacity on
@@ -122,14 +139,68 @@ def _block_f32(cache: Array, start: Array, n: int) -> Array:
     32k bfloat16 cache holding 4k tokens).
     """
     if cache.dtype.itemsize != 2:  # float32 as it is; int8 and fp8 values widened block by block
-        return lax.dynamic_slice_in_dim(cache, start, n, axis=2).astype(_F32)
+        return _key_slice(cache, start, n, rows).astype(_F32)
     bits = lax.bitcast_convert_type(cache, jnp.uint16)
-    return lax.bitcast_convert_type(lax.dynamic_slice_in_dim(bits, start, n, axis=2), cache.dtype).astype(_F32)
+    return lax.bitcast_convert_type(_key_slice(bits, start, n, rows), cache.dtype).astype(_F32)
 
 
-def _block_scales(scale: Array, start: Array, n: int) -> Array:
+def _block_scales(scale: Array, start: Array, n: int, rows: Rows = None) -> Array:
     """The row scales of keys ``[start, start + n)`` of a quantized cache, laid out as scores: ``[B, Hk, 1, n]``."""
-    return jnp.swapaxes(lax.dynamic_slice_in_dim(scale, start, n, axis=2), 2, 3)
+    return jnp.swapaxes(_key_slice(scale, start, n, rows), 2, 3)
+
+
+def _append_block(k: Array, k_scale: Array | None) -> int:
+    return min(BLOCK_SIZE if k_scale is None else QUANTIZED_BLOCK_SIZE, k.shape[2])
+
+
+def _cache_blocks(cache: dict[str, Array], *, n: int) -> Array:
+    """The blocks each row of a head-major cache reads (slot ``j`` holds a position ``>= j``)."""
+    return _row_blocks(cache["lengths"], cache["k"].shape[2], n)
+
+
+def _read_blocks(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None, *, causal: bool,
+                 scale: float, n: int, window: int | None = None, sink: int = 0) -> tuple[Array, Array]:
+    """Blocks of ``n`` slots of a head-major cache up to the longest row, online softmax.
+
+    ``cache``: ``k``, ``v``, ``lengths``, and ``k_scale`` / ``v_scale``
+    where quantized; with ``positions`` (a ring, ``[B, C]``, -1 where not
+    shown) a slot's key position is read there and ``window`` / ``sink``
+    apply, else slot ``j`` holds position ``j``.  With ``row`` only the
+    ``q.shape[0]`` cache rows from ``row`` on are read (one slot of a pool).
+    The caller has checked the shapes; ``scale`` is the score scale.
+    """
+    rows = None if row is None else (row, q.shape[0])
+    cut = (lambda x: x) if row is None else (lambda x: lax.dynamic_slice_in_dim(x, row, q.shape[0], axis=0))
+    k, v, lengths = cache["k"], cache["v"], cut(cache["lengths"])
+    k_scale, v_scale = cache.get("k_scale"), cache.get("v_scale")
+    key_positions = cache.get("positions")
+    groups = q.shape[2] // k.shape[1]
+    qh = _to_rows(q, k.shape[1])
+    last = _last_visible(lengths, q_positions, causal, groups)
+    if key_positions is not None:
+        key_positions = cut(key_positions)
+        query_position = jnp.repeat(q_positions, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1]
+    one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
+
+    def body(i: Array, state: Any) -> Any:
+        start, slot, first = _block(k, i, n)
+        keys = _block_f32(k, start, n, rows) * scale
+        values = _block_f32(v, start, n, rows) * one
+        if key_positions is None:
+            visible = (slot >= first) & (slot <= last)
+        else:
+            key_position = lax.dynamic_slice_in_dim(key_positions, start, n, axis=1)[:, None, None, :]
+            visible = (slot >= first) & (key_position >= 0) & (key_position <= last)
+            if window is not None:
+                visible &= (key_position < sink) | (query_position - key_position < window)
+        scores = _scores(keys, qh)
+        if k_scale is None:
+            return _online_update(state, scores, visible, values)
+        # Row scales multiply the [M, n] scores and weights, not the [n, head_dim] blocks.
+        scores = scores * _block_scales(k_scale, start, n, rows)
+        return _online_update(state, scores, visible, values, _block_scales(v_scale, start, n, rows))
+
+    return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
 
 
 def _relative_offsets(q: Array) -> Array:
@@ -166,7 +237,7 @@ def _gather_dequantized(view: PagedView, first: Any, count: int) -> tuple[Array,
     return keys * k_scale, values * v_scale
 
 
-def paged_block_pages(view: PagedView) -> int:
+def _paged_block_pages(view: PagedView) -> int:
     """Table columns per block of the paged loop: about :data:`BLOCK_SIZE` keys (a quantized view's:
     :data:`QUANTIZED_BLOCK_SIZE`), whole pages."""
     return max(1, (QUANTIZED_BLOCK_SIZE if view.quantized else BLOCK_SIZE) // view.page_size)
@@ -188,10 +259,43 @@ def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool
     the row scales (gathered alongside, ``[slots, kv_heads, 1, n]``)
     multiply the block's scores and softmax weights, so no dequantized copy
     of a page, let alone of the pool, is made.
+
+    Under ``jax.vmap`` over independent paged caches (a pool of them) the
+    pools fold into one (page ids offset) and the loop runs once, or slot
+    by slot where that is cheaper (``_attention_pooled``).
     """
+    pages = _paged_block_pages(view)
+    pools = ("k_pages", "v_pages", "k_scale", "v_scale") if view.quantized else ("k_pages", "v_pages")
+    cache = {name: getattr(view, name) for name in pools} | {"page_table": view.page_table, "lengths": view.lengths}
+
+    def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
+        table, lengths = cache["page_table"], cache["lengths"]
+        if row is not None:
+            table = lax.dynamic_slice_in_dim(table, row, q.shape[0], axis=0)
+            lengths = lax.dynamic_slice_in_dim(lengths, row, q.shape[0], axis=0)
+        paged = view.replace(**{name: cache[name] for name in pools}, page_table=table, lengths=lengths)
+        return _read_pages(q, paged, q_positions, causal, scale, pages)
+
+    def blocks(cache: dict[str, Array]) -> Array:
+        return _row_blocks(cache["lengths"], cache["page_table"].shape[1] * view.page_size, pages * view.page_size)
+
+    return fold_slots(read, blocks, fold=_fold_paged)(q, q_positions, cache)
+
+
+def _fold_paged(cache: dict[str, Array], slots: int) -> dict[str, Array]:
+    """Stacked paged caches as one: the pools (and scales) end to end, each table's page ids offset to its pool."""
+    num_pages = cache["k_pages"].shape[1]
+    table = cache["page_table"]
+    offset = (jnp.arange(slots, dtype=table.dtype) * num_pages)[:, None, None]
+    folded = {name: fold_rows(x) for name, x in cache.items() if name != "page_table"}
+    return {**folded, "page_table": fold_rows(jnp.where(table >= 0, table + offset, -1))}
+
+
+def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float,
+                pages: int) -> tuple[Array, Array]:
+    """Blocks of ``pages`` table columns of every slot of ``view``, up to its longest slot."""
     size, kv_heads = view.page_size, view.k_pages.shape[2]
     groups = q.shape[2] // kv_heads
-    pages = paged_block_pages(view)
     columns = view.page_table.shape[1]
     view = _padded_table(view, pages)
     n = pages * size
@@ -208,10 +312,10 @@ def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool
         k_scale, v_scale = (jnp.swapaxes(x, 2, 3) for x in _gather_pages(view, i * pages, pages, ("k_scale", "v_scale")))
         return _online_update(state, scores * k_scale, visible, values.astype(_F32), v_scale)
 
-    return _finish(q, lax.fori_loop(0, paged_blocks(view, columns, n), body, _empty_state(qh)))
+    return _finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, _empty_state(qh)))
 
 
-def paged_blocks(view: PagedView, columns: int, n: int) -> Array:
+def _paged_blocks(view: PagedView, columns: int, n: int) -> Array:
     """Blocks of ``n`` keys up to the longest slot's length (``columns`` table columns of ``page_size``)."""
     return (jnp.clip(jnp.max(view.lengths), 0, columns * view.page_size) + n - 1) // n
 
@@ -264,7 +368,7 @@ def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: 
     d_out, d_lse = cotangents
     num_pages, _, kv_heads, dim = k_pages.shape
     view = PagedView(k_pages, v_pages, page_table, lengths, page_size)
-    pages, columns = paged_block_pages(view), page_table.shape[1]
+    pages, columns = _paged_block_pages(view), page_table.shape[1]
     view, n, slots = _padded_table(view, pages), pages * page_size, page_table.shape[0]
     qh, d_rows, lse_rows, delta = _backward_rows(q, kv_heads, d_out, d_lse, out, lse)
     last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, q.shape[2] // kv_heads)
@@ -287,7 +391,7 @@ def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: 
         return dq + jnp.einsum("bhmn,bhnd->bhmd", ds, keys), dk, dv
 
     zeros = (jnp.zeros_like(qh), jnp.zeros(k_pages.shape, _F32), jnp.zeros(v_pages.shape, _F32))
-    dq, dk, dv = lax.fori_loop(0, paged_blocks(view, columns, n), body, zeros)
+    dq, dk, dv = lax.fori_loop(0, _paged_blocks(view, columns, n), body, zeros)
     return (_from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k_pages.dtype), dv.astype(v_pages.dtype),
             None, None, None)
 

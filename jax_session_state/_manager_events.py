@@ -40,6 +40,21 @@ class ManagerEvent:
       bytes_by_device: the bytes moved, freed or taken, by device key (for a
         refusal, the shortfall).
       reason: why, in words.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> def new_session(x):  # 80 bytes of K/V
+      ...     kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+      ...     return jss.Session(objects={"kv": kv.append((jnp.full((1, 2, 1, 2), x),) * 2)})
+      >>> events = []
+      >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 100}, on_event=events.append)
+      >>> manager.create("a", new_session(1.0))
+      >>> manager.create("b", new_session(2.0))  # no room for both: "a"'s K/V is parked
+      >>> [(e.kind, e.session_id, e.object_name, dict(e.bytes_by_device)) for e in events]
+      [('park', 'a', 'kv', {'cpu:0': 80})]
+      >>> events[0].reason
+      "cpu:0 over its budget of 100 bytes by 60 while creating session 'b'"
     """
 
     kind: EventKind

@@ -31,6 +31,18 @@ class Held:
       donated: whether its arrays were deleted by a step in progress (between
         a ``get`` and its ``put``).
       pinned: whether a ``pin()`` block holds it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 40})  # room for one carry of 33 bytes
+      >>> for user, x in (("a", 1.0), ("b", 2.0)):  # "b" parks "a"'s carry to host memory
+      ...     carry = jss.FixedState.allocate(shapes=(4,)).commit(jnp.full(4, x))
+      ...     manager.create(user, jss.Session(objects={"h": carry}))
+      >>> with manager.pin("b"):
+      ...     held = manager.held()
+      >>> sorted(held["a"].parked), held["a"].evicted, held["b"].parked, held["b"].pinned
+      (['h'], frozenset(), {}, True)
     """
 
     session: Session
@@ -54,6 +66,14 @@ class SnapshotSession(NamedTuple):
       session: the session; parked objects hold their arrays in host memory,
         evicted objects are non-resident.
       evicted: names of the objects the manager evicted (to be rebuilt).
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager()
+      >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))}))
+      >>> session_id, session, evicted = manager.snapshot().sessions[0]
+      >>> session_id, list(session.objects), evicted
+      ('user', ['h'], frozenset())
     """
 
     session_id: Hashable
@@ -68,6 +88,20 @@ class ManagerSnapshot:
     Attributes:
       settings: the manager's constructor settings (:meth:`SessionStateManager.settings`).
       sessions: every session, least recently used first.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> session = jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))})
+      >>> manager = jss.SessionStateManager(max_sessions=8)
+      >>> for user in ("a", "b"):
+      ...     manager.create(user, session)
+      >>> snapshot = manager.snapshot()
+      >>> snapshot.settings["max_sessions"], [s.session_id for s in snapshot.sessions]
+      (8, ['a', 'b'])
+      >>> copy = jss.SessionStateManager(max_sessions=8)
+      >>> copy.load(snapshot)  # what checkpoint.restore does with a saved manager
+      >>> copy.stats()["sessions"]
+      2
     """
 
     settings: Mapping[str, Any]

@@ -28,6 +28,11 @@ def parking_destination(device_key: str) -> str | None:
     Only default memory kinds are parked: ``"cuda:1"`` -> ``"cuda:1/pinned_host"``.
     Keys that already name a memory kind (``"cpu:0/pinned_host"``) and
     ``"host"`` give None.
+
+    Example:
+      >>> from jax_session_state.planner import parking_destination
+      >>> parking_destination("cuda:1"), parking_destination("cpu:0/pinned_host"), parking_destination("host")
+      ('cuda:1/pinned_host', None, None)
     """
     if "/" in device_key or device_key == "host":
         return None

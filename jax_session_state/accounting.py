@@ -13,6 +13,9 @@ de-duplicated by ``(device key, buffer pointer)`` through a caller-owned
 :class:`SeenStorages`, so two references to one buffer count once — across the
 objects of a session and across sessions.
 
+:data:`HOST` is the key of numpy arrays; a :data:`Storage` is one buffer as
+``(device key, buffer pointer, bytes)``.
+
 Example:
   >>> import jax.numpy as jnp
   >>> from jax_session_state.accounting import SeenStorages, device_bytes
@@ -54,6 +57,16 @@ class SeenStorages:
 
     Pass one instance through every ``nbytes_by_device`` call that should
     count a shared buffer once.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=8)
+      >>> seen = jss.SeenStorages()
+      >>> kv.nbytes_by_device(seen), kv.nbytes_by_device(seen)  # the second call finds nothing new
+      ({'cpu:0': 272}, {})
+      >>> len(seen)  # the cache's buffers, each recorded once
+      3
     """
 
     __slots__ = ("_seen",)
@@ -94,6 +107,13 @@ def device_key(device: jax.Device, memory_kind: str | None = None) -> str:
     Returns:
       ``"platform:id"`` for the default memory kind, else
       ``"platform:id/memory_kind"``.
+
+    Example:
+      >>> import jax
+      >>> from jax_session_state.accounting import device_key
+      >>> cpu = jax.devices("cpu")[0]
+      >>> device_key(cpu), device_key(cpu, "pinned_host")
+      ('cpu:0', 'cpu:0/pinned_host')
     """
     base = f"{_platform_name(device)}:{device.id}"
     if memory_kind is None:
@@ -106,7 +126,13 @@ def device_key(device: jax.Device, memory_kind: str | None = None) -> str:
 
 
 def add_bytes(total: dict[str, int], more: Mapping[str, int]) -> dict[str, int]:
-    """Adds ``more`` into ``total`` per key (in place) and returns ``total``."""
+    """Adds ``more`` into ``total`` per key (in place) and returns ``total``.
+
+    Example:
+      >>> from jax_session_state.accounting import add_bytes
+      >>> add_bytes({"cpu:0": 64}, {"cpu:0": 32, "host": 8})
+      {'cpu:0': 96, 'host': 8}
+    """
     for key, nbytes in more.items():
         total[key] = total.get(key, 0) + nbytes
     return total
@@ -130,6 +156,14 @@ def storages(x: Any) -> list[Storage]:
 
     Raises:
       TypeError: ``x`` is a tracer (inside ``jit`` there is no storage).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jax_session_state.accounting import storages
+      >>> [(key, nbytes) for key, _, nbytes in storages(jnp.zeros(8))]
+      [('cpu:0', 32)]
+      >>> [(key, nbytes) for key, _, nbytes in storages(np.zeros(8))], storages(3.0)
+      ([('host', 64)], [])
     """
     if isinstance(x, jax.core.Tracer):
         raise TypeError(
@@ -153,7 +187,15 @@ def storages(x: Any) -> list[Storage]:
 
 
 def tree_storages(tree: Any) -> list[Storage]:
-    """:func:`storages` of every leaf of a pytree, in leaf order (repeats kept)."""
+    """:func:`storages` of every leaf of a pytree, in leaf order (repeats kept).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax_session_state.accounting import tree_storages
+      >>> x = jnp.zeros(4)
+      >>> [(key, nbytes) for key, _, nbytes in tree_storages({"a": x, "b": x, "n": 1})]
+      [('cpu:0', 16), ('cpu:0', 16)]
+    """
     return [storage for leaf in jax.tree_util.tree_leaves(tree) for storage in storages(leaf)]
 
 
@@ -189,6 +231,18 @@ def device_bytes(x: Any, seen: SeenStorages | set | None = None) -> dict[str, in
 
     Raises:
       TypeError: ``x`` is a tracer (inside ``jit`` there is no storage to count).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_session_state as jss
+      >>> jss.device_bytes(jnp.zeros((2, 8))), jss.device_bytes(np.zeros(2)), jss.device_bytes(None)
+      ({'cpu:0': 64}, {'host': 16}, {})
+      >>> try:
+      ...     jax.jit(jss.device_bytes)(jnp.zeros(2))
+      ... except TypeError as error:
+      ...     print(error)
+      byte accounting counts the storage of concrete arrays; it got a traced value. Count bytes
+      outside jit, on the step's inputs or outputs.
     """
     add = _adder(seen)
     out: dict[str, int] = {}
@@ -201,7 +255,15 @@ def device_bytes(x: Any, seen: SeenStorages | set | None = None) -> dict[str, in
 def tree_bytes_by_device(
     tree: Any, seen: SeenStorages | set | None = None
 ) -> dict[str, int]:
-    """Sums :func:`device_bytes` over the leaves of a pytree."""
+    """Sums :func:`device_bytes` over the leaves of a pytree.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jax_session_state.accounting import tree_bytes_by_device
+      >>> x = jnp.zeros(4)
+      >>> tree_bytes_by_device({"a": x, "same": x, "host": np.zeros(2)})  # x counts once
+      {'cpu:0': 16, 'host': 16}
+    """
     if seen is None:
         seen = SeenStorages()
     total: dict[str, int] = {}

@@ -13,6 +13,11 @@
   time (``lax.platform_dependent``).
 - :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
   one dense, masked pass over its slots using ``positions``.
+- Under ``jax.vmap`` over independent caches (a ``SessionPool``'s slots,
+  each with its own length), the pure readers have a batching rule
+  (``_attention_pooled``): the slots fold into the batch, or are read one
+  by one to each slot's own length when the lengths are ragged, or (rings)
+  in one dense pass when full -- picked at run time, never a gather.
 - :class:`BranchKVView` (a speculative lane): cascade attention -- the shared
   prefix and the lane's own rows separately, merged by log-sum-exp.  Under
   ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
@@ -26,7 +31,9 @@
 ``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
 dense pass over the valid prefix rounded up to a power of two, picked by
 ``lax.switch``: a handful of kernels, for accelerators; opt-in until
-measured there).
+measured there); :data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is
+the keys per block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
+``"bucketed"`` compiles a pass for.
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -73,13 +80,13 @@ from jax import Array, lax
 from jax_session_state import _native
 from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
-    QUANTIZED_BLOCK_SIZE,
     SMALLEST_BUCKET,
+    _append_block,
     _block,
     _block_count,
     _block_f32,
-    _block_scales,
     _bucketed,
+    _cache_blocks,
     _empty_state,
     _finish,
     _from_rows,
@@ -90,10 +97,12 @@ from jax_session_state._attention_blocks import (
     _online_update,
     _paged_attention,
     _paged_blockwise,
+    _read_blocks,
     _relative_offsets,
     _scores,
     _to_rows,
 )
+from jax_session_state._attention_pooled import fold_slots
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
@@ -150,6 +159,20 @@ def attend(
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
+
+    Example:
+      Causal attention of the 3 rows just written, against a dense numpy reference:
+
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_session_state as jss
+      >>> k, v, q = jax.random.normal(jax.random.key(0), (3, 1, 3, 1, 4))  # [batch, T, heads, dim]
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=16).append((k, v))
+      >>> causal = np.triu(np.full((3, 3), -np.inf), 1)  # a key after the query is hidden
+      >>> scores = np.einsum("qd,kd->qk", q[0, :, 0], k[0, :, 0]) / np.sqrt(4) + causal
+      >>> weights = np.exp(scores - scores.max(-1, keepdims=True))
+      >>> reference = (weights / weights.sum(-1, keepdims=True)) @ v[0, :, 0]
+      >>> bool(np.allclose(jss.attend(q, kv.view())[0, :, 0], reference, atol=1e-5))
+      True
     """
     return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions,
                            implementation=implementation)[0]
@@ -170,6 +193,18 @@ def attend_with_lse(
       ``out`` as :func:`attend`, and ``lse``: ``Float32[Array, "batch T
       q_heads"]``, ``-inf`` where a query sees nothing.  Two results over
       disjoint keys merge exactly with :func:`merge_attention`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> k = jax.random.normal(jax.random.key(0), (1, 4, 1, 8))
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=8, capacity=16).append((k, k))
+      >>> out, lse = jss.attend_with_lse(k, kv.view())
+      >>> out.shape, lse.shape, lse.dtype
+      ((1, 4, 1, 8), (1, 4, 1), dtype('float32'))
+      >>> _, nothing = jss.attend_with_lse(k, kv.view(), q_positions=jnp.full((1, 4), -1))  # sees no key
+      >>> bool(jnp.isneginf(nothing).all())
+      True
     """
     if q.ndim != 4:
         raise ValueError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
@@ -202,6 +237,21 @@ def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
     Returns:
       ``(out, lse)`` equal to attention over the union of the keys; zeros and
       ``-inf`` where both sides are empty, never NaN.
+
+    Example:
+      Attention over 8 keys is the merge of attention over the first 5 and over the last 3:
+
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 8, 2, 4))
+      >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 4))
+      >>> def cache(rows):
+      ...     kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+      ...     return kv.append((k[:, rows], v[:, rows])).view()
+      >>> merged, _ = jss.merge_attention(*jss.attend_with_lse(q, cache(slice(0, 5)), causal=False),
+      ...                                 *jss.attend_with_lse(q, cache(slice(5, 8)), causal=False))
+      >>> bool(jnp.allclose(merged, jss.attend(q, cache(slice(0, 8)), causal=False), atol=1e-5))
+      True
     """
     top = jnp.maximum(lse_a, lse_b)
     top = jnp.where(top == -jnp.inf, 0.0, top)
@@ -249,7 +299,7 @@ def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float
 def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
                  implementation: str) -> tuple[Array, Array]:
     if view.window is not None:
-        return _dense_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
+        return _ring_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
     if implementation == "bucketed":
         positions = _default_positions(q, view.lengths, q_positions)
@@ -314,26 +364,16 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
     A quantized cache (``k_scale``, ``v_scale``: ``[B, kv_heads, C, 1]``) is
     read in larger blocks of its narrow values, widened block by block; the
     row scales multiply the block's scores and softmax weights (``M`` per
-    key, not ``head_dim``), so no dequantized copy is ever made.
+    key, not ``head_dim``), so no dequantized copy is ever made.  Under
+    ``jax.vmap`` over independent caches the slots fold into the batch, or
+    are read one by one where that is cheaper (``_attention_pooled``).
     """
-    qh, groups, scale = _grouped(q, k, scale)
-    n = min(BLOCK_SIZE if k_scale is None else QUANTIZED_BLOCK_SIZE, k.shape[2])
-    last = _last_visible(lengths, q_positions, causal, groups)
-    one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
-
-    def body(i: Array, state: Any) -> Any:
-        start, key_position, first = _block(k, i, n)
-        keys = _block_f32(k, start, n) * scale
-        values = _block_f32(v, start, n) * one
-        visible = (key_position >= first) & (key_position <= last)
-        scores = _scores(keys, qh)
-        if k_scale is None:
-            return _online_update(state, scores, visible, values)
-        # Row scales multiply the [M, n] scores and weights, not the [n, head_dim] blocks.
-        scores = scores * _block_scales(k_scale, start, n)
-        return _online_update(state, scores, visible, values, _block_scales(v_scale, start, n))
-
-    return _finish(q, lax.fori_loop(0, _block_count(lengths, k.shape[2], n), body, _empty_state(qh)))
+    cache = {"k": k, "v": v, "lengths": lengths}
+    if k_scale is not None:
+        cache.update(k_scale=k_scale, v_scale=v_scale)
+    n = _append_block(k, k_scale)
+    read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n)
+    return fold_slots(read, functools.partial(_cache_blocks, n=n))(q, q_positions, cache)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -390,6 +430,29 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
 
 
 _native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
+
+
+def _ring_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
+    """A ring view: one dense pass over its slots.
+
+    Under ``jax.vmap`` over a pool's rings, a loop over blocks up to each
+    slot's filled slots where that is cheaper (a ring never holds a position
+    below its slot index, so the slots past its length are empty).
+    """
+    _, scale = _checked_scale(q, view.k, scale)
+    cache = {"k": view.k, "v": view.v, "lengths": view.lengths, "positions": view.positions}
+    if view.quantized:
+        cache.update(k_scale=view.k_scale, v_scale=view.v_scale)
+    n = _append_block(view.k, view.k_scale)
+
+    def dense(q: Array, q_positions: Array, cache: dict[str, Array], row: None) -> tuple[Array, Array]:
+        ring = KVView(k=cache["k"], v=cache["v"], lengths=cache["lengths"], positions=cache["positions"],
+                      window=view.window, sink=view.sink, k_scale=cache.get("k_scale"), v_scale=cache.get("v_scale"))
+        return _dense_with_lse(q, ring, causal, scale, q_positions)
+
+    read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n, window=view.window, sink=view.sink)
+    dense_blocks = -(-view.k.shape[2] // n)
+    return fold_slots(read, functools.partial(_cache_blocks, n=n), dense=(dense, dense_blocks))(q, q_positions, cache)
 
 
 def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:

@@ -74,6 +74,14 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         (:class:`~jax_session_state.ShardingRules` over the logical axes of
         :meth:`storage_axes`), or None for the default device.  Kept when
         the object is evicted or reset, so ``empty()`` allocates the same way.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+      >>> tried = kv.stage((jnp.ones((1, 2, 1, 2)),) * 2)  # in the window, not yet committed
+      >>> isinstance(kv, jss.StateObject), [int(tried.view(include_staged=s).lengths[0]) for s in (True, False)]
+      (True, [2, 0])
     """
 
     recompute_source: tuple[str, ...] = struct.field(pytree_node=False, default=())

@@ -50,6 +50,18 @@ class Lane(struct.PyTreeNode):
       prefix: the committed session all lanes share.
       windows: per object name, this lane's window (objects lanes may write).
       attrs: this lane's attrs (RNG keys already split per lane).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+      >>> session = jss.Session(objects={"kv": kv.append((jnp.ones((1, 3, 1, 2)),) * 2)})
+      >>> lane = session.branch(2, window=4).lane(0)
+      >>> lane = lane.stage(kv=(jnp.zeros((1, 1, 1, 2)),) * 2)  # into this lane's window only
+      >>> type(lane.view()["kv"]).__name__, int(lane.view()["kv"].window.lengths[0])  # 3 shared + 1
+      ('BranchKVView', 4)
+      >>> int(lane.prefix.view()["kv"].lengths[0])  # the shared prefix is untouched
+      3
     """
 
     prefix: Session
@@ -90,6 +102,17 @@ class Branches(struct.PyTreeNode):
       windows: per object name, the lanes' windows with a leading lane axis.
       attrs: the lanes' attrs with a leading lane axis.
       lanes: the number of lanes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=256)
+      >>> session = jss.Session(objects={"kv": kv.append((jnp.ones((1, 200, 1, 2)),) * 2)})
+      >>> branches = session.branch(8, window=4)
+      >>> branches.lanes, branches.nbytes < 2 * session.nbytes  # 8 lanes, not 8 copies of the prefix
+      (8, True)
+      >>> branches.discard() is session
+      True
     """
 
     prefix: Session
@@ -202,6 +225,20 @@ def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | No
 
     Raises:
       ValueError: the session holds staged data, or ``lanes`` < 1.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.branches import branch
+      >>> session = jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)})
+      >>> branch(session, 3, window=2).lanes  # what session.branch(3, window=2) calls
+      3
+      >>> try:
+      ...     branch(session.stage(kv=(jnp.ones((1, 1, 1, 2)),) * 2), 3, window=2)
+      ... except ValueError as error:
+      ...     print(error)
+      cannot branch a session with staged data in ['kv']: lanes share only committed data. Commit
+      or discard it first.
     """
     if lanes < 1:
         raise ValueError(f"branch() needs at least one lane; got {lanes}.")

@@ -21,8 +21,10 @@ older ones: a crash at any moment leaves the previous checkpoint complete.
 checks, before it returns anything: that ``manifest.json`` parses, is of this
 format and version, and matches its BLAKE2b digest (so every name, spec,
 attr value, key implementation and array entry is the one saved); and that
-every array's bytes, in row-major order, match their BLAKE2b digest in the
-manifest (so no changed, swapped or moved value is returned).  A
+every array's bytes, in row-major order, match their digest in the manifest
+(CRC-32 of each 1 MiB chunk under a BLAKE2b root: every changed byte is
+found, and any swapped or moved values but for one chance in 2**32 per
+chunk).  A
 :class:`~jax_session_state.errors.CheckpointError` means the checkpoint was
 not restored, and says which file and what was wrong: none found, another
 format or version, a damaged or truncated file, or a ``target`` that does not
@@ -33,6 +35,9 @@ Arrays are placed on restore, not as they were saved, so a checkpoint written
 on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
 every object, attrs replicated), or a ``target`` session to copy placement
 from, or neither for the default device.
+
+:data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
+format version this library writes and reads (``CHANGELOG.md`` lists each).
 
 Example:
   >>> import tempfile
@@ -110,6 +115,17 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
     Raises:
       TypeError: ``state`` is not something a checkpoint can hold.
       CheckpointError: a spec, structure or attr that cannot be recorded.
+
+    Example:
+      >>> import tempfile
+      >>> from pathlib import Path
+      >>> import jax_session_state as jss
+      >>> session = jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+      >>> path = tempfile.mkdtemp()
+      >>> [jss.checkpoint.save(path, session).name for _ in range(2)]
+      ['ckpt-000001', 'ckpt-000002']
+      >>> [p.name for p in Path(path).glob("ckpt-*")]  # the older one goes once the new one is in place
+      ['ckpt-000002']
     """
     content = next((c for c in _CONTENTS.values() if isinstance(state, c.type)), None)
     if content is None:
@@ -162,6 +178,18 @@ def restore(
         wrong.  Nothing is half-restored.
       BudgetExceededError, SessionAdmissionError: a manager's sessions do
         not fit ``target``; it is left empty.
+
+    Example:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager()
+      >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,)).commit(jnp.ones(2))}))
+      >>> path = tempfile.mkdtemp()
+      >>> _ = jss.checkpoint.save(path, manager)
+      >>> again = jss.checkpoint.restore(path, target=jss.SessionStateManager(max_sessions=8))
+      >>> again.get("user")["h"].view()
+      Array([1., 1.], dtype=float32)
     """
     if target is not None and not isinstance(target, (Session, SessionStateManager)):
         raise TypeError(f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}.")

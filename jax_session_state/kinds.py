@@ -98,6 +98,20 @@ def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., 
     ``allocate`` takes its sizes by name and the :class:`ManagedOptions` in
     ``**options``; ``deprecated`` names the former keywords it still reads
     from ``options`` (with a warning).  Use it under ``@classmethod``.
+
+    Example:
+      >>> from jax_session_state.kinds import allocator
+      >>> class Carry:
+      ...     @classmethod
+      ...     @allocator()
+      ...     def allocate(cls, *, size, **options):
+      ...         return cls()
+      >>> try:
+      ...     Carry.allocate(size=2, sise=3)
+      ... except TypeError as error:
+      ...     print(error)
+      Carry.allocate() got unexpected keyword argument(s): sise; it takes recompute_cost,
+      recompute_source, sharding, size.
     """
 
     def wrap(allocate: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,12 +141,30 @@ def overwrite(old: Any, new: Any) -> Any:
     cannot lend its buffer to the output.  A method that replaces a storage
     leaf wholesale (a flag reset, a new carry) goes through here so the old
     leaf stays an input and donation still aliases it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax_session_state.kinds import overwrite
+      >>> overwrite({"flag": jnp.zeros(2, jnp.int32)}, {"flag": jnp.ones(2)})  # keeps old's dtype
+      {'flag': Array([1, 1], dtype=int32)}
     """
     return jax.tree_util.tree_map(lambda o, n: jnp.where(True, n, o).astype(o.dtype), old, new)
 
 
 def deprecated_alias(new: str, old: str) -> property:
-    """A read-only property ``old`` that warns and returns attribute ``new`` (a renamed public name)."""
+    """A read-only property ``old`` that warns and returns attribute ``new`` (a renamed public name).
+
+    Example:
+      >>> import warnings
+      >>> from jax_session_state.kinds import deprecated_alias
+      >>> class Buffer:
+      ...     capacity = 8
+      ...     size = deprecated_alias("capacity", "size")
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     print(Buffer().size, caught[0].message)
+      8 Buffer.size is deprecated; use .capacity (same meaning).
+    """
 
     def read(self: Any) -> Any:
         warnings.warn(f"{type(self).__name__}.{old} is deprecated; use .{new} (same meaning).",
@@ -147,13 +179,41 @@ def refuse_now_if(refused: Any, error: Callable[[], Exception]) -> None:
 
     Under ``jit`` (or ``vmap``) ``refused`` is traced; the caller records it
     in the object's ``overflowed`` flag instead and writes nothing.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_session_state.kinds import refuse_now_if
+      >>> try:
+      ...     refuse_now_if(jnp.array(5) > 4, lambda: ValueError("5 rows do not fit 4"))
+      ... except ValueError as error:
+      ...     print(error)
+      5 rows do not fit 4
+      >>> def write(n):
+      ...     refuse_now_if(n > 4, lambda: ValueError("not raised: n is traced"))
+      ...     return n > 4  # what the caller records in the overflowed flag
+      >>> bool(jax.jit(write)(5))
+      True
     """
     if not isinstance(refused, jax.core.Tracer) and bool(refused):
         raise error()
 
 
 def check_same_spec(obj: Any, name: str, old: Any, new: Any) -> None:
-    """Raises when ``new`` storage differs from ``old`` in structure, shape or dtype (nothing to check when None)."""
+    """Raises when ``new`` storage differs from ``old`` in structure, shape or dtype (nothing to check when None).
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.kinds import check_same_spec
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+      >>> check_same_spec(kv, "k", kv.k, kv.k + 1)  # same shape and dtype: nothing to say
+      >>> try:
+      ...     check_same_spec(kv, "k", kv.k, kv.k[:, :, :4])
+      ... except jss.PayloadTypeError as error:
+      ...     print(error)
+      KVCache(...): a write changed storage 'k' from PyTreeDef(*) [float32[1, 1, 8, 2]] to
+      PyTreeDef(*) [float32[1, 1, 4, 2]]; every write must keep structure, shapes and dtypes (a
+      changed one compiles the step again and breaks donation).
+    """
     if old is None:
         return
     old_leaves, old_tree = jax.tree_util.tree_flatten(old)
@@ -180,6 +240,13 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
     past a short chunk) the window takes back what it held, so nothing
     outside the landing rows changes.  XLA fuses the read-back and the mask
     into the update, one operation where a scatter takes several.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax_session_state.kinds import update_slice_or_keep
+      >>> lands = jnp.array([True, True, False])  # the third row of the chunk is past its end
+      >>> update_slice_or_keep(jnp.zeros(6), jnp.ones(3), 2, axis=0, lands=lands)
+      Array([0., 0., 1., 1., 0., 0.], dtype=float32)
     """
     kept = jax.lax.dynamic_slice_in_dim(buffer, start, update.shape[axis], axis=axis)
     return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(lands, update, kept), start, axis=axis)

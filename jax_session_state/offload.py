@@ -44,7 +44,16 @@ T = TypeVar("T", bound=StateObject)
 
 
 def is_donated(tree: Any) -> bool:
-    """Whether any array of ``tree`` was deleted (donated to a jitted step, or deleted by hand)."""
+    """Whether any array of ``tree`` was deleted (donated to a jitted step, or deleted by hand).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_session_state.offload import is_donated
+      >>> x = jnp.ones(4)
+      >>> y = jax.jit(lambda x: x + 1, donate_argnums=0)(x)
+      >>> is_donated({"x": x}), is_donated({"y": y})
+      (True, False)
+    """
     return any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(tree))
 
 
@@ -63,6 +72,18 @@ class Placement:
       shardings: one :class:`jax.sharding.Sharding` per leaf; None for leaves
         that are not jax arrays (they are left as they are).
       committed: per leaf, whether the array was committed to its sharding.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.offload import Placement
+      >>> carry = jss.FixedState.allocate(shapes=(2,))
+      >>> placement = Placement.of(carry)
+      >>> placement.committed  # made by jnp ops on the default device
+      (False, False, False)
+      >>> moved = jax.device_put(carry, jax.devices()[0])  # a transfer commits it
+      >>> Placement.of(placement.apply(moved)) == placement
+      True
     """
 
     treedef: jax.tree_util.PyTreeDef
@@ -98,7 +119,15 @@ class Placement:
 
 
 def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) -> Any:
-    """``x`` on ``sharding``, committed to it or not (None: ``x`` as it is)."""
+    """``x`` on ``sharding``, committed to it or not (None: ``x`` as it is).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_session_state.offload import place
+      >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      >>> [place(jnp.ones(2), sharding, committed=c).committed for c in (True, False)]
+      [True, False]
+    """
     if sharding is None:
         return x
     if committed:
@@ -126,6 +155,18 @@ class Parked(Generic[T]):
       obj: the object, its arrays in ``memory_kind`` of their devices.
       placement: where its arrays were before parking.
       memory_kind: the host memory kind holding them.
+
+    Example:
+      >>> import jax
+      >>> import jax_session_state as jss
+      >>> parked = jss.offload.park(jss.FixedState.allocate(shapes=(2, 8)))
+      >>> parked.memory_kind, parked.nbytes_by_device()
+      ('pinned_host', {'cpu:0/pinned_host': 129})
+      >>> try:
+      ...     jax.jit(lambda state: state)(parked)  # restore() it first
+      ... except TypeError as error:
+      ...     print(type(error).__name__)
+      TypeError
     """
 
     obj: T
@@ -154,6 +195,14 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
       RuntimeError: some array of ``obj`` was deleted (donated); park the
         step's output instead.
       ValueError: a device of ``obj`` has no ``memory_kind`` memory.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+      >>> parked = jss.offload.park(kv.append((jnp.ones((1, 2, 1, 2)),) * 2))
+      >>> parked.obj.k.sharding.memory_kind, parked.nbytes_by_device()
+      ('pinned_host', {'cpu:0/pinned_host': 80})
     """
     if not obj.resident:
         raise NotResidentError(f"park() of {_name(obj)}, which is not resident: there is nothing to park.")
@@ -179,7 +228,17 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
 
 
 def restore(parked: Parked[T]) -> T:
-    """The parked object back on its original shardings (devices, memory kind, committed or not), bit for bit."""
+    """The parked object back on its original shardings (devices, memory kind, committed or not), bit for bit.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+      >>> kv = kv.append((jnp.arange(4.0).reshape(1, 2, 1, 2),) * 2)
+      >>> back = jss.offload.restore(jss.offload.park(kv))
+      >>> back.k.sharding.memory_kind, bool((back.view().k == kv.view().k).all())
+      ('device', True)
+    """
     return parked.placement.apply(parked.obj)
 
 

@@ -4,7 +4,8 @@ A pure function over byte figures: no arrays, locks, clocks or I/O.  The
 session manager hands it a snapshot of every session and either applies the
 returned :class:`Plan` (evictions, demotions, parks, preemptions, in order) or raises
 :class:`~jax_session_state.errors.BudgetExceededError` from the returned
-:class:`Refusal`.
+:class:`Refusal`.  ``Action`` is any one of :class:`EvictObject`,
+:class:`DemoteObject`, :class:`ParkObject` and :class:`PreemptSession`.
 
 Example:
   >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
@@ -76,6 +77,12 @@ class ObjectUsage:
       rebuildable: whether a rebuild function is registered for the object.
       demoted_bytes_by_device: bytes per device key the object would hold
         once demoted to its next lower tier; None when it has none.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage
+      >>> kv = ObjectUsage("kv", {"cpu:0": 1000, "cpu:1": 0}, demoted_bytes_by_device={"cpu:0": 270})
+      >>> dict(kv.bytes_by_device), kv.demotion_frees  # keys with no bytes are dropped
+      ({'cpu:0': 1000}, {'cpu:0': 730})
     """
 
     name: str
@@ -122,6 +129,13 @@ class SessionUsage:
       pinned: pinned sessions are never touched.
       attrs_bytes_by_device: bytes of carried values that are never evicted
         or parked individually.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> old = SessionUsage("old", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=1)
+      >>> new = SessionUsage("new", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=2)
+      >>> plan([old, new], budgets={"cpu:0": 1000}, allow_preempt=True).actions  # least recently used goes
+      (PreemptSession(session_id='old', freed=mappingproxy({'cpu:0': 600})),)
     """
 
     session_id: Hashable
@@ -145,20 +159,45 @@ class _FreeingObject:
 
 
 class EvictObject(_FreeingObject):
-    """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key."""
+    """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> cond = ObjectUsage("cond", {"cpu:0": 300}, sources=("prompt",), rebuildable=True)
+      >>> session = SessionUsage("s", (cond, ObjectUsage("prompt", {"cpu:0": 100})), last_used=0)
+      >>> plan([session], budgets={"cpu:0": 200}).actions
+      (EvictObject(session_id='s', name='cond', freed=mappingproxy({'cpu:0': 300})),)
+    """
 
     __slots__ = ()
 
 
 class DemoteObject(_FreeingObject):
-    """Replace an object by its next lower tier (lossy, not undone); ``freed`` is the bytes it saves per device key."""
+    """Replace an object by its next lower tier (lossy, not undone); ``freed`` is the bytes it saves per device key.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> kv = ObjectUsage("kv", {"cpu:0": 1000}, demoted_bytes_by_device={"cpu:0": 270})
+      >>> plan([SessionUsage("s", (kv,), last_used=0)], budgets={"cpu:0": 500}).actions
+      (DemoteObject(session_id='s', name='kv', freed=mappingproxy({'cpu:0': 730})),)
+    """
 
     __slots__ = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParkObject:
-    """Move an object to host memory; ``moved[k]`` bytes go from k to k + "/pinned_host"."""
+    """Move an object to host memory; ``moved[k]`` bytes go from k to k + "/pinned_host".
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
+      >>> result = plan([session], budgets={"cpu:0": 500}, park=True)
+      >>> result.actions
+      (ParkObject(session_id='s', name='kv', moved=mappingproxy({'cpu:0': 600})),)
+      >>> dict(result.usage_after)
+      {'cpu:0/pinned_host': 600}
+    """
 
     session_id: Hashable
     name: str
@@ -167,7 +206,14 @@ class ParkObject:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PreemptSession:
-    """Release a whole session; ``freed`` is all its bytes per device key."""
+    """Release a whole session; ``freed`` is all its bytes per device key.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> sessions = [SessionUsage(i, (ObjectUsage("kv", {"cpu:0": 400}),), last_used=i) for i in range(3)]
+      >>> [a.session_id for a in plan(sessions, budgets={"cpu:0": 500}, protect=2, allow_preempt=True).actions]
+      [0, 1]
+    """
 
     session_id: Hashable
     freed: Mapping[str, int]
@@ -178,7 +224,15 @@ Action = EvictObject | DemoteObject | ParkObject | PreemptSession
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """Actions to apply in order, and the usage per device key after them."""
+    """Actions to apply in order, and the usage per device key after them.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> result = plan([SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 100}),), last_used=0)],
+      ...               budgets={"cpu:0": 500})
+      >>> result.actions, dict(result.usage_after)  # within budget: nothing to do
+      ((), {'cpu:0': 100})
+    """
 
     actions: tuple[Action, ...]
     usage_after: Mapping[str, int]
@@ -194,6 +248,13 @@ class Refusal:
       proven: True when no valid plan fits (see :func:`plan`); False only when
         preemption was disallowed and the bounded search gave up.
       message: a readable summary naming the keys and shortfalls.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
+      >>> refusal = plan([session], budgets={"cpu:0": 500})  # not rebuildable, no parking, no preemption
+      >>> refusal.message, refusal.proven
+      ('over budget: cpu:0 by 100 bytes', True)
     """
 
     shortfall_by_device: Mapping[str, int]

@@ -21,7 +21,8 @@ kind               logical axes of its storage
                    staged ``("max_slots",)``; refcounts, free list ``("num_pages",)``
 =================  ==========================================================
 
-An axis whose name has no rule (or no name) is not sharded.  Objects remember
+One array's names are a :data:`LogicalAxes` tuple, ``None`` for an axis that
+is never sharded.  An axis whose name has no rule (or no name) is not sharded.  Objects remember
 their rules (``allocate(..., sharding=rules)`` or :func:`shard`), so ``empty()``
 allocates the same way and every lifecycle method returns storage sharded
 exactly like its input: under ``jit`` with donation each shard is written in

@@ -40,6 +40,14 @@ class Summary:
     Attributes:
       rows: one dict per object (and one per session's attrs), keyed by column.
       columns: the column names, device keys last.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> table = jss.summary(jss.FixedState.allocate(shapes=(2,)))
+      >>> table.columns[-1], [(row["kind"], row["shapes"], row["cpu:0"]) for row in table.rows]
+      ('cpu:0', [('FixedState', '[2]', 17)])
+      >>> table._repr_html_()[:31]  # what a notebook shows
+      '<table><thead><tr><th>name</th>'
     """
 
     def __init__(self, rows: list[dict[str, Any]], columns: list[str]):
@@ -175,6 +183,15 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
     Returns:
       A :class:`Summary`: ``print()`` it as plain text, give it to rich, or
       let a notebook render its HTML.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager()
+      >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))}))
+      >>> print(jss.summary(manager))
+      session  held      name  kind        shapes  dtype    committed  staged  capacity  margin  resident  recompute  cpu:0
+      -------  --------  ----  ----------  ------  -------  ---------  ------  --------  ------  --------  ---------  -----
+      user     resident  h     FixedState  [2]     float32  1          0       1         0       yes       -          17
     """
     seen = SeenStorages()
     if isinstance(tree, StateObject):

@@ -21,6 +21,8 @@ In pytest, parametrise over :data:`CHECKS` to get one test per rule::
   @pytest.mark.parametrize("check", jss.testing.CHECKS)
   def test_my_kind(check):
       getattr(Conformance(make=..., payload=...), check)()
+
+:data:`CHECKS` names every check, in the order :meth:`Conformance.run` runs them.
 """
 
 from __future__ import annotations
@@ -64,6 +66,15 @@ def logical(view: Any) -> Any:
     Views that hold slots a reader must not see (past a length, outside a
     ring's window) provide ``materialize()``, which drops them; other views
     are compared leaf by leaf.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.testing import logical
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+      >>> rows = logical(kv.append((jnp.ones((1, 2, 1, 2)),) * 2).view())  # per batch row: what is visible
+      >>> rows[0]["positions"], rows[0]["k"].shape  # 2 rows written, not the 8 slots allocated
+      (array([0, 1], dtype=int32), (2, 1, 2))
     """
     if hasattr(view, "materialize"):
         return view.materialize()
@@ -73,7 +84,19 @@ def logical(view: Any) -> Any:
 
 
 def logically_equal(a: Any, b: Any) -> bool:
-    """Whether two views hold the same logical contents, exactly."""
+    """Whether two views hold the same logical contents, exactly.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.testing import logically_equal
+      >>> rows = (jnp.ones((1, 2, 1, 2)),) * 2
+      >>> small, large = (jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=c) for c in (4, 16))
+      >>> logically_equal(small.append(rows).view(), large.append(rows).view())  # capacity is not content
+      True
+      >>> logically_equal(small.append(rows).view(), small.view())
+      False
+    """
     leaves_a, tree_a = jax.tree_util.tree_flatten(logical(a))
     leaves_b, tree_b = jax.tree_util.tree_flatten(logical(b))
     return tree_a == tree_b and all(
@@ -82,7 +105,21 @@ def logically_equal(a: Any, b: Any) -> bool:
 
 
 def assert_logically_equal(a: Any, b: Any, message: str) -> None:
-    """Asserts two views hold the same logical contents, exactly."""
+    """Asserts two views hold the same logical contents, exactly.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.testing import assert_logically_equal
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
+      >>> tried = kv.stage((jnp.ones((1, 1, 1, 2)),) * 2)
+      >>> assert_logically_equal(tried.discard().view(), kv.view(), "discard() restores")
+      >>> try:
+      ...     assert_logically_equal(tried.view(include_staged=True), kv.view(), "staged rows are visible")
+      ... except AssertionError as error:
+      ...     print(str(error).splitlines()[0])
+      staged rows are visible:
+    """
     assert logically_equal(a, b), f"{message}:\n{logical(a)}\n!=\n{logical(b)}"
 
 
@@ -109,6 +146,16 @@ class Conformance:
         returns must have the same shapes (so a jitted step compiles once).
       seed: seeds the payload generator.
       jit_steps: how many jitted appends must compile once.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.testing import CHECKS, Conformance
+      >>> suite = Conformance(make=lambda: jss.FixedState.allocate(shapes=(2,)),
+      ...                     payload=lambda rng: jnp.asarray(rng.normal(size=2), jnp.float32))
+      >>> suite.check_discard_restores()  # one rule; run() checks all of CHECKS
+      >>> len(CHECKS), CHECKS[0]
+      (12, 'check_pure')
     """
 
     make: Callable[[], StateObject]

@@ -186,6 +186,22 @@ def test_insert_writes_one_slot_in_place_and_extract_reads_one_slot():
     assert_same_session(pool.extract(3), session)
 
 
+@pytest.mark.parametrize("native", [True, False] if _native.AVAILABLE else [False])
+def test_a_donated_pool_step_writes_every_leaf_in_place(native):
+    """Every buffer of the pool (caches, carries, flags) is where it was after a donated ``map``."""
+    pool = jss.SessionPool.allocate(new_session(0), slots=SLOTS)
+    for slot in range(SLOTS - 1):  # one empty slot; the others at different lengths
+        pool = pool.insert(slot, stepped(new_session(slot), slot % 3))
+    with _native.use(native):
+        map_step = jax.jit(lambda pool, scales: pool.map(step, scales), donate_argnums=0)
+        pool, _ = map_step(pool, jnp.ones(SLOTS))
+        before = [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(pool)]
+        for _ in range(3):
+            pool, out = map_step(pool, jnp.ones(SLOTS))
+    assert [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(pool)] == before
+    assert np.all(np.asarray(out[SLOTS - 1]) == 0) and np.any(np.asarray(out[0]) != 0)
+
+
 def test_mismatched_session_is_refused_naming_the_object():
     pool = jss.SessionPool.allocate(new_session(0), slots=2)
     wrong_capacity = new_session(1).with_objects(

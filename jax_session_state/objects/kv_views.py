@@ -59,6 +59,16 @@ def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> 
 
     Raises:
       PayloadTypeError, PayloadError: the wrong structure, shape or dtype, naming ``obj``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.objects.kv_views import read_chunk
+      >>> kv = jss.KVCache.allocate(batch=2, kv_heads=1, head_dim=2, capacity=8)
+      >>> rows = jnp.ones((2, 3, 1, 2))
+      >>> chunk, counts, out_of_range = read_chunk(kv, (rows, rows, jnp.array([3, 1])), "append", rows=2)
+      >>> chunk.k.shape, counts, bool(out_of_range)  # batch row 1 writes only its first row
+      ((2, 3, 1, 2), Array([3, 1], dtype=int32), False)
     """
     owner = f"{obj.describe()}.{operation}"
     if not isinstance(payload, tuple) or len(payload) not in (2, 3):
