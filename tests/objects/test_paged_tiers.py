@@ -216,3 +216,16 @@ def test_quantized_paged_cache_round_trips_a_checkpoint_exactly(tmp_path, how):
             np.testing.assert_array_equal(np.asarray(getattr(kv, name)), np.asarray(getattr(cache, name)), err_msg=name)
         q = jnp.asarray(rng.standard_normal((SLOTS, 1, H, D)), jnp.float32)
         np.testing.assert_array_equal(np.asarray(jss.attend(q, kv.view())), np.asarray(jss.attend(q, cache.view())))
+
+
+def test_attend_under_vmap_over_stacked_quantized_caches_equals_each_alone():
+    """A pool's vmap folds the scale pages with the pools (page ids offset per cache)."""
+    rng = np.random.default_rng(7)
+    caches = [written_rows(rng, paged(quantize="int8"), steps=3 + i)[0] for i in range(3)]
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *(c.view() for c in caches))
+    q = jnp.asarray(rng.standard_normal((3, SLOTS, 1, 2 * H, D)), jnp.float32)
+    out, lse = jax.jit(jax.vmap(jss.attend_with_lse))(q, stacked)
+    for i, cache in enumerate(caches):
+        alone = jss.attend_with_lse(q[i], cache.view())
+        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse[i]), np.asarray(alone[1]), rtol=1e-5, atol=1e-5)
