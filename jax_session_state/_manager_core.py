@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -322,7 +323,9 @@ class ManagerCore:
         storages = entry.records[name].storages
         counts = collections.Counter(storages)
         alone = all(n == 1 and self._ledger.refs.get(storage) == 1 for storage, n in counts.items())
-        demoted = (_demoted_in_place if alone else _demoted_copy)(entry.session[name])
+        with warnings.catch_warnings():  # the float storage is donated to be freed, not reused: no warning
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            demoted = (_demoted_in_place if alone else _demoted_copy)(entry.session[name])
         return demoted, ObjectRecord.of(demoted)
 
     def _apply(
