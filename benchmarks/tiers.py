@@ -15,9 +15,14 @@ Measures, in one run:
     kernel each cache's compiled step calls (both take the native kernel,
     which reads the int8 values in place and applies their row scales);
 (d) the peak resident memory of a jitted, donated ``demote()`` of a 32k
-    float32 cache (batch 1, 8 heads x 128), in a fresh process, resident
-    set minus the baseline before the cache existed, over the float32
-    cache's bytes (bar <= 1.3).
+    float32 cache (batch 1, 8 heads x 128), in a fresh process (one malloc
+    arena), resident set minus the baseline before the cache existed, over
+    the float32 cache's bytes (bar <= 1.3); XLA's own figure beside it.
+
+Each part measures a ``KVCache`` ("dense") and a ``PagedKVCache`` of one
+slot whose 16-row pages lie in a random order in the pool ("paged"; int8
+only in (b)); both kinds' float32 and int8 reads take the native kernel
+(its dense and paged handlers).
 
 The first row names the CPU (model, AVX2 and AVX-512 yes/no).
 
@@ -41,7 +46,7 @@ import numpy as np
 import jax_session_state as jss
 from benchmarks._attention_parts import cpu_description
 from benchmarks._common import cli
-from benchmarks._tiers_child import HEADS, random_cache
+from benchmarks._tiers_child import HEADS, MAKERS
 from jax_session_state import _native
 
 CAPACITY = 32768
@@ -55,25 +60,28 @@ def _bar(measure: str, value: float, bar: float, **extra: Any) -> dict[str, Any]
 
 def byte_rows() -> list[dict[str, Any]]:
     rows = []
-    for head_dim in (64, 128):
-        shape = jax.eval_shape(lambda d=head_dim: random_cache(jax.random.key(0), CAPACITY, 0, d))
-        f32 = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shape))
-        int8 = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda c: c.demote(), shape)))
-        rows.append(_bar(f"bytes: int8 / float32 cache, {HEADS} heads x {head_dim} (scales included)",
-                         int8 / f32, BARS["bytes"]))
+    for kind, make in MAKERS.items():
+        for head_dim in (64, 128):
+            shape = jax.eval_shape(lambda d=head_dim, make=make: make(jax.random.key(0), CAPACITY, 0, d))
+            f32 = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shape))
+            demoted = jax.eval_shape(lambda c: c.demote(), shape)
+            int8 = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(demoted))
+            rows.append(_bar(f"bytes: [{kind}] int8 / float32 cache, {HEADS} heads x {head_dim} (scales and "
+                             "bookkeeping included)", int8 / f32, BARS["bytes"], part="bytes", kind=kind))
     return rows
 
 
 def error_rows(draws: int, capacity: int, valids: tuple[int, ...]) -> list[dict[str, Any]]:
     """The relative error's distribution over ``draws`` random caches, per (format, T, valid)."""
     rows = []
-    for fmt in ("int8", "fp8"):
+    for kind, fmt in (("dense", "int8"), ("dense", "fp8"), ("paged", "int8")):
         for T in (1, 16):
             for valid in valids:
                 @jax.jit
-                def error(key: jax.Array, fmt: str = fmt, T: int = T, valid: int = valid) -> jax.Array:
+                def error(key: jax.Array, fmt: str = fmt, T: int = T, valid: int = valid,
+                          make: Any = MAKERS[kind]) -> jax.Array:
                     cache_key, q_key = jax.random.split(key)
-                    f32 = random_cache(cache_key, capacity, valid, 64)
+                    f32 = make(cache_key, capacity, valid, 64)
                     low = f32.replace(tiers=(fmt,)).demote()
                     q = jax.random.normal(q_key, (1, T, HEADS, 64))
                     exact, approx = jss.attend(q, f32.view()), jss.attend(q, low.view())
@@ -82,9 +90,9 @@ def error_rows(draws: int, capacity: int, valids: tuple[int, ...]) -> list[dict[
                 errors = np.array([float(error(jax.random.key(i))) for i in range(draws)])
                 assert error._cache_size() == 1, "the error function compiled more than once"
                 median, p95, worst = np.median(errors), np.percentile(errors, 95), errors.max()
-                measure = (f"error: {fmt} vs float32 attend, T={T}, valid {valid} of {capacity}, {draws} draws: "
-                           f"max (median {median:.2e}, p95 {p95:.2e})")
-                extra = {"part": "error", "format": fmt, "T": T, "valid": valid,
+                measure = (f"error: {fmt} vs float32 attend [{kind}], T={T}, valid {valid} of {capacity}, "
+                           f"{draws} draws: max (median {median:.2e}, p95 {p95:.2e})")
+                extra = {"part": "error", "kind": kind, "format": fmt, "T": T, "valid": valid,
                          "median": float(median), "p95": float(p95), "max": float(worst)}
                 if fmt == "int8":
                     rows.append(_bar(measure, float(worst), BARS["error"], **extra))
@@ -93,8 +101,8 @@ def error_rows(draws: int, capacity: int, valids: tuple[int, ...]) -> list[dict[
     return rows
 
 
-def _child(mode: str, capacity: int, env: dict[str, str] | None = None) -> dict[str, Any]:
-    command = f"exec {shlex.quote(sys.executable)} -m benchmarks._tiers_child {mode} {capacity}"
+def _child(mode: str, capacity: int, kind: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    command = f"exec {shlex.quote(sys.executable)} -m benchmarks._tiers_child {mode} {capacity} {kind}"
     done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, cwd=ROOT,
                           env=env or dict(os.environ))
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -109,28 +117,34 @@ def time_rows(capacity: int, cpu: str) -> list[dict[str, Any]]:
             env[_native.ENV_SWITCH] = "0"
         else:
             env[_native.ENV_ISA] = path
-        result = _child("time", capacity, env)
-        seconds = result["seconds"]
-        kernels = result["kernels"]
-        rows.append(_bar(
-            f"time: [{path or 'no native'}] attend T=1 at {capacity} valid, int8 ({kernels['int8']}) / float32 "
-            f"({kernels['float32']}); {seconds['int8'] * 1e3:.2f} ms / {seconds['float32'] * 1e3:.2f} ms on {cpu}",
-            seconds["int8"] / seconds["float32"], BARS["time"], part="time", path=path, kernels=kernels,
-            int8_ms=seconds["int8"] * 1e3, float32_ms=seconds["float32"] * 1e3, native_status=result["status"]))
+        for kind in MAKERS:
+            result = _child("time", capacity, kind, env)
+            seconds, kernels = result["seconds"], result["kernels"]
+            rows.append(_bar(
+                f"time: [{path or 'no native'}] [{kind}] attend T=1 at {capacity} valid, int8 ({kernels['int8']}) / "
+                f"float32 ({kernels['float32']}); {seconds['int8'] * 1e3:.2f} ms / {seconds['float32'] * 1e3:.2f} ms "
+                f"on {cpu}",
+                seconds["int8"] / seconds["float32"], BARS["time"], part="time", path=path, kind=kind, kernels=kernels,
+                int8_ms=seconds["int8"] * 1e3, float32_ms=seconds["float32"] * 1e3, native_status=result["status"]))
     return rows
 
 
 def memory_rows(capacity: int) -> list[dict[str, Any]]:
-    memory = _child("memory", capacity)
-    mib = 2**20
-    return [
-        {"measure": "memory: baseline resident before the cache (MiB)", "value": memory["baseline"] / mib},
-        {"measure": f"memory: float32 cache, {capacity} tokens, 1 x {HEADS} heads x 128 (MiB)",
-         "value": memory["cache"] / mib},
-        {"measure": "memory: its int8 demotion (MiB)", "value": memory["demoted"] / mib},
-        _bar("memory: (peak resident during a donated demote() - baseline) / float32 cache bytes",
-             (memory["peak"] - memory["baseline"]) / memory["cache"], BARS["memory"], part="memory", **memory),
-    ]
+    rows, mib = [], 2**20
+    for kind in MAKERS:
+        memory = _child("memory", capacity, kind, {**os.environ, "MALLOC_ARENA_MAX": "1"})
+        rows += [
+            {"measure": f"memory: [{kind}] baseline resident before the cache (MiB)", "value": memory["baseline"] / mib},
+            {"measure": f"memory: [{kind}] float32 cache, {capacity} tokens, 1 x {HEADS} heads x 128 (MiB)",
+             "value": memory["cache"] / mib},
+            {"measure": f"memory: [{kind}] its int8 demotion (MiB)", "value": memory["demoted"] / mib},
+            _bar(f"memory: [{kind}] (peak resident during a donated demote() - baseline) / float32 cache bytes",
+                 (memory["peak"] - memory["baseline"]) / memory["cache"], BARS["memory"], part="memory", kind=kind,
+                 **memory),
+            {"measure": f"memory: [{kind}] XLA's peak of the compiled demote (arguments + outputs + temporaries - "
+                        "aliased) / float32 cache bytes (information)", "value": memory["xla_peak"] / memory["cache"]},
+        ]
+    return rows
 
 
 def run(*, full: bool, smoke: bool = False) -> list[dict[str, Any]]:

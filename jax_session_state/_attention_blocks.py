@@ -8,12 +8,15 @@ block by block and normalised at the end (:func:`finish`).  Used by
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from jax_session_state import _native
 from jax_session_state._attention_pooled import fold_rows, fold_slots
 from jax_session_state.objects.paged import PagedView
 
@@ -206,10 +209,13 @@ def _relative_offsets(q: Array) -> Array:
     return jnp.asarray(np.broadcast_to(np.arange(-T, 0, dtype=np.int32), (B, T)))
 
 
-def _gather_pages(view: PagedView, first: Any, count: int) -> tuple[Array, Array]:
-    """Table columns ``[first, first + count)`` of every slot as head-major ``[slots, kv_heads, count * S, D]``.
+def _gather_pages(view: PagedView, first: Any, count: int, pools: tuple[str, ...] = ("k_pages", "v_pages")
+                  ) -> tuple[Array, ...]:
+    """Table columns ``[first, first + count)`` of every slot as head-major ``[slots, kv_heads, count * S, last]``.
 
-    Only those pages are read (a gather of ``slots * count`` pages).
+    One result per named pool of the view (the values, or a quantized
+    view's scales: ``last`` is then 1).  Only those pages are read (a
+    gather of ``slots * count`` pages).
     """
     table = lax.dynamic_slice_in_dim(view.page_table, first, count, axis=1)
     ids = jnp.clip(table, 0, view.k_pages.shape[0] - 1)
@@ -219,25 +225,55 @@ def _gather_pages(view: PagedView, first: Any, count: int) -> tuple[Array, Array
         block = pool[ids].reshape(slots, count * view.page_size, *pool.shape[2:])
         return block.transpose(0, 2, 1, 3)
 
-    return rows(view.k_pages), rows(view.v_pages)
+    return tuple(rows(getattr(view, name)) for name in pools)
+
+
+def _gather_dequantized(view: PagedView, first: Any, count: int) -> tuple[Array, Array]:
+    """:func:`_gather_pages` of keys and values as float32, times their row scales where quantized."""
+    keys, values = (x.astype(_F32) for x in _gather_pages(view, first, count))
+    if not view.quantized:
+        return keys, values
+    k_scale, v_scale = _gather_pages(view, first, count, ("k_scale", "v_scale"))
+    return keys * k_scale, values * v_scale
+
+
+def _paged_block_pages(view: PagedView) -> int:
+    """Table columns per block of the paged loop: about :data:`BLOCK_SIZE` keys (a quantized view's:
+    :data:`QUANTIZED_BLOCK_SIZE`), whole pages."""
+    return max(1, (QUANTIZED_BLOCK_SIZE if view.quantized else BLOCK_SIZE) // view.page_size)
+
+
+def _padded_table(view: PagedView, pages: int) -> PagedView:
+    """The view with its (small) page table padded with -1 to whole blocks of ``pages`` columns; never the pool."""
+    columns = view.page_table.shape[1]
+    padded = -(-columns // pages) * pages
+    if padded == columns:
+        return view
+    return view.replace(page_table=jnp.pad(view.page_table, ((0, 0), (0, padded - columns)), constant_values=-1))
 
 
 def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float) -> tuple[Array, Array]:
     """The pure-JAX loop over a paged view: blocks of whole pages up to the longest slot, online softmax.
 
+    A quantized view's pages are gathered narrow and widened block by block;
+    the row scales (gathered alongside, ``[slots, kv_heads, 1, n]``)
+    multiply the block's scores and softmax weights, so no dequantized copy
+    of a page, let alone of the pool, is made.
+
     Under ``jax.vmap`` over independent paged caches (a pool of them) the
     pools fold into one (page ids offset) and the loop runs once, or slot
     by slot where that is cheaper (``_attention_pooled``).
     """
-    pages = max(1, BLOCK_SIZE // view.page_size)  # table columns per block
-    cache = {"k_pages": view.k_pages, "v_pages": view.v_pages, "page_table": view.page_table, "lengths": view.lengths}
+    pages = _paged_block_pages(view)
+    pools = ("k_pages", "v_pages", "k_scale", "v_scale") if view.quantized else ("k_pages", "v_pages")
+    cache = {name: getattr(view, name) for name in pools} | {"page_table": view.page_table, "lengths": view.lengths}
 
     def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
         table, lengths = cache["page_table"], cache["lengths"]
         if row is not None:
             table = lax.dynamic_slice_in_dim(table, row, q.shape[0], axis=0)
             lengths = lax.dynamic_slice_in_dim(lengths, row, q.shape[0], axis=0)
-        paged = view.replace(k_pages=cache["k_pages"], v_pages=cache["v_pages"], page_table=table, lengths=lengths)
+        paged = view.replace(**{name: cache[name] for name in pools}, page_table=table, lengths=lengths)
         return _read_pages(q, paged, q_positions, causal, scale, pages)
 
     def blocks(cache: dict[str, Array]) -> Array:
@@ -247,12 +283,12 @@ def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool
 
 
 def _fold_paged(cache: dict[str, Array], slots: int) -> dict[str, Array]:
-    """Stacked paged caches as one: the pools end to end, each table's page ids offset to its pool."""
+    """Stacked paged caches as one: the pools (and scales) end to end, each table's page ids offset to its pool."""
     num_pages = cache["k_pages"].shape[1]
     table = cache["page_table"]
     offset = (jnp.arange(slots, dtype=table.dtype) * num_pages)[:, None, None]
-    return {"k_pages": fold_rows(cache["k_pages"]), "v_pages": fold_rows(cache["v_pages"]),
-            "page_table": fold_rows(jnp.where(table >= 0, table + offset, -1)), "lengths": fold_rows(cache["lengths"])}
+    folded = {name: fold_rows(x) for name, x in cache.items() if name != "page_table"}
+    return {**folded, "page_table": fold_rows(jnp.where(table >= 0, table + offset, -1))}
 
 
 def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float,
@@ -261,9 +297,7 @@ def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, sca
     size, kv_heads = view.page_size, view.k_pages.shape[2]
     groups = q.shape[2] // kv_heads
     columns = view.page_table.shape[1]
-    padded = -(-columns // pages) * pages
-    if padded != columns:  # whole blocks: pad the (small) table, never the pool
-        view = view.replace(page_table=jnp.pad(view.page_table, ((0, 0), (0, padded - columns)), constant_values=-1))
+    view = _padded_table(view, pages)
     n = pages * size
     qh = _to_rows(q, kv_heads)
     last = _last_visible(view.lengths, q_positions, causal, groups)
@@ -272,10 +306,110 @@ def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, sca
         keys, values = _gather_pages(view, i * pages, pages)
         key_position = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
         visible = key_position <= last
-        return _online_update(state, _scores(keys.astype(_F32) * scale, qh), visible, values.astype(_F32))
+        scores = _scores(keys.astype(_F32) * scale, qh)
+        if not view.quantized:
+            return _online_update(state, scores, visible, values.astype(_F32))
+        k_scale, v_scale = (jnp.swapaxes(x, 2, 3) for x in _gather_pages(view, i * pages, pages, ("k_scale", "v_scale")))
+        return _online_update(state, scores * k_scale, visible, values.astype(_F32), v_scale)
 
-    blocks = (jnp.clip(jnp.max(view.lengths), 0, columns * size) + n - 1) // n
-    return _finish(q, lax.fori_loop(0, blocks, body, _empty_state(qh)))
+    return _finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, _empty_state(qh)))
+
+
+def _paged_blocks(view: PagedView, columns: int, n: int) -> Array:
+    """Blocks of ``n`` keys up to the longest slot's length (``columns`` table columns of ``page_size``)."""
+    return (jnp.clip(jnp.max(view.lengths), 0, columns * view.page_size) + n - 1) // n
+
+
+def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
+    """Query positions, given as they are or (``relative``) as offsets from each row's length."""
+    return lengths[:, None] + q_positions if relative else q_positions
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, q_positions: Array,
+                     causal: bool, scale: float, relative: bool, page_size: int, native: bool) -> tuple[Array, Array]:
+    """Float paged attention: the native paged kernel on CPU where ``native``, else :func:`_paged_blockwise`.
+
+    With ``relative`` the query positions are offsets from each row's length.
+    Its VJP is :func:`_paged_attention_bwd`, so ``jax.grad`` works through
+    either (under ``jit``, lengths traced).
+    """
+
+    def loop(q, k_pages, v_pages, table, lengths, positions):
+        paged = PagedView(k_pages, v_pages, table, lengths, page_size)
+        return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
+
+    if not native:
+        return loop(q, k_pages, v_pages, page_table, lengths, q_positions)
+
+    def kernel(q, k_pages, v_pages, table, lengths, positions):
+        return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
+                                    relative=relative)
+
+    return lax.platform_dependent(q, k_pages, v_pages, page_table, lengths, q_positions, cpu=kernel, default=loop)
+
+
+def _paged_attention_fwd(q, k_pages, v_pages, page_table, lengths, q_positions, causal, scale, relative, page_size,
+                         native):
+    out, lse = _paged_attention(q, k_pages, v_pages, page_table, lengths, q_positions, causal, scale, relative,
+                                page_size, native)
+    return (out, lse), (q, k_pages, v_pages, page_table, lengths, q_positions, out, lse)
+
+
+def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: int, native: bool, residuals: Any,
+                         cotangents: Any) -> tuple:
+    """The flash-attention backward of ``attention._native_or_blockwise_bwd``, page block by page block.
+
+    Each block's key and value gradients are scatter-added into the pools
+    at the block's page ids, so a page shared by forked slots sums the
+    gradients of every slot that reads it.
+    """
+    q, k_pages, v_pages, page_table, lengths, q_positions, out, lse = residuals
+    d_out, d_lse = cotangents
+    num_pages, _, kv_heads, dim = k_pages.shape
+    view = PagedView(k_pages, v_pages, page_table, lengths, page_size)
+    pages, columns = _paged_block_pages(view), page_table.shape[1]
+    view, n, slots = _padded_table(view, pages), pages * page_size, page_table.shape[0]
+    qh, d_rows, lse_rows, delta = _backward_rows(q, kv_heads, d_out, d_lse, out, lse)
+    last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, q.shape[2] // kv_heads)
+
+    def body(i: Array, grads: Any) -> Any:
+        dq, dk, dv = grads
+        keys, values = (x.astype(_F32) for x in _gather_pages(view, i * pages, pages))
+        visible = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
+        p = jnp.where(visible, jnp.exp(_scores(keys, qh) * scale - lse_rows), 0.0)
+        ds = p * (jnp.einsum("bhmd,bhnd->bhmn", d_rows, values) - delta) * scale
+        ids = lax.dynamic_slice_in_dim(view.page_table, i * pages, pages, axis=1)
+        ids = jnp.where(ids >= 0, ids, num_pages)  # out of range: dropped
+
+        def add(grad: Array, block: Array) -> Array:  # head-major [slots, kv_heads, n, dim] -> its pages
+            rows = block.transpose(0, 2, 1, 3).reshape(slots, pages, page_size, kv_heads, dim)
+            return grad.at[ids].add(rows, mode="drop")
+
+        dk = add(dk, jnp.einsum("bhmn,bhmd->bhnd", ds, qh))
+        dv = add(dv, jnp.einsum("bhmn,bhmd->bhnd", p, d_rows))
+        return dq + jnp.einsum("bhmn,bhnd->bhmd", ds, keys), dk, dv
+
+    zeros = (jnp.zeros_like(qh), jnp.zeros(k_pages.shape, _F32), jnp.zeros(v_pages.shape, _F32))
+    dq, dk, dv = lax.fori_loop(0, _paged_blocks(view, columns, n), body, zeros)
+    return (_from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k_pages.dtype), dv.astype(v_pages.dtype),
+            None, None, None)
+
+
+_paged_attention.defvjp(_paged_attention_fwd, _paged_attention_bwd)
+
+
+def _backward_rows(q: Array, kv_heads: int, d_out: Array, d_lse: Array, out: Array, lse: Array) -> tuple[Array, ...]:
+    """What every flash backward starts from, in rows ``[B, kv_heads, T*G, ...]``: q, dO, lse and delta.
+
+    ``lse`` is ``+inf`` where a query saw nothing (so ``P = 0`` there);
+    ``delta = rowsum(dO * O) - dlse``, both ``[..., 1]``.
+    """
+    qh, d_rows = _to_rows(q, kv_heads), _to_rows(d_out, kv_heads)
+    lse_rows = _to_rows(lse, kv_heads)
+    lse_rows = jnp.where(jnp.isneginf(lse_rows), jnp.inf, lse_rows)[..., None]
+    delta = (jnp.sum(d_rows * _to_rows(out, kv_heads), -1) - _to_rows(d_lse, kv_heads))[..., None]
+    return qh, d_rows, lse_rows, delta
 
 
 def _buckets(capacity: int) -> list[int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -70,10 +71,12 @@ COUNTERS = ("evictions", "demotions", "preemptions", "parks", "restores", "rebui
 """The action counters ``stats()`` reports."""
 
 
-# Not donating: a held session's arrays may also be held by a caller's handle or a branch sharing them.
-# The float storage is freed once the manager's reference, the last one it holds, is replaced.
-_demoted = jax.jit(lambda obj: obj.demote())
-"""An object's next lower tier, computed on its devices (compiled once per object spec)."""
+_demoted_in_place = jax.jit(lambda obj: obj.demote(), donate_argnums=0)
+"""An object's next lower tier, its storage donated: the bookkeeping is reused in place and the float
+storage read once, so the peak is the float storage plus its quantized copy (compiled once per spec)."""
+
+_demoted_copy = jax.jit(lambda obj: obj.demote())
+"""The same, for an object that shares a buffer with another object or session the manager holds."""
 
 
 class _Donated(Exception):
@@ -285,31 +288,45 @@ class ManagerCore:
     def _prepare(self, result: Plan) -> list[tuple[Action, tuple[StateObject, ObjectRecord] | None]]:
         """Each action's new object (evicted or parked), computed before anything changes.
 
+        Demotions are computed when applied (:meth:`_demote`): they donate the
+        object's storage, so only once nothing can refuse the plan.
+
         Raises:
           _Donated: naming every acted-on session whose arrays were donated.
         """
-        donated = set()
+        # A step in progress holds such a session: untouchable till its put.
+        donated = {a.session_id for a in result.actions if offload.is_donated(self._entries[a.session_id].session)}
+        if donated:
+            raise _Donated(donated)
         prepared = []
         for action in result.actions:
             entry = self._entries[action.session_id]
-            if offload.is_donated(entry.session):  # a step in progress holds it: untouchable till its put
-                donated.add(action.session_id)
-            elif isinstance(action, PreemptSession):
+            if isinstance(action, (PreemptSession, DemoteObject)):
                 prepared.append((action, None))
             elif isinstance(action, EvictObject):
                 obj = entry.session[action.name]
                 record = entry.records[action.name].evicted(offload.Placement.of(obj))
                 prepared.append((action, (obj.evict()[0], record)))
-            elif isinstance(action, DemoteObject):
-                demoted = _demoted(entry.session[action.name])
-                prepared.append((action, (demoted, ObjectRecord.of(demoted))))
             else:
                 obj = entry.session[action.name]
                 record = entry.records[action.name].parked_as(offload.park(obj, self.park_memory_kind))
                 prepared.append((action, (obj.reset(), record)))
-        if donated:
-            raise _Donated(donated)
         return prepared
+
+    def _demote(self, entry: Entry, name: str) -> tuple[StateObject, ObjectRecord]:
+        """Object ``name`` of ``entry`` demoted, and its record.
+
+        Its storage is donated where the manager holds each of its buffers
+        once, for this object only; an object sharing a buffer with another
+        object or session is demoted into new buffers, the shared ones kept.
+        """
+        storages = entry.records[name].storages
+        counts = collections.Counter(storages)
+        alone = all(n == 1 and self._ledger.refs.get(storage) == 1 for storage, n in counts.items())
+        with warnings.catch_warnings():  # the float storage is donated to be freed, not reused: no warning
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            demoted = (_demoted_in_place if alone else _demoted_copy)(entry.session[name])
+        return demoted, ObjectRecord.of(demoted)
 
     def _apply(
         self,
@@ -323,7 +340,7 @@ class ManagerCore:
                 self._preempt(session_id, f"preempted ({reason})", events)
                 continue
             entry = self._entries[session_id]
-            obj, record = change
+            obj, record = self._demote(entry, action.name) if isinstance(action, DemoteObject) else change
             new = entry.with_object(action.name, obj, record)
             removed = entry.records[action.name].storages
             freed = {k: -b for k, b in self._ledger.delta(removed, record.storages).items() if b}

@@ -1,11 +1,12 @@
-"""The planner's exact search for evictions and parks that fit every budget.
+"""The planner's exact search for evictions, demotions and parks that fit every budget.
 
 Used when the planner's greedy, rule-ordered pass falls short: greedy choices
 can block each other (evicting a dependent pins its source, parking a large
-object can leave no host room for the two that would have fitted).  Each
-session contributes its Pareto-optimal evict/park options; a depth-first
-search with a lower bound on what the remaining sessions can still free picks
-one option per session.
+object can leave no host room for the two that would have fitted, demoting
+an object keeps it from being parked whole).  Each session contributes its
+Pareto-optimal evict/demote/park options (one action per object); a
+depth-first search with a lower bound on what the remaining sessions can
+still free picks one option per session.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def evictable(session: SessionUsage) -> list[ObjectUsage]:
     ]
 
 
+def demotable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
+    """Resident objects with a lower tier, and the bytes by device key demoting each frees."""
+    return [(obj, obj.demotion_frees) for obj in session.objects if obj.state == "resident" and obj.demotion_frees]
+
+
 def parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
     """Resident objects with their default-kind bytes, largest first."""
     parks = []
@@ -73,17 +79,19 @@ def parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
 
 
 class Candidates(NamedTuple):
-    """A session's objects an eviction or park of which frees an over-budget key.
+    """A session's objects an eviction, demotion or park of which frees an over-budget key.
 
     Attributes:
       index: the session's position among the planner's actors.
       evictions: evictable objects (``ObjectUsage``).
       parks: ``(object, moved bytes by device key)`` of parkable objects.
+      demotions: ``(object, freed bytes by device key)`` of demotable objects.
     """
 
     index: int
     evictions: list[Any]
     parks: list[tuple[Any, dict[str, int]]]
+    demotions: list[tuple[Any, dict[str, int]]]
 
 
 class Option(NamedTuple):
@@ -93,15 +101,17 @@ class Option(NamedTuple):
     room: int  # bytes moved into parked storage
     evictions: frozenset[str]
     parks: frozenset[str]
+    demotions: frozenset[str] = frozenset()
 
 
 def _may_fit(start: Any, candidates: Iterable[Candidates]) -> bool:
     """Cheap necessary condition for evictions and parks to fit, ignoring conflicts."""
     evict_free = dict.fromkeys(start.over, 0)
     park_free = dict.fromkeys(start.over, 0)
-    for _, evictions, parks in candidates:
-        for obj in evictions:
-            for key, count in obj.bytes_by_device.items():
+    for _, evictions, parks, demotions in candidates:
+        freeing = [obj.bytes_by_device for obj in evictions] + [freed for _, freed in demotions]
+        for freed in freeing:  # an object both evictable and demotable counts twice: still a bound
+            for key, count in freed.items():
                 if key in evict_free:
                     evict_free[key] += count
         for _, moved in parks:
@@ -122,18 +132,20 @@ def _session_menu(
     destination: Callable[[str], str | None],
     limit: int,
 ) -> list[Option] | None:
-    """Pareto-optimal evict/park options of one session; None if over ``limit``."""
+    """Pareto-optimal evict/demote/park options of one session (one action per object); None if over ``limit``."""
     width = len(column)
     menu = [Option((0,) * width, 0, frozenset(), frozenset())]
     by_name = {obj.name: obj for obj in candidates.evictions}
     parkable = {obj.name: moved for obj, moved in candidates.parks}
-    objects = {obj.name: obj for obj, _ in candidates.parks} | by_name
+    demotable = {obj.name: freed for obj, freed in candidates.demotions}
+    objects = {obj.name: obj for obj, _ in (*candidates.parks, *candidates.demotions)} | by_name
     for name in sorted(objects):
         obj = objects[name]
-        evict_delta = [0] * width
-        for key, count in obj.bytes_by_device.items():
-            if key in column:
-                evict_delta[column[key]] -= count
+        evict_delta, demote_delta = [0] * width, [0] * width
+        for delta, freed in ((evict_delta, obj.bytes_by_device), (demote_delta, demotable.get(name, {}))):
+            for key, count in freed.items():
+                if key in column:
+                    delta[column[key]] -= count
         park_delta = [0] * width
         for key, count in parkable.get(name, {}).items():
             for k, sign in ((key, -1), (destination(key), 1)):
@@ -149,10 +161,13 @@ def _session_menu(
                 and not any(name in by_name[d].sources for d in option.evictions)
             ):
                 delta = tuple(map(sum, zip(option.delta, evict_delta)))
-                grown.append(Option(delta, option.room, option.evictions | {name}, option.parks))
+                grown.append(option._replace(delta=delta, evictions=option.evictions | {name}))
+            if name in demotable:
+                delta = tuple(map(sum, zip(option.delta, demote_delta)))
+                grown.append(option._replace(delta=delta, demotions=option.demotions | {name}))
             if name in parkable and option.room + park_room <= room_left:
                 delta = tuple(map(sum, zip(option.delta, park_delta)))
-                grown.append(Option(delta, option.room + park_room, option.evictions, option.parks | {name}))
+                grown.append(option._replace(delta=delta, room=option.room + park_room, parks=option.parks | {name}))
         if len(grown) > limit:
             return None
         menu = grown
@@ -171,7 +186,7 @@ def search(
     destination: Callable[[str], str | None],
     limit: int,
 ) -> tuple[dict[int, Option] | None, bool]:
-    """Exact search for evictions and parks (no preemption) that fit every budget.
+    """Exact search for evictions, demotions and parks (no preemption) that fit every budget.
 
     Args:
       start: the planner's ledger before any action (``usage``, ``budgets``,
@@ -188,7 +203,7 @@ def search(
     """
     if not _may_fit(start, candidates()):
         return None, True
-    kept = [c for c in candidates() if c.evictions or c.parks]
+    kept = [c for c in candidates() if c.evictions or c.parks or c.demotions]
     destinations = {destination(k) for c in kept for _, moved in c.parks for k in moved}
     keys = sorted(start.over | (destinations & start.budgets.keys()))
     column = {key: j for j, key in enumerate(keys)}

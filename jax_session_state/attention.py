@@ -25,7 +25,8 @@
   once for every lane.
 - :class:`PagedView`: read page by page through the page table where the
   pages lie (the native kernel, or a loop over blocks of whole pages), never
-  gathered into a dense copy.
+  gathered into a dense copy.  A quantized view (int8 / fp8 pages) takes the
+  loop, which applies each page block's row scales to its scores and weights.
 
 ``implementation=`` picks how append-mode and paged views are read:
 ``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
@@ -47,10 +48,12 @@ not positions, so it is wrong once a ring wraps, it cannot express sinks,
 returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity.
 
-Gradients: the native kernel has a ``jax.custom_vjp`` (a flash-attention
-backward in pure JAX, blockwise like the forward), so ``jax.grad`` works
-under ``jit`` with traced lengths; forward-mode ``jax.jvp`` of append-mode
-attention does not.  Measurements and what was tried are in
+Gradients: append-mode attention through the native kernel and float paged
+attention (native paged kernel or page loop) have a ``jax.custom_vjp`` (a
+flash-attention backward in pure JAX, blockwise like the forward; a paged
+one scatter-adds into the pages), so ``jax.grad`` works under ``jit`` with
+traced lengths; forward-mode ``jax.jvp`` of them does not, nor do
+quantized views have gradients.  Measurements and what was tried are in
 ``benchmarks/NOTES.md``.
 
 Example:
@@ -88,9 +91,12 @@ from jax_session_state._attention_blocks import (
     _empty_state,
     _finish,
     _from_rows,
-    _gather_pages,
+    _absolute,
+    _backward_rows,
+    _gather_dequantized,
     _last_visible,
     _online_update,
+    _paged_attention,
     _paged_blockwise,
     _read_blocks,
     _relative_offsets,
@@ -375,22 +381,35 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     if implementation == "bucketed":
         positions = _default_positions(q, view.lengths, q_positions)
         return _bucketed(q, view.lengths, positions, table_pages * size, causal, scale,
-                         lambda n: _gather_pages(view, 0, -(-n // size)))
-    if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads):
-        relative = q_positions is None
-        positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+                         lambda n: _gather_dequantized(view, 0, -(-n // size)))
+    if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
+        if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
+            return _quantized_paged_native(q, view, causal, float(scale), q_positions)
+        return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
+    native = _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads)
+    relative = native and q_positions is None
+    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+    return _paged_attention(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions, causal,
+                            float(scale), relative, size, native)
 
-        def native(q, k_pages, v_pages, table, lengths, positions):
-            return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal,
-                                        scale=float(scale), relative=relative)
 
-        def loop(q, k_pages, v_pages, table, lengths, positions):
-            paged = view.replace(k_pages=k_pages, v_pages=v_pages, page_table=table, lengths=lengths)
-            return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
+def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: float,
+                            q_positions: Array | None) -> tuple[Array, Array]:
+    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), the page loop
+    elsewhere."""
+    relative = q_positions is None
+    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
 
-        return lax.platform_dependent(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions,
-                                      cpu=native, default=loop)
-    return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
+    def kernel(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+        return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
+                                    relative=relative, k_scale_pages=k_scale, v_scale_pages=v_scale)
+
+    def loop(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+        paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
+        return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
+
+    return lax.platform_dependent(q, view.k_pages, view.v_pages, view.k_scale, view.v_scale, view.page_table,
+                                  view.lengths, positions, cpu=kernel, default=loop)
 
 
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -410,11 +429,6 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
     n = _append_block(k, k_scale)
     read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n)
     return fold_slots(read, functools.partial(_cache_blocks, n=n))(q, q_positions, cache)
-
-
-def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
-    """Query positions, given as they are or (``relative``) as offsets from each row's length."""
-    return lengths[:, None] + q_positions if relative else q_positions
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -449,10 +463,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
     d_out, d_lse = cotangents
     kv_heads, capacity = k.shape[1], k.shape[2]
     groups, n = q.shape[2] // kv_heads, min(BLOCK_SIZE, capacity)
-    qh, d_rows = _to_rows(q, kv_heads), _to_rows(d_out, kv_heads)
-    lse_rows = _to_rows(lse, kv_heads)
-    lse_rows = jnp.where(jnp.isneginf(lse_rows), jnp.inf, lse_rows)[..., None]  # sees nothing: P = 0
-    delta = (jnp.sum(d_rows * _to_rows(out, kv_heads), -1) - _to_rows(d_lse, kv_heads))[..., None]
+    qh, d_rows, lse_rows, delta = _backward_rows(q, kv_heads, d_out, d_lse, out, lse)
     last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, groups)
 
     def body(i: Array, grads: Any) -> Any:

@@ -153,6 +153,9 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
 
         The session returned is the one stored: donating it to a jitted step
         deletes the stored copy's arrays, so ``put`` the step's result back.
+        Demoting a session donates its storage too, so a handle kept while
+        other sessions are put may find its arrays deleted ("Array has been
+        deleted"); ``get`` it again.
 
         Raises:
           SessionStateLostError: the id is unknown, released or preempted

@@ -33,6 +33,7 @@ from jax_session_state import _plan_search
 from jax_session_state._plan_search import (
     Projection,
     add_footprint,
+    demotable,
     evictable,
     parkable,
     parking_destination,
@@ -308,15 +309,17 @@ def _evict_phase(
             ledger.acted_on[index, obj.name] = action
 
 
-def _demote_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
+def _demote_phase(
+    ledger: Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+) -> None:
     """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name)."""
     for index, session in enumerate(actors):
         if not ledger.over:
             return
         candidates = [
-            (obj, obj.demotion_frees)
-            for obj in session.objects
-            if obj.state == "resident" and (index, obj.name) not in ledger.acted_on and obj.demotion_frees
+            (obj, freed)
+            for obj, freed in demotable(session)
+            if (index, obj.name) not in ledger.acted_on and (allowed is None or obj.name in allowed.get(index, ()))
         ]
         candidates.sort(key=lambda c: (-ledger.gain(c[1]), c[0].name))
         for obj, freed in candidates:
@@ -410,7 +413,7 @@ def _searched_plan(
     park: bool,
     search_limit: int,
 ) -> tuple[Plan | None, bool]:
-    """The exact search's evictions and parks, replayed in rule order; (None, proven) if none fit."""
+    """The exact search's evictions, demotions and parks, replayed in rule order; (None, proven) if none fit."""
     start = Projection(usage, budgets, host_room)
     over = start.over
 
@@ -420,6 +423,7 @@ def _searched_plan(
                 index,
                 [o for o in evictable(session) if any(k in over for k in o.bytes_by_device)],
                 [(o, m) for o, m in parkable(session) if any(k in over for k in m)] if park else [],
+                [(o, freed) for o, freed in demotable(session) if any(k in over for k in freed)],
             )
 
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
@@ -435,6 +439,7 @@ def _searched_plan(
         for k in moved
     } & budgets.keys()
     _evict_phase(replay, actors, {i: option.evictions for i, option in selection.items()}, room_keys)
+    _demote_phase(replay, actors, {i: option.demotions for i, option in selection.items()})
     _park_phase(replay, actors, parks)
     return replay.to_plan(), True
 
@@ -466,7 +471,7 @@ def plan(
       to k + "/pinned_host";
     - preempt (if ``allow_preempt``): a session; frees all its bytes.
 
-    A *valid* plan is evictions, then parks, then preemptions, all candidates,
+    A *valid* plan is evictions, demotions, parks, then preemptions, all candidates,
     where the evictions are evictable in turn, the parks move at most
     ``host_room`` bytes in total (None: unlimited), and each park leaves its
     budgeted destination keys within budget.  It *fits* if every budgeted key
@@ -483,12 +488,12 @@ def plan(
     as this greedy order allows).
 
     Completeness: a Plan is returned whenever some valid plan fits (of
-    evictions, parks and preemptions: demotions are taken by the greedy pass
-    only, never by the search below, which keeps plans without them).  Greedy
-    choices can block each other (evicting a dependent pins its source), so
-    when they fall short an exact search over per-session Pareto-optimal
-    evict/park options replaces them (before resorting to preemption), and the
-    chosen actions are replayed in rule order.  With ``allow_preempt`` this is
+    evictions, demotions, parks and preemptions).  Greedy choices can block
+    each other (evicting a dependent pins its source, demoting an object
+    keeps it from being parked whole), so when they fall short an exact
+    search over per-session Pareto-optimal evict/demote/park options (one
+    action per object) replaces them (before resorting to preemption), and
+    the chosen actions are replayed in rule order.  With ``allow_preempt`` this is
     complete always: preempting every candidate session is the least usage
     any plan reaches.  Without it the search is exact unless a session has
     more than ``search_limit`` options or the search backtracks more than

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jax_session_state as jss
@@ -70,6 +71,8 @@ def test_budget_pressure_demotes_the_least_recently_used_session_and_loses_nothi
     saved = z["kv"] - z["demoted_kv"]
     m, events = manager(4 * z["session"] - saved // 2)
     originals = {sid: tier_session(seed) for seed, sid in enumerate("abcd")}
+    # A host copy of what a holds: the manager donates a's storage when it demotes it.
+    original = jax.tree_util.tree_map(lambda x: np.asarray(jnp.copy(x)), originals["a"]["kv"].view())
     for sid in "abcd":
         m.create(sid, originals[sid])
     assert kinds(events) == [("demote", "a", "kv")]
@@ -85,7 +88,6 @@ def test_budget_pressure_demotes_the_least_recently_used_session_and_loses_nothi
     for sid in "bcd":
         assert m.get(sid)["kv"].quantize is None
     # Within the documented bound: every value within max|row| / 254 of what was written.
-    original = originals["a"]["kv"].view()
     cache = demoted["kv"]
     for name in ("k", "v"):
         written = np.asarray(getattr(original, name))[:, :, :TOKENS]  # [B, H, T, D]
@@ -185,3 +187,64 @@ def test_world_model_frames_after_demotion_stay_within_two_percent_of_the_float_
     demoted_frames = np.asarray(run(old, actions[watched:])[1], np.float64)
     error = np.linalg.norm(demoted_frames - float_frames) / np.linalg.norm(float_frames)
     assert 0 < error <= 2e-2, error
+
+
+def paged_session(seed):
+    """A float paged cache that may be demoted to int8: ragged random rows, slot 2 a fork of slot 0."""
+    rng = np.random.default_rng(seed)
+    k, v = (jnp.asarray(rng.normal(size=(3, TOKENS, H, D)), jnp.float32) for _ in range(2))
+    cache = jss.PagedKVCache.allocate(max_slots=3, kv_heads=H, head_dim=D, page_size=4, num_pages=12, tiers=("int8",))
+    return jss.Session(objects={"kv": cache.append(jss.KVChunk(k, v, jnp.asarray([TOKENS, 5, 0], jnp.int32))).fork(0, 2)})
+
+
+def host_rows(cache):
+    """Each row's visible K/V on the host, from copies (a numpy view of a buffer would keep it from being donated)."""
+    return [{name: np.asarray(x) for name, x in row.items()}
+            for row in jax.tree_util.tree_map(jnp.copy, cache.view()).materialize()]
+
+
+def assert_within_half_a_step(demoted, written):
+    for got, want in zip(demoted.view().materialize(), written):
+        for name in ("k", "v"):
+            bound = np.abs(want[name]).max(axis=-1, keepdims=True) / 254
+            assert got[name].shape == want[name].shape and np.all(np.abs(got[name] - want[name]) <= bound * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("make", [tier_session, paged_session])
+def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer(make):
+    size = nbytes(make(0))
+    saved = size - nbytes(make(0).with_objects(kv=make(0)["kv"].demote()))
+    sessions = {sid: make(seed) for seed, sid in enumerate("abc")}
+    written = {sid: host_rows(session["kv"]) for sid, session in sessions.items()}
+    old = sessions["a"]["kv"]
+    bookkeeping = [name for name in old.storage_fields() if name not in old.data_fields and getattr(old, name) is not None]
+    pointers = {name: getattr(old, name).unsafe_buffer_pointer() for name in bookkeeping}
+    m, events = manager(3 * size - saved // 2, rebuild=False)
+    for sid in "abc":
+        m.create(sid, sessions[sid])
+    assert kinds(events) == [("demote", "a", "kv")] and m.stats()["demotions"] == 1
+    assert all(getattr(old, name).is_deleted() for name in bookkeeping)  # donated
+    demoted = m.get("a")["kv"]
+    assert {name: getattr(demoted, name).unsafe_buffer_pointer() for name in bookkeeping} == pointers  # in place
+    assert demoted.quantize == "int8" and m.stats()["bytes"][DEVICE] == 3 * size - saved
+    assert_within_half_a_step(demoted, written["a"])  # nothing lost
+    for sid in "bc":
+        for got, want in zip(m.get(sid)["kv"].view().materialize(), written[sid]):
+            np.testing.assert_array_equal(got["k"], want["k"])
+
+    # Two sessions sharing buffers: the first demoted gets new buffers (the other still holds the old ones),
+    # the second, then their only holder, is demoted in place.
+    shared = make(3)
+    written = host_rows(shared["kv"])
+    pointers = {name: getattr(shared["kv"], name).unsafe_buffer_pointer() for name in bookkeeping}
+    m, events = manager(3 * size - saved // 2, rebuild=False)
+    m.create("a", shared)
+    m.create("twin", shared)
+    for sid in "bc":
+        m.create(sid, make(4 + ord(sid)))
+    assert kinds(events)[:2] == [("demote", "a", "kv"), ("demote", "twin", "kv")]
+    copied, in_place = m.get("a")["kv"], m.get("twin")["kv"]
+    assert all(getattr(copied, name).unsafe_buffer_pointer() != pointers[name] for name in bookkeeping)
+    assert {name: getattr(in_place, name).unsafe_buffer_pointer() for name in bookkeeping} == pointers
+    for kv in (copied, in_place):
+        assert_within_half_a_step(kv, written)

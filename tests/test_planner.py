@@ -697,6 +697,21 @@ def test_demotion_prefers_least_recently_used_sessions():
     assert steps(plan([new, old], budgets={"d": 1500})) == [("demote", "old", "kv")]
 
 
+def test_the_exact_search_demotes_where_the_greedy_order_cannot_fit():
+    """Greedy demotes both kvs and then may park neither; parking one whole and demoting the other fits."""
+    sessions = [sess("a", tiered("kv", 1000, 270), last_used=0), sess("b", tiered("kv", 600, 200), last_used=1)]
+    budgets = {"d": 300}  # 1600 held; host room for one of them only
+    for allow_preempt in (False, True):
+        result = plan(sessions, budgets=budgets, park=True, host_room=1000, allow_preempt=allow_preempt)
+        assert steps(result) == [("demote", "b", "kv"), ("park", "a", "kv")]
+        assert dict(result.usage_after) == {"d": 1600 - 400 - 1000, "d/pinned_host": 1000}
+    # Without the tiers nothing but preemption fits: the demotion is what makes the plan.
+    flat = [sess(s.session_id, obj("kv", dict(s.objects[0].bytes_by_device)), last_used=s.last_used) for s in sessions]
+    assert isinstance(plan(flat, budgets=budgets, park=True, host_room=1000), Refusal)
+    assert any(isinstance(a, PreemptSession)
+               for a in plan(flat, budgets=budgets, park=True, host_room=1000, allow_preempt=True).actions)
+
+
 def test_pinned_protected_and_non_resident_objects_are_never_demoted():
     sessions = [
         sess("pinned", tiered("kv", 1000, 250), last_used=0, pinned=True),

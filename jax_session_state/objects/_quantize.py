@@ -13,11 +13,15 @@ distribution).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["FORMATS", "dequantize", "quantize", "storage_dtype"]
+from jax_session_state.errors import NotDemotableError, PayloadError, PayloadTypeError
+
+__all__ = ["FORMATS", "check_args", "demoted", "dequantize", "no_lower_tier", "quantize", "storage_dtype"]
 
 FORMATS = ("int8", "fp8")
 """The quantized storage formats, lowest precision last."""
@@ -46,3 +50,46 @@ def dequantize(values: Array, scale: Array | None, dtype: Array | np.dtype = jnp
     if scale is None:
         return values
     return (values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def check_args(owner: str, dtype: np.dtype, quantize: str | None, tiers: Any) -> tuple[str | None, tuple[str, ...]]:
+    """Checks the ``quantize=`` and ``tiers=`` of a K/V cache whose payloads are ``dtype``; returns them normalised."""
+    if isinstance(tiers, str):
+        tiers = (tiers,)
+    tiers = tuple(tiers)
+    for name in (quantize, *tiers):
+        if name is not None and name not in FORMATS:
+            raise PayloadError(f"{owner}: quantize / tiers name a format in {FORMATS}; got {name!r}.")
+    if (quantize or tiers) and not jnp.issubdtype(dtype, jnp.floating):
+        raise PayloadTypeError(f"{owner}: only a floating-point cache can be quantized; dtype is {dtype.name}.")
+    if quantize is not None and tiers:
+        raise PayloadError(f"{owner}: a cache quantized to {quantize} has no lower tier; got tiers={tiers}.")
+    if len(set(tiers)) != len(tiers):
+        raise PayloadError(f"{owner}: tiers must not repeat a format; got {tiers}.")
+    return quantize, tiers
+
+
+def demoted(obj: Any, pairs: tuple[tuple[str, str], ...]) -> Any:
+    """A K/V cache's next lower tier: each ``(values, scales)`` pair of storage fields requantized to ``tiers[0]``.
+
+    ``obj`` has static ``quantize`` and ``tiers`` fields (a float cache has
+    None scales); everything else it holds is kept as it is.
+
+    Raises:
+      NotDemotableError: ``obj`` declares no (further) tier.
+    """
+    obj._require_resident("demote")
+    if not obj.tiers:
+        raise no_lower_tier(obj.describe())
+    target, storage = obj.tiers[0], {}
+    for values, scales in pairs:
+        storage[values], storage[scales] = quantize(dequantize(getattr(obj, values), getattr(obj, scales)), target)
+    return obj.replace(quantize=target, tiers=obj.tiers[1:], **dict.fromkeys(storage)).with_storage(**storage)
+
+
+def no_lower_tier(described: str) -> NotDemotableError:
+    """The error of ``demote()`` on a K/V cache (``described``) that declares no further tier."""
+    return NotDemotableError(
+        f"{described} has no lower tier to demote to: allocate it with tiers=(\"int8\",) "
+        "to let it be quantized when memory is short."
+    )

@@ -13,7 +13,7 @@ from jax import Array
 from jax_session_state import _validation as v
 from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
 from jax_session_state.base import StateObject
-from jax_session_state.errors import CapacityError, NotDemotableError, PayloadError, PayloadTypeError
+from jax_session_state.errors import CapacityError, PayloadTypeError
 from jax_session_state.objects import _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
@@ -212,7 +212,7 @@ class KVCache(StateObject, kw_only=True):
                 raise PayloadTypeError(f"{owner}: in ring mode capacity is sink + window; do not pass it.")
             capacity = sink + window
         dtype = np.dtype(dtype)
-        quantize, tiers = _quantize_args(owner, dtype, quantize, tiers)
+        quantize, tiers = _quantize.check_args(owner, dtype, quantize, tiers)
         return cls._allocated(
             options, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
             dtype=dtype, window=window, sink=sink, max_staged=max_staged, quantize=quantize, tiers=tiers,
@@ -353,19 +353,7 @@ class KVCache(StateObject, kw_only=True):
         Raises:
           NotDemotableError: the cache declares no (further) tier.
         """
-        self._require_resident("demote")
-        if not self.tiers:
-            raise NotDemotableError(
-                f"{self.describe()} has no lower tier to demote to: allocate it with tiers=(\"int8\",) "
-                "to let it be quantized when memory is short."
-            )
-        target = self.tiers[0]
-        storage = {}
-        for name in ("k", "v"):
-            values = _quantize.dequantize(getattr(self, name), getattr(self, f"{name}_scale"))
-            storage[name], storage[f"{name}_scale"] = _quantize.quantize(values, target)
-        demoted = self.replace(quantize=target, tiers=self.tiers[1:], k=None, v=None, k_scale=None, v_scale=None)
-        return demoted.with_storage(**storage)
+        return _quantize.demoted(self, (("k", "k_scale"), ("v", "v_scale")))
 
     def _write_rows(self, cache: Array, rows: Array, start: Array, written: Array, *, whole: bool) -> Array:
         """``cache`` with ``rows[b, :written[b]]`` written at positions from ``start[b]``; nothing else changes.
@@ -458,19 +446,3 @@ def _scatter_rows(cache: Array, slots: Array, rows: Array) -> Array:
     """
     return jax.vmap(lambda c, s, r: c.at[:, s].set(r.swapaxes(0, 1), mode="drop"))(cache, slots, rows)
 
-
-def _quantize_args(owner: str, dtype: np.dtype, quantize: str | None, tiers: Any) -> tuple[str | None, tuple[str, ...]]:
-    """Checks ``quantize=`` and ``tiers=`` of a K/V cache of payload dtype ``dtype``."""
-    if isinstance(tiers, str):
-        tiers = (tiers,)
-    tiers = tuple(tiers)
-    for name in (quantize, *tiers):
-        if name is not None and name not in _quantize.FORMATS:
-            raise PayloadError(f"{owner}: quantize / tiers name a format in {_quantize.FORMATS}; got {name!r}.")
-    if (quantize or tiers) and not jnp.issubdtype(dtype, jnp.floating):
-        raise PayloadTypeError(f"{owner}: only a floating-point cache can be quantized; dtype is {dtype.name}.")
-    if quantize is not None and tiers:
-        raise PayloadError(f"{owner}: a cache quantized to {quantize} has no lower tier; got tiers={tiers}.")
-    if len(set(tiers)) != len(tiers):
-        raise PayloadError(f"{owner}: tiers must not repeat a format; got {tiers}.")
-    return quantize, tiers

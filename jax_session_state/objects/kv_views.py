@@ -222,12 +222,20 @@ class PagedView(struct.PyTreeNode):
       ([[0, 1, -1, -1], [2, -1, -1, -1]], [5, 2])
 
     Attributes:
-      k_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
-      v_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``.
+      k_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``
+        (int8 or fp8 values when quantized).
+      v_pages: ``Float[Array, "num_pages page_size kv_heads head_dim"]``
+        (int8 or fp8 values when quantized).
       page_table: ``Int[Array, "max_slots max_pages_per_slot"]`` page ids,
         -1 where a slot holds no page.
       lengths: ``Int[Array, "max_slots"]`` rows visible per slot.
       page_size: rows per page.
+      k_scale: ``Float[Array, "num_pages page_size kv_heads 1"]`` for a
+        quantized cache, the float32 scale of each row of each head, laid
+        out like the pages (a row reads as ``k_pages * k_scale``); None
+        otherwise.  Attention applies the scales block by block, never to
+        the whole pool.
+      v_scale: the same for ``v_pages``.
     """
 
     k_pages: Array
@@ -235,6 +243,13 @@ class PagedView(struct.PyTreeNode):
     page_table: Array
     lengths: Array
     page_size: int = struct.field(pytree_node=False)
+    k_scale: Array | None = None
+    v_scale: Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pools hold quantized values read with their scales."""
+        return self.k_scale is not None
 
     def positions(self) -> Array:
         """Position of each row of :meth:`to_dense`, -1 past a slot's length.
@@ -251,28 +266,33 @@ class PagedView(struct.PyTreeNode):
         The dense view is ``[max_slots, kv_heads, max_pages_per_slot *
         page_size, head_dim]``: a copy as large as the page tables allow, so
         a reference path, not a decode kernel.  Rows past a slot's length
-        hold whatever their page holds and are masked by ``positions``.
+        hold whatever their page holds and are masked by ``positions``.  A
+        quantized view stays quantized (its scales are gathered alongside).
         """
         slots, pages = self.page_table.shape
         ids = jnp.maximum(self.page_table, 0)
 
-        def gather(pool: Array) -> Array:
+        def gather(pool: Array | None) -> Array | None:
+            if pool is None:
+                return None
             rows = pool[ids].reshape(slots, pages * self.page_size, *pool.shape[2:])
             return rows.transpose(0, 2, 1, 3)
 
         return KVView(
-            k=gather(self.k_pages), v=gather(self.v_pages), lengths=self.lengths, positions=self.positions()
+            k=gather(self.k_pages), v=gather(self.v_pages), lengths=self.lengths, positions=self.positions(),
+            k_scale=gather(self.k_scale), v_scale=gather(self.v_scale),
         )
 
     def materialize(self) -> list[dict[str, np.ndarray]]:
-        """The visible rows of each slot in position order, on the host.
+        """The visible rows of each slot in position order, on the host (dequantized).
 
         Returns:
           One dict per slot with ``positions`` ``[n]``, ``k`` and ``v``
           ``[n, kv_heads, head_dim]`` (numpy), as :meth:`KVView.materialize`.
         """
         table, lengths = np.asarray(self.page_table), np.asarray(self.lengths)
-        k, v_ = np.asarray(self.k_pages), np.asarray(self.v_pages)
+        k = np.asarray(dequantize(self.k_pages, self.k_scale))
+        v_ = np.asarray(dequantize(self.v_pages, self.v_scale))
         rows = []
         for s, n in enumerate(lengths):
             positions = np.arange(n, dtype=np.int32)

@@ -25,6 +25,7 @@ from jax_session_state import _validation as v
 from jax_session_state.kinds import allocator, overwrite, refuse_now_if
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
+from jax_session_state.objects import _quantize
 from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
 __all__ = ["PagedKVCache", "PagedView"]
@@ -50,6 +51,13 @@ class PagedKVCache(StateObject, kw_only=True):
       partial last page is copied (one page from the free list).
     - ``free(slot)`` empties the slot; pages no other slot refers to go
       back to the free list.
+
+    Quantized storage (``quantize="int8"`` or ``"fp8"``) is that of
+    :class:`~jax_session_state.KVCache`, the scales laid out as pages: one
+    float32 scale per row and head, the same error bound.  ``append``
+    quantizes the rows it writes, a fork copies the partial page's scales
+    with it, attention applies them block by block; ``tiers=("int8",)``
+    lets :meth:`demote` quantize a float cache when memory is short.
 
     A slot is *free* while it holds no page.  Refused operations change
     nothing: a write that needs more pages than are free or more than
@@ -79,11 +87,17 @@ class PagedKVCache(StateObject, kw_only=True):
     num_pages: int = struct.field(pytree_node=False)
     max_pages_per_slot: int = struct.field(pytree_node=False)
     dtype: np.dtype = struct.field(pytree_node=False)
+    quantize: str | None = struct.field(pytree_node=False, default=None)
+    tiers: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
     k_pages: Array | None = None
-    """``Float[Array, "num_pages page_size kv_heads head_dim"]``."""
+    """``Float[Array, "num_pages page_size kv_heads head_dim"]`` (int8 / fp8 values when quantized)."""
     v_pages: Array | None = None
-    """``Float[Array, "num_pages page_size kv_heads head_dim"]``."""
+    """``Float[Array, "num_pages page_size kv_heads head_dim"]`` (int8 / fp8 values when quantized)."""
+    k_scale: Array | None = None
+    """``Float[Array, "num_pages page_size kv_heads 1"]`` the scale of each row of ``k_pages`` when quantized, else None."""
+    v_scale: Array | None = None
+    """``Float[Array, "num_pages page_size kv_heads 1"]`` the scale of each row of ``v_pages`` when quantized, else None."""
     page_table: Array | None = None
     """``Int[Array, "max_slots max_pages_per_slot"]`` page ids in row order, -1 after the last."""
     lengths: Array | None = None
@@ -131,6 +145,8 @@ class PagedKVCache(StateObject, kw_only=True):
         num_pages: int,
         max_pages_per_slot: int | None = None,
         dtype: Any = jnp.float32,
+        quantize: str | None = None,
+        tiers: tuple[str, ...] = (),
         **options: Any,
     ) -> PagedKVCache:
         """An empty cache: every slot free, every page on the free list.
@@ -144,12 +160,17 @@ class PagedKVCache(StateObject, kw_only=True):
           max_pages_per_slot: page-table entries per slot (at most
             ``num_pages``, the default): a slot holds at most this many
             pages' rows.
-          dtype: storage dtype; payloads must match it exactly.
+          dtype: payload dtype (and storage dtype unless quantized);
+            payloads must match it exactly.
+          quantize: store the rows quantized: ``"int8"`` or ``"fp8"``
+            (``float8_e4m3fn``); ``dtype`` stays the payloads' dtype.
+          tiers: the quantized forms it may be demoted to when memory is
+            short (``("int8",)``), highest precision first.
           **options: how the object is managed
             (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
             storage axes are ``("num_pages", "page_size", "kv_heads",
-            "head_dim")`` for the pools, ``("max_slots",
+            "head_dim")`` for the pools (and their scales), ``("max_slots",
             "max_pages_per_slot")`` for the page table, ``("max_slots",)``
             for the lengths and ``("num_pages",)`` for the free list.
 
@@ -166,6 +187,8 @@ class PagedKVCache(StateObject, kw_only=True):
                 f"{owner}: max_pages_per_slot must be <= num_pages ({num_pages}), since a slot holds "
                 f"distinct pages; got {max_pages_per_slot}."
             )
+        dtype = np.dtype(dtype)
+        quantize, tiers = _quantize.check_args(owner, dtype, quantize, tiers)
         return cls._allocated(
             options,
             max_slots=v.positive_int(owner, "max_slots", max_slots),
@@ -174,24 +197,41 @@ class PagedKVCache(StateObject, kw_only=True):
             page_size=v.positive_int(owner, "page_size", page_size),
             num_pages=num_pages,
             max_pages_per_slot=max_pages_per_slot,
-            dtype=np.dtype(dtype),
+            dtype=dtype,
+            quantize=quantize,
+            tiers=tiers,
         )
 
     def storage_axes(self) -> dict[str, Any]:
         pool = ("num_pages", "page_size", "kv_heads", "head_dim")
         slots, pages = ("max_slots",), ("num_pages",)
+        scale = (*pool[:3], None) if self.quantize else None
         return {
-            "k_pages": pool, "v_pages": pool, "page_table": ("max_slots", "max_pages_per_slot"),
+            "k_pages": pool, "v_pages": pool, "k_scale": scale, "v_scale": scale,
+            "page_table": ("max_slots", "max_pages_per_slot"),
             "lengths": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
             "free_count": (), "refused": (),
         }
 
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of the pools: ``dtype``, or the quantized format's."""
+        return self.dtype if self.quantize is None else _quantize.storage_dtype(self.quantize)
+
+    @property
+    def _pools(self) -> tuple[str, ...]:
+        """The storage fields laid out as pages: the values, and their scales when quantized."""
+        return ("k_pages", "v_pages", "k_scale", "v_scale") if self.quantize else ("k_pages", "v_pages")
+
     def _empty_storage(self) -> dict[str, Any]:
         pool = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
         slots = jnp.zeros((self.max_slots,), jnp.int32)
+        scale = jnp.ones((*pool[:3], 1), jnp.float32) if self.quantize else None
         return {
-            "k_pages": jnp.zeros(pool, self.dtype),
-            "v_pages": jnp.zeros(pool, self.dtype),
+            "k_pages": jnp.zeros(pool, self.storage_dtype),
+            "v_pages": jnp.zeros(pool, self.storage_dtype),
+            "k_scale": scale,
+            "v_scale": None if scale is None else jnp.ones_like(scale),
             "page_table": jnp.full((self.max_slots, self.max_pages_per_slot), -1, jnp.int32),
             "lengths": slots,
             "staged": jnp.zeros_like(slots),
@@ -250,9 +290,12 @@ class PagedKVCache(StateObject, kw_only=True):
         written = (jnp.arange(T) < counts[:, None]) & ~refused
         pages = jnp.where(written, pages, self.num_pages)  # out of range: dropped
         offsets = positions % self.page_size
+        rows = {"k_pages": chunk.k, "v_pages": chunk.v}
+        if self.quantize is not None:  # only the chunk's rows: O(rows written)
+            rows["k_pages"], rows["k_scale"] = _quantize.quantize(chunk.k, self.quantize)
+            rows["v_pages"], rows["v_scale"] = _quantize.quantize(chunk.v, self.quantize)
         new = taken.with_storage(
-            k_pages=self.k_pages.at[pages, offsets].set(chunk.k, mode="drop"),
-            v_pages=self.v_pages.at[pages, offsets].set(chunk.v, mode="drop"),
+            **{name: getattr(self, name).at[pages, offsets].set(x, mode="drop") for name, x in rows.items()},
             staged=self.staged + counts,
         )
         return self._unless(refused, new), refused
@@ -351,8 +394,8 @@ class PagedKVCache(StateObject, kw_only=True):
         target = jnp.where(copy >= 0, copy, self.num_pages)  # out of range: nothing copied
         source = jnp.maximum(row[jnp.minimum(full, self.max_pages_per_slot - 1)], 0)
         new = released.with_storage(
-            k_pages=self.k_pages.at[target].set(self.k_pages[source], mode="drop"),
-            v_pages=self.v_pages.at[target].set(self.v_pages[source], mode="drop"),
+            **{name: getattr(self, name).at[target].set(getattr(self, name)[source], mode="drop")
+               for name in self._pools},
             page_table=released.page_table.at[dst].set(new_row),
             lengths=released.lengths.at[dst].set(length),
             refcounts=refcounts.at[target].set(1, mode="drop"),
@@ -431,4 +474,24 @@ class PagedKVCache(StateObject, kw_only=True):
             page_table=self.page_table,
             lengths=lengths,
             page_size=self.page_size,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
+
+    # -------------------------------------------------------------- tiers
+    demotable = property(lambda self: bool(self.tiers), doc="Whether ``tiers`` names a lower tier.")
+
+    def demote(self) -> PagedKVCache:
+        """The next lower tier of this cache: every page quantized to ``tiers[0]``.
+
+        Each row is quantized as ``allocate(quantize=...)`` would have
+        written it (the error bound: the class docstring); page tables,
+        reference counts, free list, lengths and staged rows are kept, so
+        attention, forks and frees work unchanged.  Under ``jit`` with the
+        cache donated the bookkeeping is reused in place; the peak is the
+        float pools plus their quantized copy (about 1.3x float32).
+
+        Raises:
+          NotDemotableError: the cache declares no (further) tier.
+        """
+        return _quantize.demoted(self, (("k_pages", "k_scale"), ("v_pages", "v_scale")))

@@ -69,8 +69,19 @@ KINDS = {
         lambda **kw: jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=16, **kw),
         kv_chunk,
         {
-            "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "page_table": P(),
-            "lengths": P(), "staged": P(), "refcounts": P(), "free_pages": P(), "free_count": P(), "refused": P(),
+            "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "k_scale": None, "v_scale": None,
+            "page_table": P(), "lengths": P(), "staged": P(), "refcounts": P(), "free_pages": P(),
+            "free_count": P(), "refused": P(),
+        },
+    ),
+    "paged_int8": (
+        lambda **kw: jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=16,
+                                               quantize="int8", **kw),
+        kv_chunk,
+        {
+            "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "k_scale": P(None, None, "model"),
+            "v_scale": P(None, None, "model"), "page_table": P(), "lengths": P(), "staged": P(), "refcounts": P(),
+            "free_pages": P(), "free_count": P(), "refused": P(),
         },
     ),
     "retrieval": (

@@ -67,6 +67,20 @@ KINDS = {
         ),
         ragged_kv_payload,
     ),
+    "paged_int8": (
+        lambda: jss.PagedKVCache.allocate(
+            max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=24, max_pages_per_slot=16, quantize="int8"
+        ),
+        ragged_kv_payload,
+    ),
+    "paged_fp8_bf16": (
+        lambda: jss.PagedKVCache.allocate(
+            max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=24, max_pages_per_slot=16,
+            dtype=jnp.bfloat16, quantize="fp8",
+        ),
+        lambda rng: jss.KVChunk(*(jnp.asarray(x, jnp.bfloat16) for x in ragged_kv_payload(rng)[:2]),
+                                ragged_kv_payload(rng).counts),
+    ),
     "retrieval": (
         lambda: jss.RetrievalStore.allocate(
             capacity=6, key_dim=4, value_shapes={"a": (2,), "b": (3,)}, max_staged=3
