@@ -7,7 +7,9 @@ read the same checkpoint of one session holding 1 GiB of K/V, interleaved
 round by round: the baseline is today's restore with the digest check
 replaced by the format 3 sums (their numpy code, kept here as the
 reference), so the ratio is what the stronger check costs (bar: within
-1.2x).  For information, the same restore with BLAKE2b over every chunk
+1.2x).  A restore's time is the fastest of its rounds: on a shared machine
+the neighbours only ever add time, and a 1 GiB restore here took anything
+from 0.8 s to 2.7 s in one run; the ratio of the medians is reported beside it.  For information, the same restore with BLAKE2b over every chunk
 instead of CRC-32 (a cryptographic hash: slower, and no stronger against
 damage).  ``--full`` runs more rounds.
 """
@@ -100,14 +102,17 @@ def run(*, full: bool) -> list[dict]:
                 SUMS: (lambda: None, restore_with(format3_check)),
                 BLAKE2B: (lambda: None, restore_with(blake2b_check)),
             },
-            rounds=9 if full else 5,
+            rounds=11 if full else 7,
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    best = {name: min(times) for name, times in samples.items()}
     medians = {name: statistics.median(times) for name, times in samples.items()}
-    ratio, blake = medians[DIGESTS] / medians[SUMS], medians[BLAKE2B] / medians[SUMS]
-    rows = [{"measure": f"restore {nbytes >> 20} MiB, {name} (s)", "value": s} for name, s in medians.items()]
+    ratio, blake = best[DIGESTS] / best[SUMS], best[BLAKE2B] / best[SUMS]
+    rows = [{"measure": f"restore {nbytes >> 20} MiB, {name} (s, fastest round)", "value": s} for name, s in best.items()]
     rows.append({"measure": f"ratio restore {DIGESTS} / {SUMS}", "value": ratio, "bar": f"≤ {BAR}", "holds": ratio <= BAR})
+    rows.append({"measure": f"ratio of the medians, {DIGESTS} / {SUMS} (information)",
+                 "value": medians[DIGESTS] / medians[SUMS]})
     rows.append({"measure": f"ratio restore {BLAKE2B} / {SUMS} (information)", "value": blake})
     return rows
 
