@@ -358,7 +358,7 @@ def _paged_attention_fwd(q, k_pages, v_pages, page_table, lengths, q_positions, 
 
 def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: int, native: bool, residuals: Any,
                          cotangents: Any) -> tuple:
-    """The flash-attention backward of ``attention._native_or_blockwise_bwd``, page block by page block.
+    """The flash-attention backward of ``_attention_dense._native_or_blockwise_bwd``, page block by page block.
 
     Each block's key and value gradients are scatter-added into the pools
     at the block's page ids, so a page shared by forked slots sums the

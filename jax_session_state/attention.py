@@ -83,18 +83,12 @@ from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
     SMALLEST_BUCKET,
     _append_block,
-    _block,
-    _block_count,
-    _block_f32,
     _bucketed,
     _cache_blocks,
     _empty_state,
     _finish,
-    _from_rows,
     _absolute,
-    _backward_rows,
     _gather_dequantized,
-    _last_visible,
     _online_update,
     _paged_attention,
     _paged_blockwise,
@@ -102,6 +96,12 @@ from jax_session_state._attention_blocks import (
     _relative_offsets,
     _scores,
     _to_rows,
+)
+from jax_session_state._attention_dense import (
+    _blockwise,
+    _default_positions,
+    _native_or_blockwise,
+    _quantized_native_or_blockwise,
 )
 from jax_session_state._attention_pooled import fold_slots
 from jax_session_state.objects.kv import BranchKVView, KVView
@@ -283,15 +283,6 @@ def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
 
 
 # ---------------------------------------------------------------- internals
-def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> Array:
-    batch, T = q.shape[:2]
-    if q_positions is None:
-        return lengths[:, None].astype(jnp.int32) - T + jnp.arange(T, dtype=jnp.int32)
-    if q_positions.shape != (batch, T):
-        raise ValueError(f"attend(): q_positions must have shape [{batch}, {T}] (batch, T); got {list(q_positions.shape)}.")
-    return q_positions.astype(jnp.int32)
-
-
 def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]:
     """Checks q against the view's head-major ``k``; returns the query heads per kv head and the scale."""
     view_batch, kv_heads, _, view_dim = k.shape
@@ -354,24 +345,6 @@ def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, k
     return takes
 
 
-def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: float,
-                                   q_positions: Array | None) -> tuple[Array, Array]:
-    """A quantized append-mode view: the native kernel on CPU (scales applied inside), the block loop elsewhere."""
-    relative = q_positions is None
-    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
-
-    def native(q, k, v, k_scale, v_scale, lengths, positions):
-        return _native.quantized_kernel(q, k, v, k_scale, v_scale, lengths, positions, causal=causal, scale=scale,
-                                        relative=relative)
-
-    def loop(q, k, v, k_scale, v_scale, lengths, positions):
-        return _blockwise(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal, scale=scale,
-                          k_scale=k_scale, v_scale=v_scale)
-
-    return lax.platform_dependent(q, view.k, view.v, view.k_scale, view.v_scale, view.lengths, positions,
-                                  cpu=native, default=loop)
-
-
 def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
                     implementation: str) -> tuple[Array, Array]:
     """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
@@ -410,81 +383,6 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
 
     return lax.platform_dependent(q, view.k_pages, view.v_pages, view.k_scale, view.v_scale, view.page_table,
                                   view.lengths, positions, cpu=kernel, default=loop)
-
-
-def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
-               scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, Array]:
-    """The pure-JAX append-mode kernel: blocks up to the longest row, online softmax.
-
-    A quantized cache (``k_scale``, ``v_scale``: ``[B, kv_heads, C, 1]``) is
-    read in larger blocks of its narrow values, widened block by block; the
-    row scales multiply the block's scores and softmax weights (``M`` per
-    key, not ``head_dim``), so no dequantized copy is ever made.  Under
-    ``jax.vmap`` over independent caches the slots fold into the batch, or
-    are read one by one where that is cheaper (``_attention_pooled``).
-    """
-    cache = {"k": k, "v": v, "lengths": lengths}
-    if k_scale is not None:
-        cache.update(k_scale=k_scale, v_scale=v_scale)
-    n = _append_block(k, k_scale)
-    read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n)
-    return fold_slots(read, functools.partial(_cache_blocks, n=n))(q, q_positions, cache)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
-                         scale: float, relative: bool) -> tuple[Array, Array]:
-    """Append-mode attention: the native kernel on CPU, :func:`_blockwise` elsewhere.
-
-    With ``relative`` the query positions are offsets from each row's length.
-    """
-
-    def blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
-        return _blockwise(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
-
-    native = _native.kernel(causal, scale, relative, blockwise)
-    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=blockwise)
-
-
-def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relative):
-    out, lse = _native_or_blockwise(q, k, v, lengths, q_positions, causal, scale, relative)
-    return (out, lse), (q, k, v, lengths, q_positions, out, lse)
-
-
-def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
-    """Flash-attention backward, blockwise up to the longest row like the forward.
-
-    With ``P = exp(S - lse)`` over the visible keys: ``dV = P^T dO``,
-    ``dS = P * (dO V^T - rowsum(dO * O) + dlse)``, ``dQ = scale dS K``,
-    ``dK = scale dS^T Q``.  Works under ``jit`` with traced lengths (no
-    reverse-mode through a loop of traced length is needed).
-    """
-    q, k, v, lengths, q_positions, out, lse = residuals
-    d_out, d_lse = cotangents
-    kv_heads, capacity = k.shape[1], k.shape[2]
-    groups, n = q.shape[2] // kv_heads, min(BLOCK_SIZE, capacity)
-    qh, d_rows, lse_rows, delta = _backward_rows(q, kv_heads, d_out, d_lse, out, lse)
-    last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, groups)
-
-    def body(i: Array, grads: Any) -> Any:
-        dq, dk, dv = grads
-        start, key_position, first = _block(k, i, n)
-        keys, values = _block_f32(k, start, n), _block_f32(v, start, n)
-        visible = (key_position >= first) & (key_position <= last)
-        p = jnp.where(visible, jnp.exp(_scores(keys, qh) * scale - lse_rows), 0.0)
-        ds = p * (jnp.einsum("bhmd,bhnd->bhmn", d_rows, values) - delta) * scale
-        add = lambda grad, block: lax.dynamic_update_slice_in_dim(  # noqa: E731
-            grad, lax.dynamic_slice_in_dim(grad, start, n, axis=2) + block, start, axis=2)
-        dk = add(dk, jnp.einsum("bhmn,bhmd->bhnd", ds, qh))
-        dv = add(dv, jnp.einsum("bhmn,bhmd->bhnd", p, d_rows))
-        return dq + jnp.einsum("bhmn,bhnd->bhmd", ds, keys), dk, dv
-
-    zeros = (jnp.zeros_like(qh), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-    dq, dk, dv = lax.fori_loop(0, _block_count(lengths, capacity, n), body, zeros)
-    return _from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-
-
-_native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
 
 
 def _ring_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:

@@ -1,0 +1,234 @@
+"""The planner's records: what it reads (object and session usage) and what it returns (actions, plans, refusals).
+
+Immutable dataclasses over byte figures; :mod:`jax_session_state.planner`
+exports them and documents how they are used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+from collections.abc import Hashable, Mapping
+from typing import Literal
+
+__all__ = [
+    "Action",
+    "DemoteObject",
+    "EvictObject",
+    "ObjectState",
+    "ObjectUsage",
+    "ParkObject",
+    "Plan",
+    "PreemptSession",
+    "Refusal",
+    "SessionUsage",
+]
+
+ObjectState = Literal["resident", "evicted", "parked"]
+
+
+def _frozen_bytes(bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
+    if any(count < 0 for count in bytes_by_device.values()):
+        raise ValueError(f"negative byte count in {dict(bytes_by_device)}")
+    return types.MappingProxyType({k: b for k, b in bytes_by_device.items() if b})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectUsage:
+    """Byte figures of one named object of a session.
+
+    Attributes:
+      name: object name, unique within its session.
+      bytes_by_device: bytes per device key where the storage is now; for a
+        parked object that is under the pinned_host keys, for an evicted object
+        where a rebuild would put it (not counted as usage).
+      state: ``"resident"``, ``"evicted"`` or ``"parked"``.
+      sources: names of sibling objects the object is rebuilt from.
+      recompute_cost: estimated work to rebuild the object, >= 0.
+      rebuildable: whether a rebuild function is registered for the object.
+      demoted_bytes_by_device: bytes per device key the object would hold
+        once demoted to its next lower tier; None when it has none.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage
+      >>> kv = ObjectUsage("kv", {"cpu:0": 1000, "cpu:1": 0}, demoted_bytes_by_device={"cpu:0": 270})
+      >>> dict(kv.bytes_by_device), kv.demotion_frees  # keys with no bytes are dropped
+      ({'cpu:0': 1000}, {'cpu:0': 730})
+    """
+
+    name: str
+    bytes_by_device: Mapping[str, int]
+    state: ObjectState = "resident"
+    sources: tuple[str, ...] = ()
+    recompute_cost: float = 0.0
+    rebuildable: bool = False
+    demoted_bytes_by_device: Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.state == "dropped":
+            warnings.warn('ObjectUsage state "dropped" is deprecated; use "evicted".', DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "state", "evicted")
+        if self.state not in ("resident", "evicted", "parked"):
+            raise ValueError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
+        if not self.recompute_cost >= 0:
+            raise ValueError(
+                f"ObjectUsage {self.name!r}: recompute_cost must be >= 0, got {self.recompute_cost}"
+            )
+        object.__setattr__(self, "bytes_by_device", _frozen_bytes(self.bytes_by_device))
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if self.demoted_bytes_by_device is not None:
+            object.__setattr__(self, "demoted_bytes_by_device", _frozen_bytes(self.demoted_bytes_by_device))
+
+    @property
+    def demotion_frees(self) -> dict[str, int]:
+        """Bytes per device key a demotion frees (empty when it frees none)."""
+        if self.demoted_bytes_by_device is None:
+            return {}
+        after = self.demoted_bytes_by_device
+        freed = {k: b - after.get(k, 0) for k, b in self.bytes_by_device.items()}
+        return {k: b for k, b in freed.items() if b > 0}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SessionUsage:
+    """Byte figures of one session.
+
+    Attributes:
+      session_id: any hashable id, unique among the sessions planned over.
+      objects: the session's objects.
+      last_used: recency tick; larger is more recent.
+      pinned: pinned sessions are never touched.
+      attrs_bytes_by_device: bytes of carried values that are never evicted
+        or parked individually.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> old = SessionUsage("old", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=1)
+      >>> new = SessionUsage("new", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=2)
+      >>> plan([old, new], budgets={"cpu:0": 1000}, allow_preempt=True).actions  # least recently used goes
+      (PreemptSession(session_id='old', freed=mappingproxy({'cpu:0': 600})),)
+    """
+
+    session_id: Hashable
+    objects: tuple[ObjectUsage, ...]
+    last_used: int
+    pinned: bool = False
+    attrs_bytes_by_device: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objects", tuple(self.objects))
+        object.__setattr__(self, "attrs_bytes_by_device", _frozen_bytes(self.attrs_bytes_by_device))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FreeingObject:
+    """An action on one object of a session that frees ``freed`` bytes per device key."""
+
+    session_id: Hashable
+    name: str
+    freed: Mapping[str, int]
+
+
+class EvictObject(_FreeingObject):
+    """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> cond = ObjectUsage("cond", {"cpu:0": 300}, sources=("prompt",), rebuildable=True)
+      >>> session = SessionUsage("s", (cond, ObjectUsage("prompt", {"cpu:0": 100})), last_used=0)
+      >>> plan([session], budgets={"cpu:0": 200}).actions
+      (EvictObject(session_id='s', name='cond', freed=mappingproxy({'cpu:0': 300})),)
+    """
+
+    __slots__ = ()
+
+
+class DemoteObject(_FreeingObject):
+    """Replace an object by its next lower tier (lossy, not undone); ``freed`` is the bytes it saves per device key.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> kv = ObjectUsage("kv", {"cpu:0": 1000}, demoted_bytes_by_device={"cpu:0": 270})
+      >>> plan([SessionUsage("s", (kv,), last_used=0)], budgets={"cpu:0": 500}).actions
+      (DemoteObject(session_id='s', name='kv', freed=mappingproxy({'cpu:0': 730})),)
+    """
+
+    __slots__ = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParkObject:
+    """Move an object to host memory; ``moved[k]`` bytes go from k to k + "/pinned_host".
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
+      >>> result = plan([session], budgets={"cpu:0": 500}, park=True)
+      >>> result.actions
+      (ParkObject(session_id='s', name='kv', moved=mappingproxy({'cpu:0': 600})),)
+      >>> dict(result.usage_after)
+      {'cpu:0/pinned_host': 600}
+    """
+
+    session_id: Hashable
+    name: str
+    moved: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreemptSession:
+    """Release a whole session; ``freed`` is all its bytes per device key.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> sessions = [SessionUsage(i, (ObjectUsage("kv", {"cpu:0": 400}),), last_used=i) for i in range(3)]
+      >>> [a.session_id for a in plan(sessions, budgets={"cpu:0": 500}, protect=2, allow_preempt=True).actions]
+      [0, 1]
+    """
+
+    session_id: Hashable
+    freed: Mapping[str, int]
+
+
+Action = EvictObject | DemoteObject | ParkObject | PreemptSession
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Actions to apply in order, and the usage per device key after them.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> result = plan([SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 100}),), last_used=0)],
+      ...               budgets={"cpu:0": 500})
+      >>> result.actions, dict(result.usage_after)  # within budget: nothing to do
+      ((), {'cpu:0': 100})
+    """
+
+    actions: tuple[Action, ...]
+    usage_after: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """No plan was found.
+
+    Attributes:
+      shortfall_by_device: bytes by which each key still exceeds its budget
+        after the rule-ordered greedy plan (including preemptions if allowed).
+      proven: True when no valid plan fits (see :func:`plan`); False only when
+        preemption was disallowed and the bounded search gave up.
+      message: a readable summary naming the keys and shortfalls.
+
+    Example:
+      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
+      >>> refusal = plan([session], budgets={"cpu:0": 500})  # not rebuildable, no parking, no preemption
+      >>> refusal.message, refusal.proven
+      ('over budget: cpu:0 by 100 bytes', True)
+    """
+
+    shortfall_by_device: Mapping[str, int]
+    proven: bool
+    message: str
