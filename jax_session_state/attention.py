@@ -25,8 +25,9 @@
   once for every lane.
 - :class:`PagedView`: read page by page through the page table where the
   pages lie (the native kernel, or a loop over blocks of whole pages), never
-  gathered into a dense copy.  A quantized view (int8 / fp8 pages) takes the
-  loop, which applies each page block's row scales to its scores and weights.
+  gathered into a dense copy.  A quantized view (int8 / fp8 pages and
+  their scale pages) is read the same way: the native kernel or the loop
+  applies each row's scales to its scores and weights.
 
 ``implementation=`` picks how append-mode and paged views are read:
 ``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
