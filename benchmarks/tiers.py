@@ -121,7 +121,7 @@ def time_rows(capacity: int, cpu: str) -> list[dict[str, Any]]:
             result = _child("time", capacity, kind, env)
             seconds, kernels = result["seconds"], result["kernels"]
             rows.append(_bar(
-                f"time: [{path or 'no native'}] [{kind}] attend T=1 at {capacity} valid, int8 ({kernels['int8']}) / "
+                f"time: [{path or 'no native'}, {kind}] attend T=1 at {capacity} valid, int8 ({kernels['int8']}) / "
                 f"float32 ({kernels['float32']}); {seconds['int8'] * 1e3:.2f} ms / {seconds['float32'] * 1e3:.2f} ms "
                 f"on {cpu}",
                 seconds["int8"] / seconds["float32"], BARS["time"], part="time", path=path, kind=kind, kernels=kernels,
