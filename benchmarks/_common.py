@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_session_state as jss
+from jax_session_state import _native
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -200,3 +201,18 @@ def report(name: str, rows: list[dict[str, Any]], columns: list[str], out: Path 
     path.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {path}")
     return result
+
+
+def native_paths() -> list[str | None]:
+    """Every path of the native kernel this CPU runs, or ``[None]`` (the kernel off) where it is not built."""
+    return [name for name, ok in _native.ISAS.items() if ok] if _native.AVAILABLE else [None]
+
+
+def path_env(path: str | None) -> dict[str, str]:
+    """This process's environment with the native kernel forced onto ``path`` (None: turned off)."""
+    env = dict(os.environ)
+    if path is None:
+        env[_native.ENV_SWITCH] = "0"
+    else:
+        env[_native.ENV_ISA] = path
+    return env

@@ -39,7 +39,6 @@ Run:  python -m benchmarks.attention [--full] [--out PATH]
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +48,7 @@ import jax
 from benchmarks import _attention_parts as parts
 from benchmarks._attention_breakdown import breakdown_rows
 from benchmarks._attention_others import capacity_rows, memory_rows, nnx_rows
-from benchmarks._common import cli
+from benchmarks._common import cli, native_paths, path_env
 from jax_session_state import _native
 
 TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2"}  # ATEN_CPU_CAPABILITY per path; avx512: its own
@@ -57,13 +56,9 @@ TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2"}  # ATEN_CPU_CAPABILIT
 
 def path_rows(path: str | None, *, full: bool) -> list[dict]:
     """``benchmarks.attention_steps`` in a fresh process on one path (None: the native kernel off)."""
-    env = dict(os.environ)
-    if path is None:
-        env[_native.ENV_SWITCH] = "0"
-    else:
-        env[_native.ENV_ISA] = path
-        if path in TORCH_CAPABILITY:
-            env["ATEN_CPU_CAPABILITY"] = TORCH_CAPABILITY[path]
+    env = path_env(path)
+    if path in TORCH_CAPABILITY:
+        env["ATEN_CPU_CAPABILITY"] = TORCH_CAPABILITY[path]
     command = [sys.executable, "-m", "benchmarks.attention_steps", *(["--full"] if full else [])]
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=True,
                           cwd=Path(__file__).parent.parent)
@@ -86,8 +81,7 @@ def run(*, full: bool) -> list[dict]:
     rows = [{"measure": f"CPU: {cpu}", "value": "; ".join(f"{name}: {'runs' if ok else 'lacks'}"
                                                           for name, ok in _native.ISAS.items())}]
     rows += capacity_rows(rounds)
-    paths = [name for name, ok in _native.ISAS.items() if ok] if _native.AVAILABLE else [None]
-    for path in paths:
+    for path in native_paths():
         rows += path_rows(path, full=full)
     rows += nnx_rows([256, 1024, 4096], rounds)
     cached = parts.copy_bandwidth(16 << 20)

@@ -45,7 +45,7 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._attention_parts import cpu_description
-from benchmarks._common import cli
+from benchmarks._common import cli, native_paths, path_env
 from benchmarks._tiers_child import HEADS, MAKERS
 from jax_session_state import _native
 
@@ -110,13 +110,8 @@ def _child(mode: str, capacity: int, kind: str, env: dict[str, str] | None = Non
 
 def time_rows(capacity: int, cpu: str) -> list[dict[str, Any]]:
     rows = []
-    paths = [name for name, ok in _native.ISAS.items() if ok] if _native.AVAILABLE else [None]
-    for path in paths:
-        env = dict(os.environ)
-        if path is None:
-            env[_native.ENV_SWITCH] = "0"
-        else:
-            env[_native.ENV_ISA] = path
+    for path in native_paths():
+        env = path_env(path)
         for kind in MAKERS:
             result = _child("time", capacity, kind, env)
             seconds, kernels = result["seconds"], result["kernels"]
