@@ -18,6 +18,9 @@
 // Work: for every (batch row, kv head) pair, its T * G query rows walk the
 // keys in tiles of kTile with an online softmax (running max, sum and
 // accumulator per row), so a step costs what is valid, not what is allocated.
+// A paged cache's kv heads of one batch row take each tile in turn (their
+// rows of a page lie together) and prefetch the next tile's pages, which lie
+// in any order, a few cache lines at a time while this one is read.
 // Large steps split each pair's keys into chunks run on XLA's intra-op thread
 // pool and merged exactly by log-sum-exp; small ones run on the calling
 // thread (waking a pool thread costs more than they do).
@@ -119,7 +122,8 @@ struct ChunkInput {
   float *ksbuf, *vsbuf;        // [kTile] each: a paged tile's row scales
 };
 
-using ChunkFn = void (*)(const ChunkInput&, int64_t, int64_t, const Chunk&);
+// count chunks of one key range, with M query rows each of head dim dim.
+using ChunkFn = void (*)(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim);
 
 // The kernel once per instruction set, each vector one register wide.  The
 // parameters were chosen by measurement (8 kv-heads x 64, T = 1 and 16, one
@@ -203,12 +207,12 @@ bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
 }
-const Isa kIsas[] = {{"baseline", baseline::run_chunk, always},
-                     {"avx2", avx2::run_chunk, has_avx2},
-                     {"avx512", avx512::run_chunk, has_avx512}};
+const Isa kIsas[] = {{"baseline", baseline::run_chunks, always},
+                     {"avx2", avx2::run_chunks, has_avx2},
+                     {"avx512", avx512::run_chunks, has_avx512}};
 #else
 bool always() { return true; }
-const Isa kIsas[] = {{"baseline", generic::run_chunk, always}};
+const Isa kIsas[] = {{"baseline", generic::run_chunks, always}};
 #endif
 constexpr int kIsaCount = sizeof(kIsas) / sizeof(kIsas[0]);
 
@@ -278,11 +282,14 @@ bool scales_match(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& cache) {
   return std::equal(dims.begin(), dims.begin() + 3, cache_dims.begin());
 }
 
-// Attention of every query over its pair's rows, as source(pair) lays them out.
+// Attention of every query over its pair's rows, as source(pair) lays them
+// out.  Runs of pairs_together pairs (of one batch row) read each key range
+// together: a paged cache's kv heads, whose rows of a page lie side by side.
 ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, const std::function<PairSource(int64_t)>& source,
                   const int32_t* lengths, const int32_t* q_positions, float* out_data, float* lse_data, float scale,
-                  bool causal, bool relative) {
+                  bool causal, bool relative, int64_t pairs_together) {
   const int64_t M = shape.rows(), D = shape.dim, pairs = shape.batch * shape.kv_heads;
+  const int64_t runs = pairs / pairs_together;
 
   // Last visible key of every query, clipped to the cache: -1 sees nothing.
   std::vector<int64_t> last(shape.batch * shape.T);
@@ -305,12 +312,13 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
   int64_t keys_read = 0;
   for (int64_t b = 0; b < shape.batch; ++b) keys_read += pair_keys[b] * shape.kv_heads;
 
-  // Chunks: one per pair, or each pair's keys split so both threads have work.
+  // Chunks: one per pair, or each pair's keys split so both threads have
+  // work; the pairs of a run split alike.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const bool parallel = threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
   int64_t splits = 1;
-  if (parallel && pairs < 4 * threads) splits = (4 * threads + pairs - 1) / pairs;
-  std::vector<Chunk> chunks;
+  if (parallel && runs < 4 * threads) splits = (4 * threads + runs - 1) / runs;
+  std::vector<Chunk> chunks;  // [pairs, splits]
   std::vector<float> state(pairs * splits * M * (D + 2));
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t keys = pair_keys[pair / shape.kv_heads];
@@ -321,31 +329,39 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
                         base + 2 * M});
     }
   }
-  const ChunkFn run_chunk = isa()->run;
-  const std::function<void(int64_t)> run_one = [&](int64_t i) {
-    const Chunk& chunk = chunks[i];
-    const int64_t b = chunk.pair / shape.kv_heads, h = chunk.pair % shape.kv_heads, G = shape.groups;
-    ChunkInput in{source(chunk.pair), std::vector<float>(M * D), std::vector<int64_t>(M), chunk.first_key,
-                  chunk.end_key, nullptr, nullptr, nullptr, nullptr};
-    for (int64_t m = 0; m < M; ++m) {
-      const float* row = q + ((b * shape.T + m / G) * shape.q_heads + h * G + m % G) * D;
-      for (int64_t d = 0; d < D; ++d) in.q[m * D + d] = row[d] * scale;
-      in.last[m] = last[b * shape.T + m / G];
-    }
+  const ChunkFn run_chunks = isa()->run;
+  const std::function<void(int64_t)> run_one = [&](int64_t i) {  // run i / splits, split i % splits
+    const int64_t first_pair = i / splits * pairs_together, G = shape.groups;
+    std::vector<ChunkInput> ins;
+    std::vector<Chunk> mine;
     std::vector<float> buffers;
-    if (!in.source.read_in_place()) {
-      buffers.resize(2 * kTile * (D + 1));
-      in.kbuf = buffers.data();
-      in.vbuf = buffers.data() + kTile * D;
-      in.ksbuf = buffers.data() + 2 * kTile * D;
-      in.vsbuf = in.ksbuf + kTile;
+    for (int64_t pair = first_pair; pair < first_pair + pairs_together; ++pair) {
+      const Chunk& chunk = chunks[pair * splits + i % splits];
+      const int64_t b = pair / shape.kv_heads, h = pair % shape.kv_heads;
+      ChunkInput in{source(pair), std::vector<float>(M * D), std::vector<int64_t>(M), chunk.first_key,
+                    chunk.end_key, nullptr, nullptr, nullptr, nullptr};
+      for (int64_t m = 0; m < M; ++m) {
+        const float* row = q + ((b * shape.T + m / G) * shape.q_heads + h * G + m % G) * D;
+        for (int64_t d = 0; d < D; ++d) in.q[m * D + d] = row[d] * scale;
+        in.last[m] = last[b * shape.T + m / G];
+      }
+      if (!in.source.read_in_place()) {  // one set of tile buffers: the pairs take each tile in turn
+        if (buffers.empty()) buffers.resize(2 * kTile * (D + 1));
+        in.kbuf = buffers.data();
+        in.vbuf = buffers.data() + kTile * D;
+        in.ksbuf = buffers.data() + 2 * kTile * D;
+        in.vsbuf = in.ksbuf + kTile;
+      }
+      ins.push_back(std::move(in));
+      mine.push_back(chunk);
     }
-    run_chunk(in, M, D, chunk);
+    run_chunks(ins.data(), mine.data(), pairs_together, M, D);
   };
+  const int64_t items = runs * splits;
   if (parallel) {
-    parallel_for(pool, threads - 1, static_cast<int64_t>(chunks.size()), run_one);
+    parallel_for(pool, threads - 1, items, run_one);
   } else {
-    for (size_t i = 0; i < chunks.size(); ++i) run_one(static_cast<int64_t>(i));
+    for (int64_t i = 0; i < items; ++i) run_one(i);
   }
 
   // Merge each pair's chunks by log-sum-exp and normalise into q's layout.
@@ -414,7 +430,7 @@ ffi::Error DenseAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
     return src;
   };
   return Attend(pool, shape, q.typed_data(), source, lengths.typed_data(), q_positions.typed_data(),
-                out->typed_data(), lse->typed_data(), scale, causal, relative);
+                out->typed_data(), lse->typed_data(), scale, causal, relative, 1);
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x1 lengths,
@@ -473,7 +489,7 @@ ffi::Error PagedAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
     return src;
   };
   return Attend(pool, shape, q.typed_data(), source, lengths.typed_data(), q_positions.typed_data(),
-                out->typed_data(), lse->typed_data(), scale, causal, relative);
+                out->typed_data(), lse->typed_data(), scale, causal, relative, kv_heads);
 }
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x2 page_table,

@@ -209,65 +209,166 @@ JSS_INLINE void widen(const char* src, Dtype dtype, int64_t D, float* dst) {
   }
 }
 
-// Up to n rows of a pair's keys and values from row start, as rows of E
-// (float32 or the cache's own 16-bit / int8 type) where they lie: a dense
-// cache's n rows, or a page's rows up to its end.  Returns the rows given
-// and sets *stride to the elements between two of them.
-template <typename E>
-JSS_INLINE int64_t tile_in_place(const PairSource& src, int64_t start, int64_t n, const E** keys, const E** values,
-                                 int64_t* stride) {
-  const int64_t offset = src.row_offset(start);
-  *keys = reinterpret_cast<const E*>(src.k + offset);
-  *values = reinterpret_cast<const E*>(src.v + offset);
-  *stride = src.row_stride / static_cast<int64_t>(sizeof(E));
-  return src.pages == nullptr ? n : std::min(n, src.page_size - start % src.page_size);
+// Where a tile's rows lie, the same for every kv head of a batch row (their
+// pairs differ only in where k and v start): one run per page the tile
+// touches, a dense cache's tile one run.  Run r is rows[r] rows from byte
+// offset[r] of the pair's k and v, row_stride bytes apart, and their row
+// scales from float scale[r] of k_scale and v_scale, scale_stride apart.
+struct TileLayout {
+  static constexpr int64_t kMaxRuns = 8;
+  int64_t count, rows_given;
+  int64_t rows[kMaxRuns], offset[kMaxRuns], scale[kMaxRuns];
+};
+
+// The layout of up to n rows from row start (at most kMaxRuns pages).
+JSS_INLINE TileLayout tile_layout(const PairSource& src, int64_t start, int64_t n) {
+  TileLayout layout;
+  layout.count = layout.rows_given = 0;
+  while (layout.rows_given < n && layout.count < TileLayout::kMaxRuns) {
+    const int64_t row = start + layout.rows_given, r = layout.count++;
+    if (src.pages == nullptr) {
+      layout.rows[r] = n - layout.rows_given;
+      layout.offset[r] = row * src.row_stride;
+      layout.scale[r] = row * src.scale_stride;
+    } else {
+      const int64_t page = src.page_of(row), in_page = row % src.page_size;
+      layout.rows[r] = std::min(n - layout.rows_given, src.page_size - in_page);
+      layout.offset[r] = page * src.page_stride + in_page * src.row_stride;
+      layout.scale[r] = page * src.scale_page_stride + in_page * src.scale_stride;
+    }
+    layout.rows_given += layout.rows[r];
+  }
+  return layout;
 }
 
-// Up to n rows of a pair's keys and values from row start as float32 rows:
-// in place for a dense float32 cache, and for float32 pages where
-// pages_in_place (a page's rows up to its end: few query rows, where a copy
-// costs more than short tiles); else copied or widened into kbuf/vbuf (all
-// n; many rows, whose accumulators are reloaded once per tile).  Returns the
-// rows given; *stride as tile_in_place.
-JSS_INLINE int64_t fetch_tile(const PairSource& src, int64_t start, int64_t n, int64_t D, bool pages_in_place,
-                              float* kbuf, float* vbuf, const float** keys, const float** values, int64_t* stride) {
-  if (src.dtype == Dtype::kF32 && (src.pages == nullptr || pages_in_place))
-    return tile_in_place(src, start, n, keys, values, stride);
-  *stride = D;
-  if (src.pages == nullptr) {  // dense, another dtype: the tile's rows are one run of n * D elements
-    const int64_t offset = src.row_offset(start);
-    widen(src.k + offset, src.dtype, n * D, kbuf);
-    widen(src.v + offset, src.dtype, n * D, vbuf);
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t offset = src.row_offset(start + i);
-      widen(src.k + offset, src.dtype, D, kbuf + i * D);
-      widen(src.v + offset, src.dtype, D, vbuf + i * D);
+// A tile's keys and values as rows of E, one run per run of its layout:
+// where they lie (float32, or E, the cache's own type, widened in
+// registers), or float32 rows widened into the tile buffers, one run.
+template <typename E>
+struct TileRows {
+  const E* keys[TileLayout::kMaxRuns];
+  const E* values[TileLayout::kMaxRuns];
+  int64_t count, stride;  // runs; elements between two rows of a run
+  const int64_t* rows;    // [count]
+};
+
+JSS_INLINE void widen_rows(const PairSource& src, const TileLayout& layout, int64_t D, float* kbuf, float* vbuf) {
+  for (int64_t r = 0, i = 0; r < layout.count; i += layout.rows[r++]) {
+    if (src.pages == nullptr) {  // dense: the run is one stretch of rows * D elements
+      widen(src.k + layout.offset[r], src.dtype, layout.rows[r] * D, kbuf + i * D);
+      widen(src.v + layout.offset[r], src.dtype, layout.rows[r] * D, vbuf + i * D);
+      continue;
+    }
+    for (int64_t j = 0; j < layout.rows[r]; ++j) {
+      widen(src.k + layout.offset[r] + j * src.row_stride, src.dtype, D, kbuf + (i + j) * D);
+      widen(src.v + layout.offset[r] + j * src.row_stride, src.dtype, D, vbuf + (i + j) * D);
     }
   }
-  *keys = kbuf;
-  *values = vbuf;
-  return n;
 }
 
-// The row scales of the tile [start, start + n) of a quantized pair (nullptr
-// otherwise): in place for a dense cache, else gathered into ksbuf/vsbuf.
-JSS_INLINE void tile_scales(const PairSource& src, int64_t start, int64_t n, float* ksbuf, float* vsbuf,
+// The tile's rows in place, as E.
+template <typename E>
+JSS_INLINE TileRows<E> rows_in_place(const PairSource& src, const TileLayout& layout) {
+  TileRows<E> tile;
+  tile.count = layout.count;
+  tile.stride = src.row_stride / static_cast<int64_t>(sizeof(E));
+  tile.rows = layout.rows;
+  for (int64_t r = 0; r < layout.count; ++r) {
+    tile.keys[r] = reinterpret_cast<const E*>(src.k + layout.offset[r]);
+    tile.values[r] = reinterpret_cast<const E*>(src.v + layout.offset[r]);
+  }
+  return tile;
+}
+
+// The tile's rows as float32: in place for float32 where in_place allows
+// (a dense cache always; pages for few query rows, where a copy costs more
+// than short runs), else copied or widened into kbuf/vbuf, one run of
+// rows_given (many rows, whose accumulators are reloaded once per run).
+JSS_INLINE TileRows<float> float_rows(const PairSource& src, const TileLayout& layout, int64_t D, bool in_place,
+                                      float* kbuf, float* vbuf) {
+  if (src.dtype == Dtype::kF32 && (src.pages == nullptr || in_place)) return rows_in_place<float>(src, layout);
+  widen_rows(src, layout, D, kbuf, vbuf);
+  TileRows<float> tile;
+  tile.count = 1;
+  tile.stride = D;
+  tile.rows = &layout.rows_given;
+  tile.keys[0] = kbuf;
+  tile.values[0] = vbuf;
+  return tile;
+}
+
+// Few query rows read the tile's rows in place, unless they must be widened
+// first (float16, fp8).
+template <typename E>
+JSS_INLINE TileRows<E> few_rows_tile(const ChunkInput& in, const TileLayout& layout, int64_t D) {
+  if constexpr (std::is_same<E, float>::value) {
+    return float_rows(in.source, layout, D, true, in.kbuf, in.vbuf);
+  } else {
+    return rows_in_place<E>(in.source, layout);
+  }
+}
+
+// Share part of parts of the keys and values of a paged batch row's next
+// tile, brought into the L2 cache a few lines at a time while this tile is
+// read: pages lie in any order, where the CPU's prefetchers do not follow,
+// and a burst of prefetches would wait for the core's few miss buffers
+// (or be dropped) where, spread over the tile's work, they arrive while
+// the FMAs run.  src is the row's first kv head: a run's rows of all its
+// heads lie together, so each share is read in address order.
+class SharePrefetch {
+ public:
+  // Nothing is asked for unless active (a paged pair with a next tile).
+  SharePrefetch(const PairSource& src, const TileLayout& layout, int64_t part, int64_t parts, bool active)
+      : src_(src), layout_(layout), part_(part), parts_(parts), runs_(active ? layout.count : 0) {
+    for (int64_t r = 0; r < runs_; ++r) lines_ += (bytes_end(r) - bytes_begin(r) + 63) / 64;
+    start_run(0);
+  }
+  int64_t lines() const { return lines_; }
+  // Asks for up to n more lines of K and of V.
+  void issue(int64_t n) {
+    for (; n > 0 && run_ < runs_; --n) {
+      while (byte_ >= end_) {
+        start_run(run_ + 1);
+        if (run_ >= runs_) return;
+      }
+      __builtin_prefetch(src_.k + layout_.offset[run_] + byte_, 0, 1);
+      __builtin_prefetch(src_.v + layout_.offset[run_] + byte_, 0, 1);
+      byte_ += 64;
+    }
+  }
+
+ private:
+  int64_t bytes_begin(int64_t r) const { return layout_.rows[r] * src_.row_stride * part_ / parts_ / 64 * 64; }
+  int64_t bytes_end(int64_t r) const { return layout_.rows[r] * src_.row_stride * (part_ + 1) / parts_; }
+  void start_run(int64_t r) {
+    run_ = r;
+    if (r < runs_) byte_ = bytes_begin(r), end_ = bytes_end(r);
+  }
+  const PairSource& src_;
+  const TileLayout& layout_;
+  int64_t part_, parts_, runs_, lines_ = 0, run_ = 0, byte_ = 0, end_ = 0;
+};
+
+// The row scales of a quantized pair's tile (nullptr otherwise): in place
+// for a dense cache, else gathered into ksbuf/vsbuf, run by run.
+JSS_INLINE void tile_scales(const PairSource& src, const TileLayout& layout, float* ksbuf, float* vsbuf,
                             const float** k_scale, const float** v_scale) {
   if (!src.quantized()) {
     *k_scale = *v_scale = nullptr;
-  } else if (src.pages == nullptr && src.scale_stride == 1) {
-    *k_scale = src.k_scale + start;
-    *v_scale = src.v_scale + start;
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t index = src.scale_index(start + i);
-      ksbuf[i] = src.k_scale[index];
-      vsbuf[i] = src.v_scale[index];
-    }
-    *k_scale = ksbuf;
-    *v_scale = vsbuf;
+    return;
   }
+  if (src.pages == nullptr && src.scale_stride == 1) {
+    *k_scale = src.k_scale + layout.scale[0];
+    *v_scale = src.v_scale + layout.scale[0];
+    return;
+  }
+  for (int64_t r = 0, i = 0; r < layout.count; i += layout.rows[r++])
+    for (int64_t j = 0; j < layout.rows[r]; ++j) {
+      ksbuf[i + j] = src.k_scale[layout.scale[r] + j * src.scale_stride];
+      vsbuf[i + j] = src.v_scale[layout.scale[r] + j * src.scale_stride];
+    }
+  *k_scale = ksbuf;
+  *v_scale = vsbuf;
 }
 
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
@@ -383,71 +484,103 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
   }
 }
 
+// The largest of x[0, n): a vector of running maxima (a scalar one is a
+// chain through memory where registers run short).
+JSS_INLINE float largest(const float* x, int64_t n) {
+  Floats tops = Floats{} + kNegInf;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) tops = vmax(tops, load(x + j));
+  float top = kNegInf;
+  for (int64_t i = 0; i < kLanes; ++i) top = std::max(top, tops[i]);
+  for (; j < n; ++j) top = std::max(top, x[j]);
+  return top;
+}
+
 // Few query rows (T = 1 decoding): a dot product per key and row; tiles are
 // the outer loop, so each tile is fetched once for all rows, in place where
 // it lies (float32; E = uint16_t: bfloat16, E = int8_t: int8, widened in
 // registers; pages up to their end): a pass through the tile buffer costs
 // more than the FMAs of so few rows.  A quantized tile's key scales multiply the scores,
-// its value scales the weights (after their sum is taken).
+// its value scales the weights (after their sum is taken).  The count pairs
+// (the kv heads of a paged cache's batch row, or one pair) share their keys'
+// range and take each tile in turn, so a page's rows of every head, which
+// lie together, are read together.
 template <int64_t kDim, typename E = float>
-JSS_INLINE void rows_by_dot(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
+JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim) {
   const int64_t D = kDim > 0 ? kDim : dim;
   float p[kTile + kKeys + kLanes];  // a tile's scores, then its weights
-  float *kbuf = in.kbuf, *vbuf = in.vbuf;
-  const float* q = in.q.data();
   std::vector<float> paired_q, tmp;
   if constexpr (kPaired<kDim, E>) {
-    paired_q.assign(in.q.begin(), in.q.end());
+    paired_q.resize(count * M * D);
     tmp.resize(D);
-    for (int64_t m = 0; m < M; ++m) paired_order(paired_q.data() + m * D, D, true, tmp.data());
-    q = paired_q.data();
-  }
-  int64_t end_all = in.first_key;
-  for (int64_t m = 0; m < M; ++m) {
-    chunk.top[m] = kNegInf;
-    chunk.total[m] = 0.0f;
-    end_all = std::max(end_all, std::min(in.end_key, in.last[m] + 1));
-  }
-  for (int64_t start = in.first_key, tile; start < end_all; start += tile) {
-    const E *keys, *values;
-    const float *k_scale, *v_scale;
-    int64_t stride;
-    if constexpr (std::is_same<E, float>::value) {
-      tile = fetch_tile(in.source, start, std::min(kTile, end_all - start), D, true, kbuf, vbuf, &keys, &values,
-                        &stride);
-    } else {
-      tile = tile_in_place(in.source, start, std::min(kTile, end_all - start), &keys, &values, &stride);
+    for (int64_t i = 0; i < count; ++i) {
+      std::copy(ins[i].q.begin(), ins[i].q.end(), paired_q.begin() + i * M * D);
+      for (int64_t m = 0; m < M; ++m) paired_order(paired_q.data() + (i * M + m) * D, D, true, tmp.data());
     }
-    tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
+  }
+  const ChunkInput& first = ins[0];
+  int64_t end_all = first.first_key;
+  for (int64_t m = 0; m < M; ++m) end_all = std::max(end_all, std::min(first.end_key, first.last[m] + 1));
+  for (int64_t i = 0; i < count; ++i)
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t end = std::min(in.end_key, in.last[m] + 1);
-      if (start >= end) continue;
-      const int64_t n = std::min(tile, end - start);
-      score_keys<kDim, E>(q + m * D, keys, n, D, stride, p);
-      if (k_scale != nullptr)
-        for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
-      float tile_top = kNegInf;
-      for (int64_t j = 0; j < n; ++j) tile_top = std::max(tile_top, p[j]);
-      const float top = chunk.top[m], new_top = std::max(top, tile_top);
-      for (int64_t j = 0; j < n; ++j) p[j] = std::max(p[j] - new_top, kExpFloor);
-      float tile_total = 0.0f;
+      chunks[i].top[m] = kNegInf;
+      chunks[i].total[m] = 0.0f;
+    }
+  const PairSource& layout_of = first.source;  // every pair's rows lie alike
+  TileLayout next = tile_layout(layout_of, first.first_key, std::min(kTile, end_all - first.first_key));
+  for (int64_t start = first.first_key, after; start < end_all; start = after) {
+    const TileLayout layout = next;
+    const int64_t tile = layout.rows_given;
+    after = start + tile;
+    if (after < end_all) next = tile_layout(layout_of, after, std::min(kTile, end_all - after));
+    for (int64_t i = 0; i < count; ++i) {
+      const ChunkInput& in = ins[i];
+      const Chunk& chunk = chunks[i];
+      const float* q = kPaired<kDim, E> ? paired_q.data() + i * M * D : in.q.data();
+      const TileRows<E> rows = few_rows_tile<E>(in, layout, D);
+      const float *k_scale, *v_scale;
+      tile_scales(in.source, layout, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
+      // The next tile's share of this pair, a part at each run's scores and values and the rest at the end.
+      SharePrefetch prefetch(first.source, next, i, count, in.source.pages != nullptr && after < end_all);
+      const int64_t lines_per_step = (prefetch.lines() + 2 * rows.count - 1) / (2 * rows.count);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t end = std::min(in.end_key, in.last[m] + 1);
+        if (start >= end) continue;
+        const int64_t n = std::min(tile, end - start);
+        for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
+          score_keys<kDim, E>(q + m * D, rows.keys[r], std::min(rows.rows[r], n - j0), D, rows.stride, p + j0);
+          prefetch.issue(lines_per_step);
+        }
+        if (k_scale != nullptr)
+          for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
+        const float top = chunk.top[m], new_top = std::max(top, largest(p, n));
+        for (int64_t j = 0; j < n; ++j) p[j] = std::max(p[j] - new_top, kExpFloor);
+        float tile_total = 0.0f;
 #pragma omp simd reduction(+ : tile_total)
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = exp_clamped(p[j]);
-        tile_total += p[j];
+        for (int64_t j = 0; j < n; ++j) {
+          p[j] = exp_clamped(p[j]);
+          tile_total += p[j];
+        }
+        const float decay = exp_nonpositive(top - new_top);  // 0 while nothing was seen
+        chunk.top[m] = new_top;
+        chunk.total[m] = chunk.total[m] * decay + tile_total;
+        if (v_scale != nullptr)
+          for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
+        float* acc = chunk.acc + m * D;
+        for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
+          const float* weights = p + j0;
+          const float run_decay = r == 0 ? decay : 1.0f;
+          accumulate_values<kDim, 1, E>(&acc, &run_decay, &weights, 1, rows.values[r], std::min(rows.rows[r], n - j0),
+                                        D, rows.stride);
+          prefetch.issue(lines_per_step);
+        }
       }
-      const float decay = exp_nonpositive(top - new_top);  // 0 while nothing was seen
-      chunk.top[m] = new_top;
-      chunk.total[m] = chunk.total[m] * decay + tile_total;
-      if (v_scale != nullptr)
-        for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
-      float* acc = chunk.acc + m * D;
-      const float* weights = p;
-      accumulate_values<kDim, 1, E>(&acc, &decay, &weights, 1, values, n, D, stride);
+      prefetch.issue(prefetch.lines());
     }
   }
   if constexpr (kPaired<kDim, E>) {
-    for (int64_t m = 0; m < M; ++m) paired_order(chunk.acc + m * D, D, false, tmp.data());
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t m = 0; m < M; ++m) paired_order(chunks[i].acc + m * D, D, false, tmp.data());
   }
 }
 
@@ -479,11 +612,12 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
   }
   Rows s[kTile];  // a tile's scores (one vector of rows per key), then its weights
   for (int64_t start = in.first_key, tile; start < end_all; start += tile) {
-    const float *keys, *values, *k_scale, *v_scale;
-    int64_t stride;
-    tile = fetch_tile(in.source, start, std::min(kTile, end_all - start), D, false, kbuf, vbuf, &keys, &values,
-                      &stride);
-    tile_scales(in.source, start, tile, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
+    const TileLayout layout = tile_layout(in.source, start, std::min(kTile, end_all - start));
+    const TileRows<float> rows = float_rows(in.source, layout, D, false, kbuf, vbuf);  // one run
+    const float *keys = rows.keys[0], *values = rows.values[0], *k_scale, *v_scale;
+    const int64_t stride = rows.stride;
+    tile = layout.rows_given;
+    tile_scales(in.source, layout, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t block = 0; block < blocks; ++block) {
       const int64_t end = ends[block];
       if (start >= end) continue;
@@ -549,32 +683,33 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
 }
 
 template <int64_t kDim>
-JSS_INLINE void run_chunk_dim(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
-  std::fill(chunk.acc, chunk.acc + M * dim, 0.0f);
+JSS_INLINE void run_chunks_dim(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim) {
+  for (int64_t i = 0; i < count; ++i) std::fill(chunks[i].acc, chunks[i].acc + M * dim, 0.0f);
   if (M >= kLaneRows) {
-    rows_in_lanes<kDim>(in, M, dim, chunk);
+    for (int64_t i = 0; i < count; ++i) rows_in_lanes<kDim>(ins[i], M, dim, chunks[i]);
   } else if constexpr (kDim > 0) {
-    if (in.source.dtype == Dtype::kBF16) {
-      rows_by_dot<kDim, uint16_t>(in, M, dim, chunk);
-    } else if (in.source.dtype == Dtype::kI8) {
-      rows_by_dot<kDim, int8_t>(in, M, dim, chunk);
+    if (ins[0].source.dtype == Dtype::kBF16) {
+      rows_by_dot<kDim, uint16_t>(ins, chunks, count, M, dim);
+    } else if (ins[0].source.dtype == Dtype::kI8) {
+      rows_by_dot<kDim, int8_t>(ins, chunks, count, M, dim);
     } else {
-      rows_by_dot<kDim>(in, M, dim, chunk);
+      rows_by_dot<kDim>(ins, chunks, count, M, dim);
     }
   } else {
-    rows_by_dot<kDim>(in, M, dim, chunk);
+    rows_by_dot<kDim>(ins, chunks, count, M, dim);
   }
 }
 
-// One chunk at the head dim's specialisation (a multiple of kLanes), or any head dim.
-void run_chunk(const ChunkInput& in, int64_t M, int64_t dim, const Chunk& chunk) {
+// count chunks of one key range (pairs of one cache dtype) at the head dim's
+// specialisation (a multiple of kLanes), or any head dim.
+void run_chunks(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim) {
   switch (dim) {
-    case 16: return run_chunk_dim<16>(in, M, dim, chunk);
-    case 32: return run_chunk_dim<32>(in, M, dim, chunk);
-    case 64: return run_chunk_dim<64>(in, M, dim, chunk);
-    case 128: return run_chunk_dim<128>(in, M, dim, chunk);
-    case 256: return run_chunk_dim<256>(in, M, dim, chunk);
-    default: return run_chunk_dim<0>(in, M, dim, chunk);
+    case 16: return run_chunks_dim<16>(ins, chunks, count, M, dim);
+    case 32: return run_chunks_dim<32>(ins, chunks, count, M, dim);
+    case 64: return run_chunks_dim<64>(ins, chunks, count, M, dim);
+    case 128: return run_chunks_dim<128>(ins, chunks, count, M, dim);
+    case 256: return run_chunks_dim<256>(ins, chunks, count, M, dim);
+    default: return run_chunks_dim<0>(ins, chunks, count, M, dim);
   }
 }
 

@@ -378,11 +378,15 @@ def test_native_status_says_which_kernel_functions_traced_now_use():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("T, groups, page_size", [(1, 1, 16), (1, 2, 5), (16, 2, 16)])
-def test_pages_are_read_in_place_page_by_page(dtype, T, groups, page_size):
-    """Token-major pages through a shuffled table, head dim 64 (the specialised, paired and in-register reads)."""
+@pytest.mark.parametrize("T, groups, page_size, table_pages", [(1, 1, 16, 11), (1, 2, 5, 11), (16, 2, 16, 11),
+                                                                (1, 1, 7, 400)])
+def test_pages_are_read_in_place_page_by_page(dtype, T, groups, page_size, table_pages):
+    """Token-major pages through a shuffled table, head dim 64 (the specialised, paired and in-register reads).
+
+    A tile spans several pages (at most eight); 400 pages of 7 rows are enough keys to split across threads.
+    """
     rng = np.random.default_rng(51 + T + page_size)
-    batch, kv_heads, D, table_pages = 3, 2, 64, 11
+    batch, kv_heads, D = 3, 2, 64
     num_pages = batch * table_pages + 3
     k, v = (np.array(jnp.asarray(randn(rng, num_pages, page_size, kv_heads, D), dtype)) for _ in range(2))
     table = rng.permutation(num_pages)[: batch * table_pages].reshape(batch, table_pages).astype(np.int32)

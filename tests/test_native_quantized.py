@@ -131,10 +131,12 @@ def paged_case(rng, fmt, batch=3, kv_heads=2, page_size=16, table_pages=9, head_
 
 @needs_native
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("T, groups", [(1, 1), (1, 4), (16, 2)])
-def test_quantized_pages_are_read_in_place_with_their_scale_pages(fmt, T, groups):
+@pytest.mark.parametrize("T, groups, page_size, table_pages", [(1, 1, 16, 9), (1, 4, 16, 9), (16, 2, 16, 9),
+                                                                (1, 1, 5, 450), (16, 1, 5, 450)])
+def test_quantized_pages_are_read_in_place_with_their_scale_pages(fmt, T, groups, page_size, table_pages):
+    """A tile spans several pages (at most eight); 450 pages of 5 rows are enough keys to split across threads."""
     rng = np.random.default_rng(31 + T * groups)
-    (k, v, k_scale, v_scale, table), k64, v64 = paged_case(rng, fmt)
+    (k, v, k_scale, v_scale, table), k64, v64 = paged_case(rng, fmt, page_size=page_size, table_pages=table_pages)
     batch, capacity = table.shape[0], k64.shape[2]
     lengths = np.asarray([capacity, 37, 0], np.int32)
     q = randn(rng, batch, T, 2 * groups, 64)
