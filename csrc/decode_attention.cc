@@ -340,7 +340,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
     const int64_t first_pair = i / splits * pairs_together, G = shape.groups;
     std::vector<ChunkInput> ins;
     std::vector<Chunk> mine;
-    std::vector<float> buffers;
+    std::unique_ptr<float[]> buffers;  // uninitialised: every tile is written before it is read
     for (int64_t pair = first_pair; pair < first_pair + pairs_together; ++pair) {
       const Chunk& chunk = chunks[pair * splits + i % splits];
       const int64_t b = pair / shape.kv_heads, h = pair % shape.kv_heads;
@@ -352,10 +352,10 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
         in.last[m] = last[b * shape.T + m / G];
       }
       if (!in.source.read_in_place()) {  // one set of tile buffers: the pairs take each tile in turn
-        if (buffers.empty()) buffers.resize(2 * kTile * (D + 1));
-        in.kbuf = buffers.data();
-        in.vbuf = buffers.data() + kTile * D;
-        in.ksbuf = buffers.data() + 2 * kTile * D;
+        if (!buffers) buffers.reset(new float[2 * kTile * (D + 1)]);
+        in.kbuf = buffers.get();
+        in.vbuf = buffers.get() + kTile * D;
+        in.ksbuf = buffers.get() + 2 * kTile * D;
         in.vsbuf = in.ksbuf + kTile;
       }
       ins.push_back(std::move(in));
