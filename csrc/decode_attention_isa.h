@@ -231,17 +231,10 @@ JSS_INLINE TileLayout tile_layout(const PairSource& src, int64_t start, int64_t 
   TileLayout layout;
   layout.count = layout.rows_given = 0;
   while (layout.rows_given < n && layout.count < TileLayout::kMaxRuns) {
-    const int64_t row = start + layout.rows_given, r = layout.count++;
-    if (src.pages == nullptr) {
-      layout.rows[r] = n - layout.rows_given;
-      layout.offset[r] = row * src.row_stride;
-      layout.scale[r] = row * src.scale_stride;
-    } else {
-      const int64_t page = src.page_of(row), in_page = row % src.page_size;
-      layout.rows[r] = std::min(n - layout.rows_given, src.page_size - in_page);
-      layout.offset[r] = page * src.page_stride + in_page * src.row_stride;
-      layout.scale[r] = page * src.scale_page_stride + in_page * src.scale_stride;
-    }
+    const int64_t row = start + layout.rows_given, r = layout.count++, left = n - layout.rows_given;
+    layout.rows[r] = src.pages == nullptr ? left : std::min(left, src.page_size - row % src.page_size);
+    layout.offset[r] = src.row_offset(row);
+    layout.scale[r] = src.scale_index(row);
     layout.rows_given += layout.rows[r];
   }
   return layout;
@@ -564,13 +557,13 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
       chunks[i].top[m] = kNegInf;
       chunks[i].total[m] = 0.0f;
     }
-  const PairSource& layout_of = first.source;  // every pair's rows lie alike
-  TileLayout next = tile_layout(layout_of, first.first_key, std::min(kRowTile, end_all - first.first_key));
+  // Every pair's rows lie alike: the first pair's layout serves them all.
+  TileLayout next = tile_layout(first.source, first.first_key, std::min(kRowTile, end_all - first.first_key));
   for (int64_t start = first.first_key, after; start < end_all; start = after) {
     const TileLayout layout = next;
     const int64_t tile = layout.rows_given;
     after = start + tile;
-    if (after < end_all) next = tile_layout(layout_of, after, std::min(kRowTile, end_all - after));
+    if (after < end_all) next = tile_layout(first.source, after, std::min(kRowTile, end_all - after));
     for (int64_t i = 0; i < count; ++i) {
       const ChunkInput& in = ins[i];
       const Chunk& chunk = chunks[i];
