@@ -317,10 +317,21 @@ JSS_INLINE TileRows<E> few_rows_tile(const ChunkInput& in, const TileLayout& lay
 class SharePrefetch {
  public:
   // Nothing is asked for unless active (a paged pair with a next tile).
+  // A quantized pair's row scales (a few lines per page) are asked for at once.
   SharePrefetch(const PairSource& src, const TileLayout& layout, int64_t part, int64_t parts, bool active)
       : src_(src), layout_(layout), part_(part), parts_(parts), runs_(active ? layout.count : 0) {
     for (int64_t r = 0; r < runs_; ++r) lines_ += (bytes_end(r) - bytes_begin(r) + 63) / 64;
     start_run(0);
+    if (!src.quantized()) return;
+    for (int64_t r = 0; r < runs_; ++r) {
+      const int64_t span = layout.rows[r] * src.scale_stride * static_cast<int64_t>(sizeof(float));
+      const char *k_scale = reinterpret_cast<const char*>(src.k_scale + layout.scale[r]),
+                 *v_scale = reinterpret_cast<const char*>(src.v_scale + layout.scale[r]);
+      for (int64_t byte = span * part / parts / 64 * 64; byte < span * (part + 1) / parts; byte += 64) {
+        __builtin_prefetch(k_scale + byte, 0, 1);
+        __builtin_prefetch(v_scale + byte, 0, 1);
+      }
+    }
   }
   int64_t lines() const { return lines_; }
   // Asks for up to n more lines of K and of V.
@@ -525,6 +536,49 @@ JSS_INLINE float largest(const float* x, int64_t n) {
   return top;
 }
 
+// How one query row reads a tile's runs of keys and values of E: its
+// scores, in units of unit(), and the weighted sum of the values, with
+// step() run after each of value_steps() parts of that work (the row's
+// share of the next tile's prefetches goes between them).  Here the row as
+// floats (in the paired layout over bfloat16 pairs), unit 1, and the values
+// run by run; on SSE2, int8 rows are read in integers instead.
+template <int64_t kDim, typename E, bool kInteger = false>
+class RowReader {
+ public:
+  RowReader(const float* row, int64_t dim) : row_(row), dim_(dim) {}
+  float unit() const { return 1.0f; }
+  void score(const E* keys, int64_t n, int64_t stride, float* p) const {
+    score_keys<kDim, E, kPaired<kDim, E> ? kPairKeys : kKeys>(row_, keys, n, dim_, stride, p);
+  }
+  int64_t value_steps(const TileRows<E>& rows) const { return rows.count; }
+  // acc = acc * decay + sum_j weight[j] * values(j), j < n.
+  template <typename Step>
+  void accumulate(float* acc, float decay, const float* weight, const TileRows<E>& rows, int64_t n, Step&& step) const {
+    for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
+      const float* weights = weight + j0;
+      const float run_decay = r == 0 ? decay : 1.0f;
+      const int64_t run = std::min(rows.rows[r], n - j0);
+      if constexpr (kPaired<kDim, E>) {
+        accumulate_pairs<kDim>(acc, run_decay, weights, rows.values[r], run, rows.stride);
+      } else {
+        accumulate_values<kDim, 1, E>(&acc, &run_decay, &weights, 1, rows.values[r], run, dim_, rows.stride);
+      }
+      step();
+    }
+  }
+
+ private:
+  const float* row_;
+  int64_t dim_;
+};
+
+#if defined(JSS_X86) && JSS_LANES == 4
+#include "decode_attention_sse2_int8.h"
+#else
+template <int64_t kDim, typename E>
+constexpr bool kIntegerInt8 = false;
+#endif
+
 // Few query rows (T = 1 decoding): a dot product per key and row; tiles are
 // the outer loop, so each tile is fetched once for all rows, in place where
 // it lies (float32; E = uint16_t: bfloat16, E = int8_t: int8, widened in
@@ -549,6 +603,12 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
       for (int64_t m = 0; m < M; ++m) paired_order(paired_q.data() + (i * M + m) * D, D, true, tmp.data());
     }
   }
+  using Reader = RowReader<kDim, E, kIntegerInt8<kDim, E>>;
+  std::vector<Reader> readers;  // [count, M]
+  readers.reserve(count * M);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t m = 0; m < M; ++m)
+      readers.emplace_back((kPaired<kDim, E> ? paired_q.data() + i * M * D : ins[i].q.data()) + m * D, D);
   const ChunkInput& first = ins[0];
   int64_t end_all = first.first_key;
   for (int64_t m = 0; m < M; ++m) end_all = std::max(end_all, std::min(first.end_key, first.last[m] + 1));
@@ -567,7 +627,6 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
     for (int64_t i = 0; i < count; ++i) {
       const ChunkInput& in = ins[i];
       const Chunk& chunk = chunks[i];
-      const float* q = kPaired<kDim, E> ? paired_q.data() + i * M * D : in.q.data();
       const TileRows<E> rows = few_rows_tile<E>(in, layout, D);
       const float *k_scale, *v_scale;
       tile_scales(in.source, layout, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
@@ -579,12 +638,13 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
         if (start >= end) continue;
         const int64_t n = std::min(tile, end - start);
         for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
-          score_keys<kDim, E, kScoreKeys>(q + m * D, rows.keys[r], std::min(rows.rows[r], n - j0), D, rows.stride,
-                                          p + j0);
+          readers[i * M + m].score(rows.keys[r], std::min(rows.rows[r], n - j0), rows.stride, p + j0);
           prefetch.issue(lines_per_step);
         }
-        if (k_scale != nullptr)
-          for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j];
+        if (k_scale != nullptr) {
+          const float unit = readers[i * M + m].unit();
+          for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j] * unit;
+        }
         const float top = chunk.top[m], new_top = std::max(top, largest(p, n));
         for (int64_t j = 0; j < n; ++j) p[j] = std::max(p[j] - new_top, kExpFloor);
         float tile_total = 0.0f;
@@ -598,18 +658,10 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
         chunk.total[m] = chunk.total[m] * decay + tile_total;
         if (v_scale != nullptr)
           for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
-        float* acc = chunk.acc + m * D;
-        for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
-          const float* weights = p + j0;
-          const float run_decay = r == 0 ? decay : 1.0f;
-          const int64_t run = std::min(rows.rows[r], n - j0);
-          if constexpr (kPaired<kDim, E>) {
-            accumulate_pairs<kDim>(acc, run_decay, weights, rows.values[r], run, rows.stride);
-          } else {
-            accumulate_values<kDim, 1, E>(&acc, &run_decay, &weights, 1, rows.values[r], run, D, rows.stride);
-          }
-          prefetch.issue(lines_per_step);
-        }
+        const Reader& reader = readers[i * M + m];
+        const int64_t value_steps = reader.value_steps(rows);  // the values' runs' share of the prefetches
+        const int64_t value_lines = (lines_per_step * rows.count + value_steps - 1) / value_steps;
+        reader.accumulate(chunk.acc + m * D, decay, p, rows, n, [&] { prefetch.issue(value_lines); });
       }
       prefetch.issue(prefetch.lines());
     }
