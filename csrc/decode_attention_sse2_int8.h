@@ -17,9 +17,10 @@ constexpr int64_t kInt8Slab = 16;
 template <int64_t kDim, typename E>
 constexpr bool kIntegerInt8 = std::is_same<E, int8_t>::value && kDim > 0 && kDim % kInt8Slab == 0;
 
-// Keys scored at once: two int32 sums each (hi, lo) beside the query's four
-// vectors of a 16-element block fill the 16 registers.
-constexpr int64_t kIntegerKeys = 4;
+// Keys scored at once, two int32 sums each (hi, lo); the query's parts are
+// read from memory by pmaddwd.  Two beat four by 4% and eight by 12% (one
+// core, 8 kv heads x 64): more spill the sixteen registers.
+constexpr int64_t kIntegerKeys = 2;
 
 // q[D] as hi[D] + lo[D] / 2^15 units; returns the unit (0 for a zero row).
 JSS_INLINE float split_query(const float* q, int64_t D, int16_t* hi, int16_t* lo) {
@@ -44,16 +45,16 @@ JSS_INLINE void score_int8_keys(const int16_t* hi, const int16_t* lo, const int8
     __m128i big[kIntegerKeys], small[kIntegerKeys];
     for (int64_t u = 0; u < kIntegerKeys; ++u) big[u] = small[u] = _mm_setzero_si128();
     for (int64_t c = 0; c < kDim; c += 16) {
-      const __m128i hi0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + c));
-      const __m128i hi1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi + c + 8));
-      const __m128i lo0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + c));
-      const __m128i lo1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo + c + 8));
+      const __m128i* h = reinterpret_cast<const __m128i*>(hi + c);  // aligned: pmaddwd reads them from memory
+      const __m128i* l = reinterpret_cast<const __m128i*>(lo + c);
       for (int64_t u = 0; u < kIntegerKeys; ++u) {
         const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + std::min(j + u, n - 1) * stride + c));
         const __m128i first = _mm_srai_epi16(_mm_unpacklo_epi8(x, x), 8);  // elements 0..7 as int16
         const __m128i second = _mm_srai_epi16(_mm_unpackhi_epi8(x, x), 8);  // 8..15
-        big[u] = _mm_add_epi32(big[u], _mm_add_epi32(_mm_madd_epi16(first, hi0), _mm_madd_epi16(second, hi1)));
-        small[u] = _mm_add_epi32(small[u], _mm_add_epi32(_mm_madd_epi16(first, lo0), _mm_madd_epi16(second, lo1)));
+        big[u] = _mm_add_epi32(big[u], _mm_add_epi32(_mm_madd_epi16(first, _mm_load_si128(h)),
+                                                     _mm_madd_epi16(second, _mm_load_si128(h + 1))));
+        small[u] = _mm_add_epi32(small[u], _mm_add_epi32(_mm_madd_epi16(first, _mm_load_si128(l)),
+                                                         _mm_madd_epi16(second, _mm_load_si128(l + 1))));
       }
     }
     Floats sums[kIntegerKeys];
@@ -156,6 +157,7 @@ class RowReader<kDim, int8_t, true> {
   }
 
  private:
-  int16_t hi_[kDim], lo_[kDim];
+  alignas(16) int16_t hi_[kDim];
+  alignas(16) int16_t lo_[kDim];
   float unit_;
 };
