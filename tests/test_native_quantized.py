@@ -183,8 +183,9 @@ FORCED_ISA = textwrap.dedent("""
         ref, _ = reference(q, k64, v64, lengths, view.positions)
         worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
         print("native" if native else "pure", T * groups)
-    for T in (1, 16):
-        (k, v, ks, vs, table), k64, v64 = paged_case(rng, "int8")
+    # Odd runs of pages (5 and 7 rows: a run's last key has no partner in SSE2's integer value sums).
+    for T, page_size, table_pages in ((1, 16, 9), (16, 16, 9), (1, 5, 40), (1, 7, 30)):
+        (k, v, ks, vs, table), k64, v64 = paged_case(rng, "int8", page_size=page_size, table_pages=table_pages)
         q, lengths = randn(rng, 3, T, 2, 64), np.asarray([100, 144, 3], np.int32)
         positions = jnp.asarray(lengths[:, None] - T + np.arange(T), jnp.int32)
         out, _ = _native.paged_kernel(*map(jnp.asarray, (k, v, table, q, lengths)), positions, causal=True,
@@ -192,6 +193,16 @@ FORCED_ISA = textwrap.dedent("""
         ref, _ = reference(q, k64, v64, lengths, np.broadcast_to(np.arange(k64.shape[2]), (3, k64.shape[2])),
                            scale=0.125)
         worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
+    # Edge rows: a zero query row, a kv head whose value scales are all 0, stored values of -128.
+    q = randn(rng, 2, 1, 4, 64)
+    q[0, 0, 1] = 0.0
+    (k, ks, _), (v, vs, _) = (quantized_rows(rng, (2, 2, 300, 64), "int8") for _ in range(2))
+    k[0, 0, :5], v[0, 1, :7], vs[1, 0] = -128, -128, 0.0
+    k64, v64 = (x.astype(np.float64) * s.astype(np.float64) for x, s in ((k, ks), (v, vs)))
+    view = quantized_view(k, v, ks, vs, np.asarray([300, 211], np.int32))
+    out, _ = jax.jit(lambda q, view: jss.attend_with_lse(q, view))(jnp.asarray(q), view)
+    ref, _ = reference(q, k64, v64, np.asarray([300, 211], np.int32), view.positions)
+    worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
     print(_native.ISA, "|", worst)
 """)
 
