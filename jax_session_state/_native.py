@@ -156,15 +156,28 @@ def use(native: bool) -> Iterator[None]:
         _use_native = before
 
 
-DECLINED_ROWS = {"baseline": 4, **({"avx2": 16} if ISAS.get("avx512") else {})}
+def _cores() -> int:
+    """The CPUs this process may run on; XLA's intra-op thread pool has as many threads."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity mask on this platform
+        return os.cpu_count() or 1
+
+
+DECLINED_ROWS = ({"baseline": 6} if _cores() > 1 else
+                 {"baseline": 4, **({"avx2": 16} if ISAS.get("avx512") else {})})
 """Per ISA path, the query rows per kv head (``T * q_heads / kv_heads``) from
 which it is slower than the pure loop over a float32 cache and declines
-(measured: benchmarks/attention.py).  Many rows make a step bound by its
-FMAs, and XLA's dots in the pure loop use the widest vectors the CPU has:
-SSE2 never keeps up with them, and AVX2 falls behind where the CPU has
-AVX-512 (its FMAs are half as wide), so there the ``avx2`` path declines 16
-rows and more.  A 16-bit or quantized cache always takes the kernel: the
-pure loop reads those several times slower."""
+(measured: benchmarks/attention.py, 8 kv heads x 64, valid 1k and 4k).
+Many rows make a step bound by its FMAs, and XLA's dots in the pure loop use
+the widest vectors the CPU has, on one thread; the kernel splits a large
+step's keys over XLA's thread pool.  With two cores or more the ``avx2``
+path beats the loop at any row count, even on an AVX-512 CPU (16 rows: 0.6
+of its time, 64 rows: 0.75), and SSE2 up to 4 rows (0.6), not from 6
+(0.92-1.04) or 8 (1.03-1.15).  On one core SSE2 falls behind from 4 rows,
+and ``avx2`` from 16 where the CPU has AVX-512 (1.10-1.15: its FMAs are half
+as wide).  A 16-bit or quantized cache always takes the kernel: the pure
+loop reads those several times slower."""
 
 
 def supports(q: Array, k: Array, v: Array, *, kv_heads: int | None = None, quantized: bool = False) -> bool:
