@@ -9,8 +9,16 @@
 // max|q|, finer than float32 rounds it.  A key's sixteen bytes are
 // sign-extended to int16 (an unpack and a shift per eight) and multiplied
 // into int32 sums by pmaddwd, two instructions per eight values for each
-// part; the sums are exact (|sum| <= 127 * 32767 * 256 < 2^31 at head dim
+// part; the sums are exact (|sum| <= 128 * 32767 * 256 < 2^31 at head dim
 // 256) and are converted to float once per key, four lanes at a time.
+//
+// Values go the same way with the roles turned: a tile's weights (softmax
+// times value scale) are split into two int16 parts of unit = max weight /
+// 32767, and two keys of a run at a time meet their pair of weights in one
+// pmaddwd, their bytes interleaved; the tile's int32 sums (|sum| <= 2 * 128
+// * 32767 * kMaxPairs < 2^31) become floats once per tile.  Either way about
+// half the instructions of widening to float, and the results stay within
+// float32 rounding of exact arithmetic on the stored values.
 
 // Head dims whose int8 rows are read in integers: whole 16-byte loads.
 constexpr int64_t kInt8Slab = 16;
