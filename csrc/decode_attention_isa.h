@@ -148,6 +148,10 @@ JSS_INLINE Floats load_elements(const E* p) {
 template <int64_t kDim, typename E>
 constexpr bool kPaired = std::is_same<E, uint16_t>::value && kDim > 0 && kDim % (2 * kLanes) == 0;
 
+// Keys a query row scores at once over rows of E (JSS_PAIR_KEYS over pairs).
+template <int64_t kDim, typename E>
+constexpr int64_t kRowKeys = kPaired<kDim, E> ? kPairKeys : kKeys;
+
 JSS_INLINE void load_pair(const uint16_t* p, Floats* even, Floats* odd) {
   const Ints bits = load_as<Ints>(p);
   *even = bits_to_float<Floats>(bits << 16);
@@ -327,7 +331,7 @@ class SharePrefetch {
       const int64_t span = layout.rows[r] * src.scale_stride * static_cast<int64_t>(sizeof(float));
       const char *k_scale = reinterpret_cast<const char*>(src.k_scale + layout.scale[r]),
                  *v_scale = reinterpret_cast<const char*>(src.v_scale + layout.scale[r]);
-      for (int64_t byte = span * part / parts / 64 * 64; byte < span * (part + 1) / parts; byte += 64) {
+      for (int64_t byte = share_begin(span); byte < share_end(span); byte += 64) {
         __builtin_prefetch(k_scale + byte, 0, 1);
         __builtin_prefetch(v_scale + byte, 0, 1);
       }
@@ -348,8 +352,11 @@ class SharePrefetch {
   }
 
  private:
-  int64_t bytes_begin(int64_t r) const { return layout_.rows[r] * src_.row_stride * part_ / parts_ / 64 * 64; }
-  int64_t bytes_end(int64_t r) const { return layout_.rows[r] * src_.row_stride * (part_ + 1) / parts_; }
+  // This part's bytes of a span of the given bytes, from a cache line's start.
+  int64_t share_begin(int64_t bytes) const { return bytes * part_ / parts_ / 64 * 64; }
+  int64_t share_end(int64_t bytes) const { return bytes * (part_ + 1) / parts_; }
+  int64_t bytes_begin(int64_t r) const { return share_begin(layout_.rows[r] * src_.row_stride); }
+  int64_t bytes_end(int64_t r) const { return share_end(layout_.rows[r] * src_.row_stride); }
   void start_run(int64_t r) {
     run_ = r;
     if (r < runs_) byte_ = bytes_begin(r), end_ = bytes_end(r);
@@ -548,7 +555,7 @@ class RowReader {
   RowReader(const float* row, int64_t dim) : row_(row), dim_(dim) {}
   float unit() const { return 1.0f; }
   void score(const E* keys, int64_t n, int64_t stride, float* p) const {
-    score_keys<kDim, E, kPaired<kDim, E> ? kPairKeys : kKeys>(row_, keys, n, dim_, stride, p);
+    score_keys<kDim, E, kRowKeys<kDim, E>>(row_, keys, n, dim_, stride, p);
   }
   int64_t value_steps(const TileRows<E>& rows) const { return rows.count; }
   // acc = acc * decay + sum_j weight[j] * values(j), j < n.
@@ -592,8 +599,7 @@ template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim) {
   const int64_t D = kDim > 0 ? kDim : dim;
   constexpr int64_t kRowTile = std::is_same<E, uint16_t>::value ? kPairTile : kTile;
-  constexpr int64_t kScoreKeys = kPaired<kDim, E> ? kPairKeys : kKeys;
-  float p[kRowTile + kScoreKeys + kLanes];  // a tile's scores, then its weights
+  float p[kRowTile + kRowKeys<kDim, E> + kLanes];  // a tile's scores, then its weights
   std::vector<float> paired_q, tmp;
   if constexpr (kPaired<kDim, E>) {
     paired_q.resize(count * M * D);
@@ -637,12 +643,13 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
         const int64_t end = std::min(in.end_key, in.last[m] + 1);
         if (start >= end) continue;
         const int64_t n = std::min(tile, end - start);
+        const Reader& reader = readers[i * M + m];
         for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
-          readers[i * M + m].score(rows.keys[r], std::min(rows.rows[r], n - j0), rows.stride, p + j0);
+          reader.score(rows.keys[r], std::min(rows.rows[r], n - j0), rows.stride, p + j0);
           prefetch.issue(lines_per_step);
         }
         if (k_scale != nullptr) {
-          const float unit = readers[i * M + m].unit();
+          const float unit = reader.unit();
           for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j] * unit;
         }
         const float top = chunk.top[m], new_top = std::max(top, largest(p, n));
@@ -658,7 +665,6 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
         chunk.total[m] = chunk.total[m] * decay + tile_total;
         if (v_scale != nullptr)
           for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
-        const Reader& reader = readers[i * M + m];
         const int64_t value_steps = reader.value_steps(rows);  // the values' runs' share of the prefetches
         const int64_t value_lines = (lines_per_step * rows.count + value_steps - 1) / value_steps;
         reader.accumulate(chunk.acc + m * D, decay, p, rows, n, [&] { prefetch.issue(value_lines); });

@@ -88,12 +88,7 @@ JSS_INLINE void accumulate_int8_values(float* acc, float decay, const float* wei
   float top = 0.0f;
   for (int64_t j = 0; j < n; ++j) top = std::max(top, std::abs(weight[j]));
   if (!(top > 0.0f && top <= std::numeric_limits<float>::max())) {
-    for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
-      const float* weights = weight + j0;
-      const float run_decay = r == 0 ? decay : 1.0f;
-      accumulate_values<kDim, 1, int8_t>(&acc, &run_decay, &weights, 1, rows.values[r], std::min(rows.rows[r], n - j0),
-                                         kDim, rows.stride);
-    }
+    RowReader<kDim, int8_t>(nullptr, kDim).accumulate(acc, decay, weight, rows, n, [] {});
     for (int64_t c = 0; c < kDim / kInt8Slab; ++c) between_slabs();
     return;
   }
