@@ -169,6 +169,11 @@ JSS_INLINE void paired_order(float* x, int64_t D, bool to_pairs, float* tmp) {
   std::memcpy(x, tmp, D * sizeof(float));
 }
 
+// Asks for the cache lines of bytes [0, bytes) from p into the L2 cache.
+JSS_INLINE void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
+}
+
 // The largest power of two <= n (n >= 1).
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
@@ -391,10 +396,11 @@ JSS_INLINE void tile_scales(const PairSource& src, const TileLayout& layout, flo
 // For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
 // values[j], j < n (row j at values + j * value_stride).  The head dim goes
 // in slabs of registers, so the rows' accumulators of a slab stay in
-// registers over the tile's keys.
+// registers over the tile's keys.  Where ahead is not 0, each slab of a row
+// asks for the same slab ahead elements on.
 template <int64_t kDim, int64_t kRows, typename E = float>
 JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
-                                  const E* values, int64_t n, int64_t dim, int64_t value_stride) {
+                                  const E* values, int64_t n, int64_t dim, int64_t value_stride, int64_t ahead = 0) {
   if constexpr (kDim > 0) {
     constexpr int64_t kChunks = kDim / kLanes;
     constexpr int64_t kSlab = std::min(kChunks, floor_pow2(std::max<int64_t>(1, kRegs / kRows)));
@@ -402,11 +408,13 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
       Floats local[kRows][kSlab];
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
-      for (int64_t j = 0; j < n; ++j)
+      for (int64_t j = 0; j < n; ++j) {
+        if (ahead != 0) prefetch_lines(values + j * value_stride + c0 * kLanes + ahead, kSlab * kLanes * sizeof(E));
         for (int64_t c = 0; c < kSlab; ++c) {
           const Floats value = load_elements(values + j * value_stride + (c0 + c) * kLanes);
           for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
         }
+      }
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
     }
@@ -425,16 +433,17 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
 // sums start from zero and meet acc and decay only at the end, so the FMAs
 // do not wait for the tile's decay; where a slab is too few registers to
 // hide the FMA latency (AVX-512: 4 for a head dim of 64), kSets sets of sums
-// take alternate keys.
+// take alternate keys.  Rows ask for their slabs ahead as accumulate_values'.
 template <int64_t kDim>
 JSS_INLINE void accumulate_pairs(float* acc, float decay, const float* weight, const uint16_t* values, int64_t n,
-                                 int64_t stride) {
+                                 int64_t stride, int64_t ahead) {
   constexpr int64_t kChunks = kDim / kLanes;
   constexpr int64_t kSlab = std::min(kChunks, kRegs);
   constexpr int64_t kSets = std::max<int64_t>(1, kRegs / kSlab);
   static_assert(kSlab % 2 == 0, "a slab holds whole pairs");
   const auto add_key = [&](Floats* sum, int64_t j, int64_t c0) {
     const uint16_t* row = values + j * stride + c0 * kLanes;
+    if (ahead != 0) prefetch_lines(row + ahead, kSlab * kLanes * sizeof(uint16_t));
     for (int64_t c = 0; c < kSlab; c += 2) {
       Floats even, odd;
       load_pair(row + c * kLanes, &even, &odd);
@@ -489,13 +498,16 @@ JSS_INLINE void lane_sums(Floats* x, float* p) {
 
 // The scores of a tile's n keys (row j at keys + j * stride) for one query
 // row qm, into p; kAtOnce keys at once, past the end the last key is read
-// again.  Over bfloat16 pairs, fewer keys at once than kKeys leave the
+// again.  Where ahead is not 0, each key asks for the row ahead elements on.  Over bfloat16 pairs, fewer keys at once than kKeys leave the
 // registers for a second sum per key (the odd elements'): as many FMA chains
 // as kKeys keys, half as long (AVX2: 7% faster than eight keys).
 template <int64_t kDim, typename E = float, int64_t kAtOnce = kKeys>
-JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, int64_t stride, float* p) {
+JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, int64_t stride, float* p,
+                           int64_t ahead = 0) {
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kAtOnce) {
+      if (ahead != 0)
+        for (int64_t u = 0; u < kAtOnce; ++u) prefetch_lines(keys + (j + u) * stride + ahead, kDim * sizeof(E));
       Floats acc[kAtOnce] = {};
       if constexpr (kPaired<kDim, E>) {  // qm in the paired layout
         constexpr bool kOddSums = kAtOnce < kKeys;
@@ -548,14 +560,15 @@ JSS_INLINE float largest(const float* x, int64_t n) {
 // step() run after each of value_steps() parts of that work (the row's
 // share of the next tile's prefetches goes between them).  Here the row as
 // floats (in the paired layout over bfloat16 pairs), unit 1, and the values
-// run by run; on SSE2, int8 rows are read in integers instead.
+// run by run, asking for the rows ahead elements on where ahead is not 0; on
+// SSE2, int8 rows are read in integers instead.
 template <int64_t kDim, typename E, bool kInteger = false>
 class RowReader {
  public:
-  RowReader(const float* row, int64_t dim) : row_(row), dim_(dim) {}
+  RowReader(const float* row, int64_t dim, int64_t ahead) : row_(row), dim_(dim), ahead_(ahead) {}
   float unit() const { return 1.0f; }
   void score(const E* keys, int64_t n, int64_t stride, float* p) const {
-    score_keys<kDim, E, kRowKeys<kDim, E>>(row_, keys, n, dim_, stride, p);
+    score_keys<kDim, E, kRowKeys<kDim, E>>(row_, keys, n, dim_, stride, p, ahead_);
   }
   int64_t value_steps(const TileRows<E>& rows) const { return rows.count; }
   // acc = acc * decay + sum_j weight[j] * values(j), j < n.
@@ -566,9 +579,9 @@ class RowReader {
       const float run_decay = r == 0 ? decay : 1.0f;
       const int64_t run = std::min(rows.rows[r], n - j0);
       if constexpr (kPaired<kDim, E>) {
-        accumulate_pairs<kDim>(acc, run_decay, weights, rows.values[r], run, rows.stride);
+        accumulate_pairs<kDim>(acc, run_decay, weights, rows.values[r], run, rows.stride, ahead_);
       } else {
-        accumulate_values<kDim, 1, E>(&acc, &run_decay, &weights, 1, rows.values[r], run, dim_, rows.stride);
+        accumulate_values<kDim, 1, E>(&acc, &run_decay, &weights, 1, rows.values[r], run, dim_, rows.stride, ahead_);
       }
       step();
     }
@@ -576,7 +589,7 @@ class RowReader {
 
  private:
   const float* row_;
-  int64_t dim_;
+  int64_t dim_, ahead_;
 };
 
 #if defined(JSS_X86) && JSS_LANES == 4
@@ -610,12 +623,17 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
     }
   }
   using Reader = RowReader<kDim, E, kIntegerInt8<kDim, E>>;
+  const ChunkInput& first = ins[0];
+  // A dense pair's rows lie in order: float32 and bfloat16 ones are asked for ahead as they are read (int8
+  // rows are read no faster than their prefetchers fetch them; others are widened into tile buffers).
+  const bool ahead = first.source.pages == nullptr &&
+                     (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16);
   std::vector<Reader> readers;  // [count, M]
   readers.reserve(count * M);
   for (int64_t i = 0; i < count; ++i)
     for (int64_t m = 0; m < M; ++m)
-      readers.emplace_back((kPaired<kDim, E> ? paired_q.data() + i * M * D : ins[i].q.data()) + m * D, D);
-  const ChunkInput& first = ins[0];
+      readers.emplace_back((kPaired<kDim, E> ? paired_q.data() + i * M * D : ins[i].q.data()) + m * D, D,
+                           ahead ? kAheadKeys * D : 0);
   int64_t end_all = first.first_key;
   for (int64_t m = 0; m < M; ++m) end_all = std::max(end_all, std::min(first.end_key, first.last[m] + 1));
   for (int64_t i = 0; i < count; ++i)

@@ -88,7 +88,7 @@ JSS_INLINE void accumulate_int8_values(float* acc, float decay, const float* wei
   float top = 0.0f;
   for (int64_t j = 0; j < n; ++j) top = std::max(top, std::abs(weight[j]));
   if (!(top > 0.0f && top <= std::numeric_limits<float>::max())) {
-    RowReader<kDim, int8_t>(nullptr, kDim).accumulate(acc, decay, weight, rows, n, [] {});
+    RowReader<kDim, int8_t>(nullptr, kDim, 0).accumulate(acc, decay, weight, rows, n, [] {});
     for (int64_t c = 0; c < kDim / kInt8Slab; ++c) between_slabs();
     return;
   }
@@ -143,11 +143,12 @@ JSS_INLINE void accumulate_int8_values(float* acc, float decay, const float* wei
   }
 }
 
-// An int8 query row's reader: the row split once per chunk.
+// An int8 query row's reader: the row split once per chunk (int8 rows are
+// not asked for ahead).
 template <int64_t kDim>
 class RowReader<kDim, int8_t, true> {
  public:
-  RowReader(const float* row, int64_t) : unit_(split_query(row, kDim, hi_, lo_)) {}
+  RowReader(const float* row, int64_t, int64_t) : unit_(split_query(row, kDim, hi_, lo_)) {}
   float unit() const { return unit_; }
   void score(const int8_t* keys, int64_t n, int64_t stride, float* p) const {
     score_int8_keys<kDim>(hi_, lo_, keys, n, stride, p);
