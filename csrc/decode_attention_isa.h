@@ -169,9 +169,13 @@ JSS_INLINE void paired_order(float* x, int64_t D, bool to_pairs, float* tmp) {
   std::memcpy(x, tmp, D * sizeof(float));
 }
 
-// Asks for the cache lines of bytes [0, bytes) from p into the L2 cache.
-JSS_INLINE void prefetch_lines(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
+// Asks for the cache lines of bytes [0, bytes) from `elements` elements of
+// E past p on into the L2 cache.  The address is worked out as an integer:
+// near a buffer's end it may lie past it (a prefetch never faults).
+template <typename E>
+JSS_INLINE void prefetch_lines(const E* p, int64_t elements, int64_t bytes) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(elements) * sizeof(E);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(start + b), 0, 1);
 }
 
 // The largest power of two <= n (n >= 1).
@@ -409,7 +413,7 @@ JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const f
       for (int64_t r = 0; r < kRows; ++r)
         for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
       for (int64_t j = 0; j < n; ++j) {
-        if (ahead != 0) prefetch_lines(values + j * value_stride + c0 * kLanes + ahead, kSlab * kLanes * sizeof(E));
+        if (ahead != 0) prefetch_lines(values, j * value_stride + c0 * kLanes + ahead, kSlab * kLanes * sizeof(E));
         for (int64_t c = 0; c < kSlab; ++c) {
           const Floats value = load_elements(values + j * value_stride + (c0 + c) * kLanes);
           for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
@@ -443,7 +447,7 @@ JSS_INLINE void accumulate_pairs(float* acc, float decay, const float* weight, c
   static_assert(kSlab % 2 == 0, "a slab holds whole pairs");
   const auto add_key = [&](Floats* sum, int64_t j, int64_t c0) {
     const uint16_t* row = values + j * stride + c0 * kLanes;
-    if (ahead != 0) prefetch_lines(row + ahead, kSlab * kLanes * sizeof(uint16_t));
+    if (ahead != 0) prefetch_lines(row, ahead, kSlab * kLanes * sizeof(uint16_t));
     for (int64_t c = 0; c < kSlab; c += 2) {
       Floats even, odd;
       load_pair(row + c * kLanes, &even, &odd);
@@ -507,7 +511,7 @@ JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t di
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kAtOnce) {
       if (ahead != 0)
-        for (int64_t u = 0; u < kAtOnce; ++u) prefetch_lines(keys + (j + u) * stride + ahead, kDim * sizeof(E));
+        for (int64_t u = 0; u < kAtOnce; ++u) prefetch_lines(keys, (j + u) * stride + ahead, kDim * sizeof(E));
       Floats acc[kAtOnce] = {};
       if constexpr (kPaired<kDim, E>) {  // qm in the paired layout
         constexpr bool kOddSums = kAtOnce < kKeys;
