@@ -502,9 +502,10 @@ JSS_INLINE void lane_sums(Floats* x, float* p) {
 
 // The scores of a tile's n keys (row j at keys + j * stride) for one query
 // row qm, into p; kAtOnce keys at once, past the end the last key is read
-// again.  Where ahead is not 0, each key asks for the row ahead elements on.  Over bfloat16 pairs, fewer keys at once than kKeys leave the
-// registers for a second sum per key (the odd elements'): as many FMA chains
-// as kKeys keys, half as long (AVX2: 7% faster than eight keys).
+// again; where ahead is not 0, each key asks for the row ahead elements on.
+// Over bfloat16 pairs, fewer keys at once than kKeys leave the registers for
+// a second sum per key (the odd elements'): as many FMA chains as kKeys
+// keys, half as long (AVX2: 7% faster than eight keys).
 template <int64_t kDim, typename E = float, int64_t kAtOnce = kKeys>
 JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, int64_t stride, float* p,
                            int64_t ahead = 0) {
@@ -629,7 +630,7 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
   using Reader = RowReader<kDim, E, kIntegerInt8<kDim, E>>;
   const ChunkInput& first = ins[0];
   // A dense pair's rows lie in order: float32 and bfloat16 ones are asked for ahead as they are read (int8
-  // rows are read no faster than their prefetchers fetch them; others are widened into tile buffers).
+  // rows are read slower than memory delivers them; float16 and fp8 ones are widened into tile buffers).
   const bool ahead = first.source.pages == nullptr &&
                      (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16);
   std::vector<Reader> readers;  // [count, M]
