@@ -508,7 +508,7 @@ JSS_INLINE void lane_sums(Floats* x, float* p) {
 // keys, half as long (AVX2: 7% faster than eight keys).
 template <int64_t kDim, typename E = float, int64_t kAtOnce = kKeys>
 JSS_INLINE void score_keys(const float* qm, const E* keys, int64_t n, int64_t dim, int64_t stride, float* p,
-                           int64_t ahead = 0) {
+                           int64_t ahead) {
   if constexpr (kDim > 0) {
     for (int64_t j = 0; j < n; j += kAtOnce) {
       if (ahead != 0)
@@ -631,14 +631,15 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
   const ChunkInput& first = ins[0];
   // A dense pair's rows lie in order: float32 and bfloat16 ones are asked for ahead as they are read (int8
   // rows are read slower than memory delivers them; float16 and fp8 ones are widened into tile buffers).
-  const bool ahead = first.source.pages == nullptr &&
-                     (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16);
+  const int64_t ahead = first.source.pages == nullptr &&
+                                (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16)
+                            ? kAheadKeys * D
+                            : 0;  // elements
   std::vector<Reader> readers;  // [count, M]
   readers.reserve(count * M);
   for (int64_t i = 0; i < count; ++i)
     for (int64_t m = 0; m < M; ++m)
-      readers.emplace_back((kPaired<kDim, E> ? paired_q.data() + i * M * D : ins[i].q.data()) + m * D, D,
-                           ahead ? kAheadKeys * D : 0);
+      readers.emplace_back((kPaired<kDim, E> ? paired_q.data() + i * M * D : ins[i].q.data()) + m * D, D, ahead);
   int64_t end_all = first.first_key;
   for (int64_t m = 0; m < M; ++m) end_all = std::max(end_all, std::min(first.end_key, first.last[m] + 1));
   for (int64_t i = 0; i < count; ++i)
