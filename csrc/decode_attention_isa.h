@@ -7,7 +7,9 @@
 //   JSS_REGS   vector registers the value accumulators may hold at once,
 //   JSS_VROWS  query rows that share one pass over a tile's values,
 //   JSS_ROW_LANES  query rows scored together in rows_in_lanes,
-//   JSS_PAIR_KEYS  keys scored together over bfloat16 rows read as pairs;
+//   JSS_PAIR_KEYS  keys scored together over bfloat16 rows read as pairs,
+//   JSS_DENSE_FLOAT_TILE, JSS_DENSE_PAIR_TILE  keys per tile where few query
+//                  rows read a dense pair's float32 or bfloat16 rows in place;
 // it undefines them at its end, for the next.
 // Vectors are exactly one register wide, so nothing is split in two and the
 // accumulators of a loop nest fit the register file (16 registers for SSE2
@@ -25,6 +27,11 @@ constexpr int64_t kPairKeys = JSS_PAIR_KEYS;
 // kTile, since no buffer holds them and the tile's softmax (a chain of
 // reductions the FMAs wait for) is paid once per tile.
 constexpr int64_t kPairTile = 4 * kTile;
+// A dense pair's float32 and bfloat16 rows, read in place and asked for
+// ahead, go in longer tiles still: each tile's softmax is a barrier (its
+// values wait for all its scores), paid once per tile.
+constexpr int64_t kDenseFloatTile = JSS_DENSE_FLOAT_TILE;
+constexpr int64_t kDensePairTile = JSS_DENSE_PAIR_TILE;
 
 typedef float Floats __attribute__((vector_size(4 * kLanes)));
 typedef int32_t Ints __attribute__((vector_size(4 * kLanes)));
@@ -616,8 +623,10 @@ constexpr bool kIntegerInt8 = false;
 template <int64_t kDim, typename E = float>
 JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim) {
   const int64_t D = kDim > 0 ? kDim : dim;
-  constexpr int64_t kRowTile = std::is_same<E, uint16_t>::value ? kPairTile : kTile;
-  float p[kRowTile + kRowKeys<kDim, E> + kLanes];  // a tile's scores, then its weights
+  constexpr bool kPairRows = std::is_same<E, uint16_t>::value;
+  constexpr int64_t kRowTile = kPairRows ? kPairTile : kTile;
+  constexpr int64_t kDenseTile = kPairRows ? kDensePairTile : kDenseFloatTile;
+  float p[std::max(kRowTile, kDenseTile) + kRowKeys<kDim, E> + kLanes];  // a tile's scores, then its weights
   std::vector<float> paired_q, tmp;
   if constexpr (kPaired<kDim, E>) {
     paired_q.resize(count * M * D);
@@ -629,12 +638,13 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
   }
   using Reader = RowReader<kDim, E, kIntegerInt8<kDim, E>>;
   const ChunkInput& first = ins[0];
-  // A dense pair's rows lie in order: float32 and bfloat16 ones are asked for ahead as they are read (int8
-  // rows are read slower than memory delivers them; float16 and fp8 ones are widened into tile buffers).
-  const int64_t ahead = first.source.pages == nullptr &&
-                                (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16)
-                            ? kAheadKeys * D
-                            : 0;  // elements
+  // A dense pair's rows lie in order: float32 and bfloat16 ones are asked for ahead as they are read, in
+  // tiles of kDenseTile (int8 rows are read slower than memory delivers them; float16 and fp8 ones are
+  // widened into tile buffers of kTile rows).
+  const bool dense_rows = first.source.pages == nullptr &&
+                          (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16);
+  const int64_t ahead = dense_rows ? kAheadKeys * D : 0;  // elements
+  const int64_t row_tile = dense_rows ? kDenseTile : kRowTile;
   std::vector<Reader> readers;  // [count, M]
   readers.reserve(count * M);
   for (int64_t i = 0; i < count; ++i)
@@ -648,12 +658,12 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
       chunks[i].total[m] = 0.0f;
     }
   // Every pair's rows lie alike: the first pair's layout serves them all.
-  TileLayout next = tile_layout(first.source, first.first_key, std::min(kRowTile, end_all - first.first_key));
+  TileLayout next = tile_layout(first.source, first.first_key, std::min(row_tile, end_all - first.first_key));
   for (int64_t start = first.first_key, after; start < end_all; start = after) {
     const TileLayout layout = next;
     const int64_t tile = layout.rows_given;
     after = start + tile;
-    if (after < end_all) next = tile_layout(first.source, after, std::min(kRowTile, end_all - after));
+    if (after < end_all) next = tile_layout(first.source, after, std::min(row_tile, end_all - after));
     for (int64_t i = 0; i < count; ++i) {
       const ChunkInput& in = ins[i];
       const Chunk& chunk = chunks[i];
@@ -837,3 +847,5 @@ void run_chunks(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64
 #undef JSS_VROWS
 #undef JSS_ROW_LANES
 #undef JSS_PAIR_KEYS
+#undef JSS_DENSE_FLOAT_TILE
+#undef JSS_DENSE_PAIR_TILE

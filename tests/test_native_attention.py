@@ -292,7 +292,7 @@ FORCED_ISA = textwrap.dedent("""
     worst = 0.0
     cases = ((1, 1, 64, 700, "float32"), (2, 1, 48, 90, "float32"), (16, 2, 64, 1300, "float32"),
              (7, 4, 128, 333, "float32"), (4, 1, 64, 500, "float32"), (1, 1, 64, 700, "bfloat16"),
-             (4, 2, 32, 200, "float16"))
+             (4, 2, 32, 200, "float16"), (1, 1, 64, 2500, "float32"), (1, 1, 64, 2500, "bfloat16"))
     for T, groups, D, capacity, dtype in cases:
         q = randn(rng, 2, T, 2 * groups, D)
         k, v = (np.asarray(jnp.asarray(randn(rng, 2, 2, capacity, D), dtype)) for _ in range(2))
