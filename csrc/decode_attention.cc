@@ -141,7 +141,7 @@ using ChunkFn = void (*)(const ChunkInput* ins, const Chunk* chunks, int64_t cou
 // four keys at a time beat eight by 7% on AVX2 (with a second sum per key)
 // and 5% on SSE2; sixteen lost 15-20% everywhere.  A dense pair read at
 // T = 1 goes in tiles of 1024 keys on AVX2 and AVX-512 (one core, 1k-32k
-// valid: float32 8-19% and bfloat16 1-10% faster than tiles of 64 and 256;
+// valid: float32 12-18% and bfloat16 3-10% faster than tiles of 64 and 256;
 // 2048 gained 2% more), and SSE2's bfloat16 too (3% at 4k); SSE2's float32
 // keeps 64 (1024 lost 3-8%).  Elsewhere the tiles stay as they were.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
