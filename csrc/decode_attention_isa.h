@@ -23,13 +23,13 @@ constexpr int64_t kValueRows = JSS_VROWS;
 
 constexpr int64_t kRowLanes = JSS_ROW_LANES;
 constexpr int64_t kPairKeys = JSS_PAIR_KEYS;
-// Keys per tile of bfloat16 rows read in place (rows_by_dot): more than
-// kTile, since no buffer holds them and the tile's softmax (a chain of
+// Keys per tile of paged bfloat16 rows read in place (rows_by_dot): more
+// than kTile, since no buffer holds them and the tile's softmax (a chain of
 // reductions the FMAs wait for) is paid once per tile.
 constexpr int64_t kPairTile = 4 * kTile;
 // A dense pair's float32 and bfloat16 rows, read in place and asked for
-// ahead, go in longer tiles still: each tile's softmax is a barrier (its
-// values wait for all its scores), paid once per tile.
+// ahead, go in tiles of their own, longer where measured faster: each
+// tile's softmax is a barrier (its values wait for all its scores).
 constexpr int64_t kDenseFloatTile = JSS_DENSE_FLOAT_TILE;
 constexpr int64_t kDensePairTile = JSS_DENSE_PAIR_TILE;
 
