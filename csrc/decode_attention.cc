@@ -16,8 +16,9 @@
 // to a dequantized copy.  Queries, accumulation and results are float32.
 //
 // Work: for every (batch row, kv head) pair, its T * G query rows walk the
-// keys in tiles of kTile with an online softmax (running max, sum and
-// accumulator per row), so a step costs what is valid, not what is allocated.
+// keys in tiles (kTile keys; longer where few rows read the rows in place)
+// with an online softmax (running max, sum and accumulator per row), so a
+// step costs what is valid, not what is allocated.
 // A paged cache's kv heads of one batch row take each tile in turn (their
 // rows of a page lie together) and prefetch the next tile's pages, which lie
 // in any order, a few cache lines at a time while this one is read.
