@@ -12,6 +12,10 @@ in-place write masked by the slot's ``live`` flag:
   (one slice read, fused into the write);
 - ``scatter`` (any combiner) in fill-or-drop mode: its indices are pushed out
   of range where not live, so nothing lands;
+- the native row writer of bfloat16 / float8 buffers on CPU
+  (``_writes.write_rows``): its slots are pushed out of range the same way,
+  and the per-platform ``cond`` around it (``lax.platform_dependent``) is
+  rebuilt with its branches masked;
 
 and every output is tagged with the input it is that input written in place
 (its *origin*).  An output whose origin is its own input leaf needs no
@@ -19,8 +23,9 @@ select; any other output (a counter recomputed, a carry replaced) is
 selected against the old leaf by the caller -- those are small.
 
 Nested ``jit`` calls are inlined so that writes inside them are masked too;
-every other primitive (loops, conditionals, custom rules, FFI calls) runs as
-it is, and what it returns has no origin, so the caller's select covers it.
+every other primitive (loops, other conditionals, custom rules, FFI calls)
+runs as it is, and what it returns has no origin, so the caller's select
+covers it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
+
+from jax_session_state import _writes
 
 __all__ = ["run_masked"]
 
@@ -91,6 +98,14 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], origins: Seque
             outside = jnp.asarray(max(operand.shape, default=0), indices.dtype)  # past every axis: dropped
             outs = [eqn.primitive.bind(operand, jnp.where(live, indices, outside), *rest, **eqn.params)]
             out_origins = [origin_of(eqn.invars[0])]
+        elif _writes.is_native_write(eqn):
+            operand, slots, rows = invals
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(operand, jnp.where(live, slots, -1), rows,
+                                          **eqn.primitive.get_bind_params(eqn.params))
+            out_origins = [origin_of(eqn.invars[0])]
+        elif name == "cond" and eqn.params.get("branches_platforms"):
+            outs, out_origins = _platform_cond(eqn, invals, [origin_of(v) for v in eqn.invars], live)
         elif name in _CALLS and "jaxpr" in eqn.params:
             inner = eqn.params["jaxpr"]
             inner_jaxpr, inner_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
@@ -104,3 +119,26 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], origins: Seque
             if source is not None:
                 origin[var] = source
     return [read(var) for var in jaxpr.outvars], [origin_of(var) for var in jaxpr.outvars]
+
+
+def _platform_cond(eqn: Any, invals: list[Any], origins: list[int | None],
+                   live: jax.Array) -> tuple[list[Any], list[int | None]]:
+    """A ``lax.platform_dependent`` cond with every branch's writes masked; ``live`` becomes its last operand.
+
+    An output keeps an origin only where every branch gives it the same one.
+    """
+    index, *operands = invals
+    branch_origins = []
+
+    def masked(branch: Any) -> Any:
+        def run(*xs: Any) -> list[Any]:
+            outs, out_origins = _eval(branch.jaxpr, branch.consts, xs[:-1], origins[1:], xs[-1])
+            branch_origins.append(out_origins)
+            return outs
+
+        return jax.make_jaxpr(run)(*operands, live)
+
+    branches = tuple(masked(branch) for branch in eqn.params["branches"])
+    outs = eqn.primitive.bind(index, *operands, live, **{**eqn.params, "branches": branches})
+    agreed = [o if all(b[i] == o for b in branch_origins) else None for i, o in enumerate(branch_origins[0])]
+    return list(outs), agreed

@@ -1,12 +1,14 @@
-"""The native CPU kernel of decode attention, called through the XLA FFI.
+"""The native CPU kernel of decode attention, and its row writer, called through the XLA FFI.
 
-``csrc/decode_attention.cc`` is compiled at install time into the shared
-library ``_decode_attention`` next to this module.  The build is optional:
+``csrc/decode_attention.cc`` and ``csrc/write_rows.cc`` are compiled at
+install time into the shared library ``_decode_attention`` next to this
+module.  The build is optional:
 without a C++ compiler the install still succeeds and attention stays pure
 JAX.  At import the library, when present, is loaded and its handlers (a
-head-major cache, a paged one) are registered as XLA FFI targets for the
-``"cpu"`` platform; attention then calls them through
-``lax.platform_dependent``, so GPU and TPU lowering never see them.
+head-major cache, a paged one, the row writer of :mod:`._writes`) are
+registered as XLA FFI targets for the ``"cpu"`` platform; attention and the
+bfloat16 / float8 writes then call them through ``lax.platform_dependent``,
+so GPU and TPU lowering never see them.
 ``JSS_NATIVE_ATTENTION=0`` in the environment leaves them unregistered.
 
 The library holds the kernel once per instruction set (``baseline`` x86-64,
@@ -39,12 +41,13 @@ import numpy as np
 from jax import Array
 
 __all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "kernel", "paged_kernel", "quantized_kernel", "status",
-           "supports", "use"]
+           "supports", "use", "write_rows"]
 
 TARGET = "jax_session_state_decode_attention"
 PAGED_TARGET = "jax_session_state_paged_decode_attention"
 QUANTIZED_TARGET = "jax_session_state_quantized_decode_attention"
 QUANTIZED_PAGED_TARGET = "jax_session_state_quantized_paged_decode_attention"
+WRITE_TARGET = "jax_session_state_write_rows"
 ENV_SWITCH = "JSS_NATIVE_ATTENTION"
 ENV_ISA = "JSS_NATIVE_ISA"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -86,11 +89,11 @@ def _load() -> tuple[bool, str, dict[str, bool], str | None]:
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
         handlers = (library.JssDecodeAttention, library.JssPagedDecodeAttention, library.JssQuantizedDecodeAttention,
-                    library.JssQuantizedPagedDecodeAttention)
+                    library.JssQuantizedPagedDecodeAttention, library.JssWriteRows)
     except (OSError, AttributeError) as error:
         return False, f"{path.name} could not be loaded: {error}", {}, None
     paths, isa = _select_isa(library)
-    for target, handler in zip((TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET), handlers):
+    for target, handler in zip((TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET), handlers):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
     return True, f"{path.name}, {isa} path ({how})", paths, isa
@@ -104,7 +107,7 @@ _use_native = AVAILABLE
 
 
 def enabled() -> bool:
-    """Whether ``attend`` calls the native kernel on CPU (read when a function is traced).
+    """Whether functions traced now call the native kernels on CPU: ``attend``, and bfloat16 / float8 writes.
 
     Never where the CPU backend has several devices: the FFI call has no
     partitioning rule, so XLA would gather a sharded cache onto every device
@@ -138,7 +141,7 @@ def status() -> str:
 
 @contextlib.contextmanager
 def use(native: bool) -> Iterator[None]:
-    """Within the block, functions traced call the native kernel on CPU or not.
+    """Within the block, functions traced call the native kernels on CPU (attention, row writes) or not.
 
     Functions jitted before keep what they were traced with (clear them, e.g.
     ``jax.clear_caches()``, to retrace).
@@ -242,6 +245,19 @@ def quantized_kernel(q: Array, k: Array, v: Array, k_scale: Array, v_scale: Arra
                     q_positions.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal),
                     relative=bool(relative))
     return out.astype(q.dtype), lse
+
+
+def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int) -> Array:
+    """``buffer`` with ``rows`` written at ``slots`` along ``axis``, by the native row writer, in place.
+
+    Operands as :func:`jax_session_state._writes.scatter_rows` (a slot
+    outside ``[0, S)`` drops its row); the result aliases ``buffer``, so a
+    donated buffer is written where it lies and only the rows' bytes move.
+    Under ``jax.vmap`` every operand gets the mapped axis first.
+    """
+    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                            input_output_aliases={0: 0}, vmap_method="broadcast_all")
+    return call(buffer, slots.astype(jnp.int32), rows, tail_rank=np.int64(buffer.ndim - 1 - axis))
 
 
 def _scales(k_scale: Array | None, v_scale: Array | None) -> tuple[Array, ...]:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_session_state import _writes
 from jax_session_state.errors import PayloadTypeError
 
 if TYPE_CHECKING:
@@ -239,7 +240,10 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
     One ``dynamic_update_slice``: where nothing lands (a refused write, rows
     past a short chunk) the window takes back what it held, so nothing
     outside the landing rows changes.  XLA fuses the read-back and the mask
-    into the update, one operation where a scatter takes several.
+    into the update, one operation where a scatter takes several.  A
+    bfloat16 or float8 buffer on CPU, which XLA:CPU would convert whole, is
+    written by the native row writer instead, where ``lands`` varies along
+    ``axis`` only (``jax_session_state._writes``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -248,5 +252,14 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
       >>> update_slice_or_keep(jnp.zeros(6), jnp.ones(3), 2, axis=0, lands=lands)
       Array([0., 0., 1., 1., 0., 0.], dtype=float32)
     """
-    kept = jax.lax.dynamic_slice_in_dim(buffer, start, update.shape[axis], axis=axis)
-    return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(lands, update, kept), start, axis=axis)
+    def in_xla() -> jax.Array:
+        kept = jax.lax.dynamic_slice_in_dim(buffer, start, update.shape[axis], axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(lands, update, kept), start, axis=axis)
+
+    lands_shape = (1,) * (update.ndim - jnp.ndim(lands)) + jnp.shape(lands)
+    if any(n != 1 for i, n in enumerate(lands_shape) if i != axis):  # lands varies off the axis: no slots say it
+        return in_xla()
+    T = update.shape[axis]
+    landing = jnp.broadcast_to(jnp.reshape(lands, (-1,)), (T,))
+    slots = _writes.slots_of_window(start, T, buffer.shape[axis], landing)
+    return _writes.write_rows(buffer, slots, update, axis=axis, otherwise=in_xla)

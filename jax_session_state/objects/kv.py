@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -11,6 +12,7 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
+from jax_session_state import _writes
 from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadTypeError
@@ -361,12 +363,14 @@ class KVCache(StateObject, kw_only=True):
         ``whole``: each ``written[b]`` is all of ``rows`` or nothing.
         """
         T = rows.shape[1]
-        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.slots:
-            return _write_row_slice(cache, rows, start[0], written[0], whole=whole)
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
         slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.slots)  # out of range: dropped
-        return _scatter_rows(cache, slots, rows)
+        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.slots:
+            in_xla = functools.partial(_write_row_slice, cache, rows, start[0], written[0], whole=whole)
+        else:
+            in_xla = functools.partial(_scatter_rows, cache, slots, rows)
+        return _writes.write_rows(cache, slots, rows.transpose(0, 2, 1, 3), axis=2, otherwise=in_xla)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> KVCache:

@@ -22,6 +22,7 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
+from jax_session_state import _writes
 from jax_session_state.kinds import allocator, overwrite, refuse_now_if
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
@@ -295,7 +296,7 @@ class PagedKVCache(StateObject, kw_only=True):
             rows["k_pages"], rows["k_scale"] = _quantize.quantize(chunk.k, self.quantize)
             rows["v_pages"], rows["v_scale"] = _quantize.quantize(chunk.v, self.quantize)
         new = taken.with_storage(
-            **{name: getattr(self, name).at[pages, offsets].set(x, mode="drop") for name, x in rows.items()},
+            **{name: _write_page_rows(getattr(self, name), pages, offsets, x) for name, x in rows.items()},
             staged=self.staged + counts,
         )
         return self._unless(refused, new), refused
@@ -394,8 +395,7 @@ class PagedKVCache(StateObject, kw_only=True):
         target = jnp.where(copy >= 0, copy, self.num_pages)  # out of range: nothing copied
         source = jnp.maximum(row[jnp.minimum(full, self.max_pages_per_slot - 1)], 0)
         new = released.with_storage(
-            **{name: getattr(self, name).at[target].set(getattr(self, name)[source], mode="drop")
-               for name in self._pools},
+            **{name: _copy_page(getattr(self, name), source, target) for name in self._pools},
             page_table=released.page_table.at[dst].set(new_row),
             lengths=released.lengths.at[dst].set(length),
             refcounts=refcounts.at[target].set(1, mode="drop"),
@@ -495,3 +495,25 @@ class PagedKVCache(StateObject, kw_only=True):
           NotDemotableError: the cache declares no (further) tier.
         """
         return _quantize.demoted(self, (("k_pages", "k_scale"), ("v_pages", "v_scale")))
+
+
+def _write_page_rows(pool: Array, pages: Array, offsets: Array, rows: Array) -> Array:
+    """``pool [num_pages, page_size, ...]`` with ``rows [B, T, ...]`` at ``(pages, offsets)`` (both ``[B, T]``).
+
+    A page out of range (``num_pages``) drops its row.  A bfloat16 or fp8
+    pool on CPU is written as rows of the pool flattened to ``[num_pages *
+    page_size, ...]`` by the native row writer (``_writes``), in place.
+    """
+    num_pages, page_size = pool.shape[:2]
+    flat = pool.reshape(num_pages * page_size, *pool.shape[2:])
+    slots = (jnp.minimum(pages, num_pages) * page_size + offsets).reshape(-1)
+    written = _writes.write_rows(flat, slots, rows.reshape(-1, *rows.shape[2:]), axis=0,
+                                 otherwise=lambda: pool.at[pages, offsets].set(rows, mode="drop").reshape(flat.shape))
+    return written.reshape(pool.shape)
+
+
+def _copy_page(pool: Array, source: Array, target: Array) -> Array:
+    """``pool`` with page ``source`` copied into page ``target`` (``num_pages``: nothing copied)."""
+    page = pool[source]
+    return _writes.write_rows(pool, target[None], page[None], axis=0,
+                              otherwise=lambda: pool.at[target].set(page, mode="drop"))
