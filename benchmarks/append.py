@@ -5,6 +5,10 @@ Measures, in one run:
 - a jitted ``KVCache.append`` of a 16-token chunk (8 kv-heads x 64, float32)
   at capacities from 1k to 32k tokens (128k with ``--full``), donated and
   not (bars: donated 32k / 1k <= 1.3; not donated / donated at 32k >= 100);
+- the same donated append into a bfloat16 cache, which XLA:CPU would
+  convert whole to float32 and back for its in-place update, so the library
+  writes the rows with the native row writer (bar: donated 32k / 1k <= 1.3),
+  beside XLA's own write (the native kernel off) for comparison;
 - a 256-step ``lax.scan`` rollout (append 16 tokens + ``jss.attend``)
   written with the library (``KVCache.append``, ``attend`` on
   ``cache.view()``) against the same rollout on raw arrays
@@ -25,15 +29,23 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import cli, interleaved, with_lengths
+from jax_session_state import _native
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
-BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "library_over_raw_rollout": 1.10}
+BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "bf16_donated_32k_over_1k": 1.3,
+        "library_over_raw_rollout": 1.10}
 
 
-def _chunk(seed: int) -> jss.KVChunk:
+def _chunk(seed: int, dtype: jnp.dtype = jnp.float32) -> jss.KVChunk:
     rng = np.random.default_rng(seed)
-    k, v = (jnp.asarray(rng.normal(size=(1, CHUNK, HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(1, CHUNK, HEADS, HEAD_DIM)), dtype) for _ in range(2))
     return jss.KVChunk(k, v)
+
+
+def _append_then_forget(cache: jss.KVCache, chunk: jss.KVChunk) -> jss.KVCache:
+    """Appends ``chunk``, then rewinds the length: every call writes the same rows."""
+    cache = cache.append(chunk)
+    return with_lengths(cache, cache.lengths - CHUNK)
 
 
 PREFIX = 512  # tokens already in the cache when an append is timed, at every capacity
@@ -54,12 +66,7 @@ def append_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[st
       at every capacity, and ``("donated beside copies", 32768)``.
     """
     chunk = _chunk(0)
-
-    def append_then_forget(cache: jss.KVCache, chunk: jss.KVChunk) -> jss.KVCache:
-        cache = cache.append(chunk)
-        return with_lengths(cache, cache.lengths - CHUNK)
-
-    steps = {"donated": jax.jit(append_then_forget, donate_argnums=0), "copied": jax.jit(append_then_forget)}
+    steps = {"donated": jax.jit(_append_then_forget, donate_argnums=0), "copied": jax.jit(_append_then_forget)}
     prefix = jnp.zeros((1, PREFIX, HEADS, HEAD_DIM), jnp.float32)
     state = {}
     for capacity in capacities:
@@ -92,6 +99,38 @@ def append_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[st
     times["copied", 32768] = copies["copied"]
     times["donated beside copies", 32768] = copies["donated"]
     return times
+
+
+def bf16_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[str, int], float]:
+    """Seconds per donated append into a bfloat16 cache: the library's writes at every capacity, XLA's at 1k and 32k.
+
+    Returns:
+      ``{("native", capacity): seconds}`` and ``{("xla", capacity): seconds}``.
+    """
+    chunk = _chunk(0, jnp.bfloat16)
+    prefix = jnp.zeros((1, PREFIX, HEADS, HEAD_DIM), jnp.bfloat16)
+    steps, state = {}, {}
+    for writer, sizes in (("native", capacities), ("xla", (1024, 32768))):
+        with _native.use(writer == "native" and _native.AVAILABLE):  # traced now: the writer asked for
+            step = jax.jit(lambda cache, chunk: _append_then_forget(cache, chunk), donate_argnums=0)  # its own trace
+            for capacity in sizes:
+                empty = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=capacity,
+                                             dtype=jnp.bfloat16)
+                state[writer, capacity] = empty.append((prefix, prefix))
+                for _ in range(4):
+                    state[writer, capacity] = step(state[writer, capacity], chunk)
+                steps[writer, capacity] = step
+    jax.block_until_ready(state)
+
+    def call(key: tuple[str, int]) -> None:
+        state[key] = steps[key](state[key], chunk)
+        state[key].lengths.block_until_ready()
+
+    native = interleaved({key: functools.partial(call, key) for key in steps if key[0] == "native"},
+                         rounds=rounds, repeat=200)
+    xla = interleaved({key: functools.partial(call, key) for key in steps if key[0] == "xla"},
+                      rounds=rounds, repeat={("xla", 1024): 20, ("xla", 32768): 3})
+    return {**native, **xla}
 
 
 def rollout_timings(steps: int, *, rounds: int) -> dict[str, float]:
@@ -139,6 +178,7 @@ def run(*, full: bool) -> list[dict]:
     """Append cost at each capacity (donated or not), the rollout against raw arrays, and the bars."""
     capacities = (1024, 4096, 16384, 32768, 131072) if full else (1024, 4096, 16384, 32768)
     appends = append_timings(capacities, rounds=15 if full else 7)
+    bf16 = bf16_timings(capacities, rounds=15 if full else 7)
     rollout = rollout_timings(256, rounds=5 if full else 3)
     rows = [
         {"measure": f"append 16 tokens, cap {capacity // 1024}k, {mode} (us)", "value": appends[mode, capacity] * 1e6,
@@ -146,6 +186,11 @@ def run(*, full: bool) -> list[dict]:
         for mode in ("donated", "copied")
         for capacity in capacities
     ]
+    native_writer = "native row writer" if _native.AVAILABLE else "XLA (native kernel not built)"
+    rows += [{"measure": f"bfloat16 append 16 tokens, cap {capacity // 1024}k, donated, {native_writer} (us)",
+              "value": bf16["native", capacity] * 1e6} for capacity in capacities]
+    rows += [{"measure": f"bfloat16 append 16 tokens, cap {capacity // 1024}k, donated, XLA writes (us)",
+              "value": bf16["xla", capacity] * 1e6} for capacity in (1024, 32768)]
     rows += [
         {"measure": "256-step rollout, library (ms)", "value": rollout["library"] * 1e3},
         {"measure": "256-step rollout, raw arrays (ms)", "value": rollout["raw"] * 1e3},
@@ -153,6 +198,7 @@ def run(*, full: bool) -> list[dict]:
     ratios = {
         "donated_32k_over_1k": appends["donated", 32768] / appends["donated", 1024],
         "copy_over_donated_32k": appends["copied", 32768] / appends["donated beside copies", 32768],
+        "bf16_donated_32k_over_1k": bf16["native", 32768] / bf16["native", 1024],
         "library_over_raw_rollout": rollout["library"] / rollout["raw"],
     }
     for name, value in ratios.items():
