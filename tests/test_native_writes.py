@@ -162,6 +162,22 @@ def test_item_buffers_and_paged_pools_write_natively_as_xla_writes():
 
 
 @needs_native
+def test_conditioning_is_written_natively_once_and_then_no_more():
+    rng = np.random.default_rng(7)
+    cond = jss.EncodeOnceKV.allocate(batch=2, kv_heads=2, head_dim=8, capacity=10, dtype=jnp.bfloat16)
+    chunk = random_kv(rng, cond, 7, [7, 4])
+    written = []
+    for _ in range(2):  # the second commit is a no-op: the conditioning is written once
+        (native, xla), called = both_ways(lambda c, x: c.commit(x), cond, chunk)
+        assert called
+        assert_same_leaves(native, xla)
+        cond, chunk = native, random_kv(rng, cond, 7, [7, 4])
+        written.append(as_f32(cond.k))
+    assert bool(cond.written) and np.any(written[0] != 0)
+    np.testing.assert_array_equal(written[1], written[0])
+
+
+@needs_native
 def test_a_session_pool_of_bfloat16_sessions_inserts_natively_as_xla_does():
     def session(seed):
         cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=16, dtype=jnp.bfloat16)

@@ -10,6 +10,7 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
+from jax_session_state import _writes
 from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError
@@ -158,8 +159,8 @@ class EncodeOnceKV(StateObject, kw_only=True):
         # Out-of-range slot indices make the scatter write nothing.
         slots = jnp.where(skip, self.capacity, jnp.arange(T, dtype=jnp.int32))
         new = self.with_storage(
-            k=self.k.at[:, :, slots].set(chunk.k.transpose(0, 2, 1, 3), mode="drop"),
-            v=self.v.at[:, :, slots].set(chunk.v.transpose(0, 2, 1, 3), mode="drop"),
+            k=_write_tokens(self.k, slots, chunk.k),
+            v=_write_tokens(self.v, slots, chunk.v),
             lengths=jnp.where(skip, self.lengths, counts),
             phase=jnp.where(skip, self.phase, _STAGED),
             refused=self.refused | refused,
@@ -184,3 +185,15 @@ class EncodeOnceKV(StateObject, kw_only=True):
         lengths = self.lengths if include_staged else jnp.where(self.written, self.lengths, 0)
         positions = _ring.slot_positions(self.capacity, lengths, sink=0, ring=None)
         return KVView(k=self.k, v=self.v, lengths=lengths, positions=positions)
+
+
+def _write_tokens(cache: Array, slots: Array, rows: Array) -> Array:
+    """``cache [B, kv_heads, capacity, D]`` with token ``t`` of ``rows [B, T, kv_heads, D]`` in slot ``slots[t]``.
+
+    An out-of-range slot writes nothing (a no-op once written costs no more
+    than its rows; a bfloat16 or float8 cache on CPU takes the native row
+    writer of ``_writes``, which XLA:CPU would otherwise convert whole).
+    """
+    rows = rows.transpose(0, 2, 1, 3)
+    return _writes.write_rows(cache, slots, rows, axis=2,
+                              otherwise=lambda: cache.at[:, :, slots].set(rows, mode="drop"))
