@@ -4,7 +4,7 @@
 // passes, every op on them, a dynamic-update-slice or a scatter included, is
 // rewritten to convert the whole operand to float32 and back.  A one-row write
 // into a donated bfloat16 cache then reads and writes the whole cache (32k
-// rows of 8 heads x 64: 10-20 ms where float32 takes 13 us).  Bytes are bytes:
+// rows of 8 heads x 64: 10-35 ms where float32 takes 13 us).  Bytes are bytes:
 // JssWriteRows moves the written rows' bytes and nothing else, whatever the
 // element type, into its operand 0, which its caller aliases to the result.
 //

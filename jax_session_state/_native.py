@@ -93,7 +93,8 @@ def _load() -> tuple[bool, str, dict[str, bool], str | None]:
     except (OSError, AttributeError) as error:
         return False, f"{path.name} could not be loaded: {error}", {}, None
     paths, isa = _select_isa(library)
-    for target, handler in zip((TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET), handlers):
+    targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET)
+    for target, handler in zip(targets, handlers):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
     return True, f"{path.name}, {isa} path ({how})", paths, isa

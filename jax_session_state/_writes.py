@@ -89,9 +89,12 @@ def _native_rows(buffer: Array, slots: Array, rows: Array, axis: int) -> Array:
 
 @_native_rows.defjvp
 def _native_rows_jvp(axis: int, primals: tuple, tangents: tuple) -> tuple[Array, Array]:
-    """The write is linear in the buffer and the rows: the written slots' tangents are the rows' (a scatter-add
-    into zeros, which transposes for reverse mode where a scatter of repeated slots would not; two rows in one
-    slot add up there, where the write keeps the later)."""
+    """The write is linear in the buffer and the rows: the written slots take the rows' tangents.
+
+    They arrive by a scatter-add into zeros, which transposes for reverse
+    mode where a scatter of repeated (dropped) slots would not; two rows in
+    one slot add up there, where the write keeps the later.
+    """
     buffer, slots, rows = primals
     buffer_dot, _, rows_dot = tangents
     written = scatter_rows(jnp.zeros(buffer.shape, bool), slots, jnp.ones(rows.shape, bool), axis=axis)
@@ -125,7 +128,7 @@ def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int, otherwise
 
 
 def slots_of_window(start: Array, T: int, size: int, lands: Array) -> Array:
-    """The slots ``start .. start + T - 1`` that a ``dynamic_update_slice`` of ``T`` rows writes, ``size`` where not ``lands``.
+    """The slots a ``dynamic_update_slice`` of ``T`` rows at ``start`` writes; ``size`` where not ``lands``.
 
     ``start`` is clamped so the window fits in ``size`` slots, as XLA clamps
     it; ``lands``: ``Bool[Array, "T"]`` or a scalar.

@@ -257,7 +257,8 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
         return jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(lands, update, kept), start, axis=axis)
 
     lands_shape = (1,) * (update.ndim - jnp.ndim(lands)) + jnp.shape(lands)
-    if any(n != 1 for i, n in enumerate(lands_shape) if i != axis):  # lands varies off the axis: no slots say it
+    off_axis = any(n != 1 for i, n in enumerate(lands_shape) if i != axis)  # then no slots can say where it lands
+    if off_axis or not _writes.in_place_natively(buffer):
         return in_xla()
     T = update.shape[axis]
     landing = jnp.broadcast_to(jnp.reshape(lands, (-1,)), (T,))
