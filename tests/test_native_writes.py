@@ -277,3 +277,21 @@ def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
     slot = lambda p, i: jax.tree_util.tree_map(lambda x: x[i], p.sessions)
     assert_same_leaves(slot(results[0], 1), slot(pool, 1))  # an empty slot: untouched
     assert int(results[0].extract(2).objects["kv"].lengths[0]) == 3 + 3 + 2
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+def test_gpu_and_tpu_lowerings_keep_xla_writes(platform):
+    """Lowered for an accelerator (``jax.export``, no device needed), a bfloat16 step holds no native call."""
+    cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64, dtype=jnp.bfloat16)
+    frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(8,), dtype=jnp.bfloat16)
+    rows = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+
+    def step(cache, frames, rows):
+        cache = cache.append(jss.KVChunk(rows, rows))
+        return cache, frames.append(rows[0, 0, 0]), jss.attend(rows, cache.view())
+
+    module = jax.export.export(jax.jit(step), platforms=[platform])(cache, frames, rows).mlir_module()
+    assert "stablehlo.custom_call @jax_session_state" not in module
+    assert "dynamic_update_slice" in module
+    if _native.enabled():  # the same step lowered for this CPU does call it
+        assert f"custom_call @{_native.WRITE_TARGET}" in jax.jit(step).lower(cache, frames, rows).as_text()
