@@ -33,8 +33,7 @@ from jax import Array, lax
 
 from jax_session_state import _native
 
-__all__ = ["converted_by_xla_cpu", "in_place_natively", "is_native_write", "scatter_rows", "slots_of_window",
-           "write_rows"]
+__all__ = ["converted_by_xla_cpu", "in_place_natively", "is_native_write", "scatter_rows", "write_rows"]
 
 
 def converted_by_xla_cpu(dtype: jnp.dtype) -> bool:
@@ -65,6 +64,11 @@ def scatter_rows(buffer: Array, slots: Array, rows: Array, *, axis: int, add: bo
       rows: ``[*lead, T, *tail]``, the buffer's dtype.
       axis: the slot axis.
       add: add the rows to what the slots hold instead.
+
+    The leading dims of ``slots`` are vmapped (batching) dimensions of the
+    scatter rather than indices, so on a mesh each device writes its own
+    batch rows and heads with no communication (an index would make XLA
+    gather the rows across the batch's devices first).
 
     Returns:
       The buffer with the rows written.
@@ -114,24 +118,17 @@ def is_native_write(eqn: Any) -> bool:
     return len(inner) == 1 and inner[0].params.get("target_name") == _native.WRITE_TARGET
 
 
-def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int, otherwise: Callable[[], Array]) -> Array:
+def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int,
+               otherwise: Callable[[], Array] | None = None) -> Array:
     """``buffer`` with ``rows`` at ``slots`` (as :func:`scatter_rows`): in place on CPU where XLA would convert it.
 
     Where :func:`in_place_natively` holds, the CPU lowering calls the native
     row writer and every other platform's runs ``otherwise()``, the caller's
-    own XLA write of the same rows; elsewhere it is ``otherwise()``.
+    own XLA write of the same rows (default: :func:`scatter_rows`);
+    elsewhere it is ``otherwise()``.
     """
+    if otherwise is None:
+        otherwise = functools.partial(scatter_rows, buffer, slots, rows, axis=axis)
     if not in_place_natively(buffer):
         return otherwise()
-    return lax.platform_dependent(cpu=lambda: _native_rows(buffer, slots.astype(jnp.int32), rows, axis),
-                                  default=otherwise)
-
-
-def slots_of_window(start: Array, T: int, size: int, lands: Array) -> Array:
-    """The slots a ``dynamic_update_slice`` of ``T`` rows at ``start`` writes; ``size`` where not ``lands``.
-
-    ``start`` is clamped so the window fits in ``size`` slots, as XLA clamps
-    it; ``lands``: ``Bool[Array, "T"]`` or a scalar.
-    """
-    start = jnp.clip(jnp.asarray(start).astype(jnp.int32), 0, size - T)
-    return jnp.where(lands, start + jnp.arange(T, dtype=jnp.int32), size)
+    return lax.platform_dependent(cpu=lambda: _native_rows(buffer, slots, rows, axis), default=otherwise)

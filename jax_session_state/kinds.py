@@ -260,7 +260,7 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
     off_axis = any(n != 1 for i, n in enumerate(lands_shape) if i != axis)  # then no slots can say where it lands
     if off_axis or not _writes.in_place_natively(buffer):
         return in_xla()
-    T = update.shape[axis]
-    landing = jnp.broadcast_to(jnp.reshape(lands, (-1,)), (T,))
-    slots = _writes.slots_of_window(start, T, buffer.shape[axis], landing)
+    T, size = update.shape[axis], buffer.shape[axis]
+    first = jnp.clip(jnp.asarray(start).astype(jnp.int32), 0, size - T)  # clamped as XLA clamps the window
+    slots = jnp.where(jnp.reshape(lands, (-1,)), first + jnp.arange(T, dtype=jnp.int32), size)  # size: dropped
     return _writes.write_rows(buffer, slots, update, axis=axis, otherwise=in_xla)

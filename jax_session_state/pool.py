@@ -52,11 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_session_state import _writes
 from jax_session_state._masked_step import run_masked
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
 from jax_session_state.errors import NotResidentError
+from jax_session_state.kinds import update_slice_or_keep
 from jax_session_state.session import Session
 
 __all__ = ["SessionPool"]
@@ -376,20 +376,17 @@ def _write_slot(buffer: jax.Array, value: Any, index: jax.Array, lands: jax.Arra
     """``buffer`` with ``value`` written at ``index`` along the slot axis, where ``lands``.
 
     Where it does not land the slot takes back what it held: one slice read
-    and one slice write, in place under donation (a bfloat16 or float8
-    buffer on CPU: the native row writer of ``_writes``).
+    and one slice write, in place under donation (:func:`update_slice_or_keep`;
+    PRNG keys select their key data).
     """
     value = jnp.asarray(value)
     if value.dtype != buffer.dtype:  # a Python scalar attr
         value = value.astype(buffer.dtype)
     value = value[None]
-
-    def in_xla() -> jax.Array:
-        kept = jax.lax.dynamic_slice_in_dim(buffer, index, 1, axis=0)
-        return jax.lax.dynamic_update_slice_in_dim(buffer, _select(lands, value, kept), index, axis=0)
-
-    slots = _writes.slots_of_window(index, 1, buffer.shape[0], lands)
-    return _writes.write_rows(buffer, slots, value, axis=0, otherwise=in_xla)
+    if not jax.dtypes.issubdtype(buffer.dtype, jax.dtypes.prng_key):
+        return update_slice_or_keep(buffer, value, index, axis=0, lands=lands)
+    kept = jax.lax.dynamic_slice_in_dim(buffer, index, 1, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, _select(lands, value, kept), index, axis=0)
 
 
 def _select(pred: jax.Array, new: Any, old: Any) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 __all__ = ["ItemBuffer"]
 
 import abc
-import functools
 from typing import Any
 
 import jax
@@ -151,8 +150,7 @@ class ItemBuffer(StateObject, kw_only=True):
             index = jnp.arange(n, dtype=jnp.int32)
             slots = _ring.slot_of(start + index, sink=0, ring=self.slots if self.ring else None)
             slots = jnp.where(refused | (index >= take), self.slots, slots)  # out of range: dropped
-            written = [_writes.write_rows(b, slots, x, axis=0, otherwise=functools.partial(_scatter, b, slots, x))
-                       for b, x in zip(buffers, leaves)]
+            written = [_writes.write_rows(b, slots, x, axis=0) for b, x in zip(buffers, leaves)]
         buffers = self.item_treedef.unflatten(written)
         new = self._with_buffers(buffers)._with_bookkeeping(
             count=self.committed,
@@ -186,10 +184,6 @@ class ItemBuffer(StateObject, kw_only=True):
         """``(start, end)``: positions of the items a reader sees."""
         end = self.committed + self.staged if include_staged else self.committed
         return jnp.maximum(end - self.capacity, 0), end
-
-
-def _scatter(buffer: Array, slots: Array, items: Array) -> Array:
-    return buffer.at[slots].set(items, mode="drop")
 
 
 def _write_one(buffer: Array, item: Array, position: Array, refused: Array, *, ring: bool) -> Array:

@@ -194,6 +194,4 @@ def _write_tokens(cache: Array, slots: Array, rows: Array) -> Array:
     than its rows; a bfloat16 or float8 cache on CPU takes the native row
     writer of ``_writes``, which XLA:CPU would otherwise convert whole).
     """
-    rows = rows.transpose(0, 2, 1, 3)
-    return _writes.write_rows(cache, slots, rows, axis=2,
-                              otherwise=lambda: cache.at[:, :, slots].set(rows, mode="drop"))
+    return _writes.write_rows(cache, slots, rows.transpose(0, 2, 1, 3), axis=2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -363,14 +362,12 @@ class KVCache(StateObject, kw_only=True):
         ``whole``: each ``written[b]`` is all of ``rows`` or nothing.
         """
         T = rows.shape[1]
+        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.slots:
+            return _write_row_slice(cache, rows, start[0], written[0], whole=whole)
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
         slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.slots)  # out of range: dropped
-        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.slots:
-            in_xla = functools.partial(_write_row_slice, cache, rows, start[0], written[0], whole=whole)
-        else:
-            in_xla = functools.partial(_scatter_rows, cache, slots, rows)
-        return _writes.write_rows(cache, slots, rows.transpose(0, 2, 1, 3), axis=2, otherwise=in_xla)
+        return _writes.write_rows(cache, slots, rows.transpose(0, 2, 1, 3), axis=2)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> KVCache:
@@ -436,17 +433,4 @@ def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array, *, w
     shifted = jnp.take(rows, jnp.clip(index - shift, 0, T - 1), axis=1).transpose(0, 2, 1, 3)
     lands = ((index >= shift) & (index < shift + count))[None, None, :, None]
     return update_slice_or_keep(cache, shifted, window_start, axis=2, lands=lands)
-
-
-def _scatter_rows(cache: Array, slots: Array, rows: Array) -> Array:
-    """``cache`` with ``rows[b, t]`` written into slot ``slots[b, t]`` of batch row ``b``.
-
-    ``cache: [batch, kv_heads, capacity, head_dim]``, ``slots: [batch, T]``
-    (out of range: dropped), ``rows: [batch, T, kv_heads, head_dim]``.  The
-    batch row is a vmapped (batching) dimension of the scatter rather than an
-    index, so on a mesh each device writes its own batch rows and heads with
-    no communication (an index would make XLA gather the rows across the
-    batch's devices first).
-    """
-    return jax.vmap(lambda c, s, r: c.at[:, s].set(r.swapaxes(0, 1), mode="drop"))(cache, slots, rows)
 
