@@ -11,9 +11,9 @@ from jax import Array
 
 from jax_session_state import _validation as v
 from jax_session_state import _writes
-from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.base import StateObject
-from jax_session_state.errors import PayloadError
+from jax_session_state.errors import CapacityError
+from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if
 from jax_session_state.objects import _ring
 from jax_session_state.objects.kv_views import KVChunk, KVView, read_chunk
 
@@ -63,8 +63,9 @@ class EncodeOnceKV(StateObject, kw_only=True):
     and :attr:`staged`.  One scalar, so a commit updates it in one
     operation."""
     refused: Array | None = None
-    """``Bool[Array, ""]`` a write with out-of-range counts was refused under
-    jit; read it through :attr:`overflowed`."""
+    """``Bool[Array, ""]`` a write with out-of-range counts, or more tokens
+    than the capacity, was refused under jit; read it through
+    :attr:`overflowed`."""
 
     can_overflow = True
     data_fields = ("k", "v")
@@ -148,13 +149,22 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
-            Float[Array, "batch T kv_heads head_dim"]``, ``T <= capacity``.
+            Float[Array, "batch T kv_heads head_dim"]``; each row's count
+            (``T`` without counts) at most ``capacity``, or the write is
+            refused (:class:`CapacityError` at once outside jit).
           operation: the public method, for messages.
         """
-        chunk, counts, refused = read_chunk(self, payload, operation, rows=self.batch)
+        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
         T = chunk.k.shape[1]
-        if T > self.capacity:
-            raise PayloadError(f"{self.describe()}.{operation}: {T} conditioning tokens exceed capacity {self.capacity}.")
+        too_long = jnp.any(counts > self.capacity)  # rows past the capacity may be padding, not tokens
+        refuse_now_if(
+            too_long,
+            lambda: CapacityError(
+                f"{self.describe()}.{operation}: {np.asarray(counts).tolist()} conditioning tokens exceed "
+                f"capacity {self.capacity}; nothing was written. Allocate more capacity."
+            ),
+        )
+        refused = bad_counts | too_long
         skip = self.written | refused  # written: a no-op; refused: nothing written, flagged
         # Out-of-range slot indices make the scatter write nothing.
         slots = jnp.where(skip, self.capacity, jnp.arange(T, dtype=jnp.int32))

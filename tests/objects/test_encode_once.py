@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import jax_session_state as jss
-from tests.support.models import OK, REFUSED_COUNTS, Op, drive
+from tests.support.models import OK, REFUSED_CAPACITY, REFUSED_COUNTS, Op, drive
 
 B, H, D, LENGTH = 2, 2, 3, 6
 
@@ -25,6 +25,8 @@ class EncodeOnceModel:
             counts = [T] * B if counts is None else list(np.asarray(counts))
             if any(c < 0 or c > T for c in counts):
                 return REFUSED_COUNTS
+            if any(c > LENGTH for c in counts):  # rows past the capacity are padding only while no count reaches them
+                return REFUSED_CAPACITY
             if not self.written:
                 self.rows = (np.asarray(k), np.asarray(v))
                 self.lengths, self.staged = counts, True
@@ -56,7 +58,7 @@ def ops(draw):
         if name in ("commit", "discard"):
             out.append(Op(name))
             continue
-        T = draw(st.sampled_from([2, LENGTH]))
+        T = draw(st.sampled_from([2, LENGTH, LENGTH + 2]))
         k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) for _ in range(2))
         counts = draw(st.sampled_from([None, "ragged", "bad"]))
         if counts == "ragged":
@@ -87,7 +89,21 @@ def test_second_commit_is_a_no_op_under_jit():
     np.testing.assert_array_equal(row["k"], np.ones((3, 1, 2)))
 
 
-def test_longer_than_length_is_an_error():
+def test_more_tokens_than_capacity_is_a_capacity_error():
     cond = jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
-    with pytest.raises(ValueError, match=r"EncodeOnceKV\(.*5 conditioning tokens exceed capacity 4"):
-        cond.stage((jnp.ones((1, 5, 1, 2)), jnp.ones((1, 5, 1, 2))))
+    rows = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 1, 2)), jnp.float32)
+    with pytest.raises(jss.CapacityError, match=r"EncodeOnceKV\(.*\[5\] conditioning tokens exceed capacity 4"):
+        cond.stage((rows, rows))
+    assert not bool(cond.overflowed) and int(cond.lengths[0]) == 0
+
+    # Under jit the write is refused and flagged; jss.check raises as for every kind.
+    refused = jax.jit(lambda c, k: c.commit((k, k)))(cond, rows)
+    assert bool(refused.overflowed) and not bool(refused.written) and int(refused.lengths[0]) == 0
+    np.testing.assert_array_equal(refused.k, np.zeros_like(refused.k))
+    with pytest.raises(jss.CapacityError):
+        jss.check({"cond": refused})
+
+    # Rows past the capacity are padding where no row's count reaches them.
+    padded = cond.commit((rows, rows, jnp.array([4], jnp.int32)))
+    (row,) = padded.view().materialize()
+    np.testing.assert_array_equal(row["k"], np.asarray(rows[0, :4]))
