@@ -18,6 +18,7 @@ from jax_session_state.errors import (
     PayloadTypeError,
     RecomputeGraphError,
     SessionAdmissionError,
+    SessionCheckedOutError,
     SessionStateError,
     SessionStateLostError,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "SeenStorages",
     "Session",
     "SessionAdmissionError",
+    "SessionCheckedOutError",
     "SessionPool",
     "SessionStateError",
     "SessionStateLostError",

@@ -262,7 +262,7 @@ class SessionCheckedOutError(SessionStateError, RuntimeError):
       >>> pool = manager.checkout("a", jss.SessionPool.allocate(session, slots=2), 0)
       >>> try:
       ...     manager.get("a")
-      ... except jss.errors.SessionCheckedOutError as error:
+      ... except jss.SessionCheckedOutError as error:
       ...     print(error)
       session 'a' is checked out into slot 0 of pool ...; the manager does not hold it. checkin('a', pool, 0) first.
     """

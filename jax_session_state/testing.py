@@ -28,6 +28,7 @@ In pytest, parametrise over :data:`CHECKS` to get one test per rule::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +39,8 @@ import numpy as np
 
 from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
-from jax_session_state.kinds import Fill
 from jax_session_state.errors import DonatedError, NotEvictableError, NotResidentError, SessionStateError
+from jax_session_state.kinds import Fill
 
 __all__ = ["CHECKS", "Conformance", "assert_logically_equal", "logical", "logically_equal"]
 
@@ -129,6 +130,10 @@ def _host_copy(tree: Any) -> list[np.ndarray]:
 
 def _pointers(tree: Any) -> list[int]:
     return [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _call_method(method: str, obj: StateObject, payload: Any) -> StateObject:
+    return getattr(obj, method)(payload)
 
 
 def _perturbed_dtype(dtype: Any) -> Any:
@@ -313,21 +318,25 @@ class Conformance:
             assert not gone.resident and gone.nbytes == 0 and gone.nbytes_by_device() == {}
             assert gone.describe() == obj.describe(), "the static spec was lost"
             for use in (
-                lambda: gone.view(),
-                lambda: gone.commit(),
-                lambda: gone.stage(payload),
-                lambda: gone.append(payload),
-                lambda: gone.discard(),
+                gone.view,
+                gone.commit,
+                functools.partial(gone.stage, payload),
+                functools.partial(gone.append, payload),
+                gone.discard,
             ):
                 try:
                     use()
-                except NotResidentError:
+                except NotResidentError as error:
+                    assert type(obj).__name__ in str(error), f"the message does not name the object: {error}"
                     continue
                 raise AssertionError(f"{obj.describe()}: a non-resident object did not raise NotResidentError")
             assert gone.empty().resident and gone.empty().nbytes == obj.nbytes
 
     def check_bad_payloads(self) -> None:
-        """Wrong structure, rank, shape or dtype: a clear error naming the object."""
+        """Wrong structure, rank, shape or dtype: a clear error naming the object, what it expected and what came.
+
+        Raised at trace time, so a jitted write raises the same error.
+        """
         obj, payload = self._committed(), self._payload()
         leaves, treedef = jax.tree_util.tree_flatten(payload)
         first = jnp.asarray(leaves[0])
@@ -343,13 +352,17 @@ class Conformance:
         }
         for what, wrong in bad.items():
             for method in ("stage", "commit", "append"):
-                try:
-                    getattr(obj, method)(wrong)
-                except (TypeError, ValueError) as error:
-                    assert type(obj).__name__ in str(error), f"{what}: the message does not name the object: {error}"
-                    assert isinstance(error, SessionStateError), f"{what}: {type(error).__name__} is no SessionStateError"
-                    continue
-                raise AssertionError(f"{obj.describe()}.{method} accepted a payload of the wrong {what}")
+                write = functools.partial(_call_method, method)
+                for how, run in (("eagerly", write), ("under jit", jax.jit(write))):
+                    try:
+                        run(obj, wrong)
+                    except (TypeError, ValueError) as error:
+                        where = f"{obj.describe()}.{method} {how}, wrong {what}"
+                        assert type(obj).__name__ in str(error), f"{where}: the message does not name the object: {error}"
+                        assert "got" in str(error), f"{where}: the message does not say what came: {error}"
+                        assert isinstance(error, SessionStateError), f"{where}: {type(error).__name__} is no SessionStateError"
+                        continue
+                    raise AssertionError(f"{obj.describe()}.{method} {how} accepted a payload of the wrong {what}")
 
     def check_bookkeeping(self) -> None:
         """``committed`` / ``staged`` / ``capacity`` / ``fill()`` mean the same in every kind.

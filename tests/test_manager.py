@@ -237,8 +237,11 @@ def test_preemption_when_parking_is_off_and_lost_reason_names_the_budget():
 def test_host_budget_limits_parking():
     m, events = manager(byte_budget={DEVICE: ONE + 10}, host_budget=SIZES["kv"] - 1, evict_when_full=False)
     m.create("a", make_session(0))
-    with pytest.raises(jss.BudgetExceededError):  # a's kv must be parked too, and does not fit
+    before = frozen_state(m)
+    with pytest.raises(jss.BudgetExceededError, match="'b'"):  # a's kv must be parked too, and does not fit
         m.create("b", make_session(1))
+    assert_frozen(before, m)
+    assert "b" not in m
     m, events = manager(byte_budget={DEVICE: ONE + 10}, host_budget=SIZES["kv"] + 500)
     m.create("a", make_session(0))
     m.create("b", make_session(1))
@@ -303,8 +306,10 @@ def test_objects_without_a_rebuild_or_a_recompute_source_are_never_evicted():
     # no rebuild registered for cond: it may not be evicted either
     m.register_rebuild("carry", lambda session: session["carry"])  # carry declares no source: never dropped
     m.create("a", make_session(0))
-    with pytest.raises(jss.BudgetExceededError):
+    before = frozen_state(m)
+    with pytest.raises(jss.BudgetExceededError, match="'b'"):
         m.create("b", make_session(1))
+    assert_frozen(before, m)
     assert m.stats()["evictions"] == 0 and "b" not in m
 
 
