@@ -152,6 +152,26 @@ class PoolCheckouts:
         cap the least recently used one may be preempted.  When no other
         session is checked out into ``pool`` its bytes leave the books.
 
+        Args:
+          session_id: the id the session was checked out under.
+          pool: the pool it was checked out into, or one stepped from it
+            (same ``tag``).
+          slot: the slot it was checked out into.
+
+        Returns:
+          The pool with ``slot`` empty (its other slots as they were).
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> make = lambda: jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(1, 4))})
+          >>> manager = jss.SessionStateManager()
+          >>> manager.create("a", make())
+          >>> pool = manager.checkout("a", jss.SessionPool.allocate(make(), slots=2), 0)
+          >>> pool, _ = pool.map(lambda s: (s.commit(carry=s.view()["carry"] + 1), None))  # a step in the pool
+          >>> pool = manager.checkin("a", pool, 0)
+          >>> manager.get("a").view()["carry"], pool.active_slots()
+          (Array([[1., 1., 1., 1.]], dtype=float32), [])
+
         Raises:
           SessionStateLostError: the id is unknown to the manager.
           ValueError: it is not checked out, or into another pool or slot.

@@ -191,10 +191,23 @@ def attend_with_lse(
 ) -> tuple[Array, Array]:
     """:func:`attend`, plus the log-sum-exp of each query's visible scores.
 
+    Args:
+      q: ``Float[Array, "batch T q_heads head_dim"]``, token-major;
+        ``q_heads`` a multiple of the view's ``kv_heads``.
+      view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
+      causal: mask keys after each query's position.
+      scale: score scale, default ``1 / sqrt(head_dim)``.
+      q_positions: ``Int[Array, "batch T"]`` absolute query positions;
+        default the view's last ``T`` positions.
+      implementation: ``"auto"``, ``"native"``, ``"loop"`` or
+        ``"bucketed"``, as for :func:`attend`.
+
     Returns:
-      ``out`` as :func:`attend`, and ``lse``: ``Float32[Array, "batch T
-      q_heads"]``, ``-inf`` where a query sees nothing.  Two results over
-      disjoint keys merge exactly with :func:`merge_attention`.
+      ``(out, lse)``: ``out`` is ``Float[Array, "batch T q_heads head_dim"]``
+      in ``q``'s dtype, as :func:`attend` returns it (zeros where a query
+      sees nothing); ``lse`` is ``Float32[Array, "batch T q_heads"]``,
+      ``-inf`` where a query sees nothing.  Two results over disjoint keys
+      merge exactly with :func:`merge_attention`.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -444,6 +444,13 @@ def _spec_repr(value: Any) -> str:
 def is_state_object(x: Any) -> bool:
     """Whether ``x`` is a :class:`StateObject` (handy as ``is_leaf``).
 
+    Args:
+      x: any value (a pytree node, a leaf, None...).
+
+    Returns:
+      True for a state object of any kind, resident or not; False for
+      anything else (a :class:`~jax_session_state.Session` included).
+
     Example:
       >>> import jax
       >>> import jax_session_state as jss

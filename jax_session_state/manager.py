@@ -2,15 +2,32 @@
 
 The protocol: ``create`` a session, then for every step ``get`` it, run the
 jitted (donating) step, and ``put`` the result back — or let ``update(sid, fn)``
-do all three atomically.  When a put, a create or a restore would exceed a
-byte budget the manager frees bytes in this order (see
-:func:`jax_session_state.planner.plan`): it evicts objects it can rebuild
-(registered with :meth:`SessionStateManager.register_rebuild`), parks others to
-host memory, and, if ``evict_when_full``, preempts least recently used
-sessions; otherwise it refuses and changes nothing.  A later ``get`` brings
-evicted and parked objects back before returning the session.  Nothing is
-lost silently: every action is reported through ``on_event`` and a preempted
-session raises :class:`~jax_session_state.errors.SessionStateLostError`.
+do all three atomically.  When a create, a put, a lookup that brings
+objects back, a checkout or a checkin would exceed a byte budget, the
+manager frees bytes from other sessions (never a pinned one, one inside
+``update`` or between a donating ``get`` and its ``put``, nor the one being
+served) in this order (see :func:`jax_session_state.planner.plan`):
+
+1. it evicts objects it can rebuild (a rebuild is registered with
+   :meth:`SessionStateManager.register_rebuild` and the object declares a
+   ``recompute_source``), least recently used sessions first, cheapest
+   rebuild per byte first;
+2. it demotes objects that declare a lower tier (a ``KVCache`` or
+   ``PagedKVCache`` allocated with ``tiers=("int8",)``, a ``LatentBuffer``
+   with ``demote_fn``), least recently used sessions first, most bytes saved
+   first; a demotion is lossy and not undone;
+3. it parks objects to host memory (unless ``park_memory_kind`` is None;
+   ``host_budget`` bounds how much), least recently used sessions first,
+   larger objects first;
+4. when these rules fall short, an exact search over evictions, demotions
+   and parks looks for a plan that fits before anything is preempted;
+5. then, if ``evict_when_full``, it preempts least recently used sessions.
+
+If nothing fits it refuses and changes nothing.  A later ``get`` rebuilds
+evicted objects and copies parked ones back before returning the session
+(demoted ones stay demoted).  Nothing is lost silently: every action is
+reported through ``on_event`` and a preempted session raises
+:class:`~jax_session_state.errors.SessionStateLostError`.
 ``checkout`` / ``checkin`` lend a session to a slot of a
 :class:`~jax_session_state.SessionPool` and take it back.
 """
@@ -69,13 +86,15 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         :class:`threading.Condition` accepts: ``threading.RLock`` (a rebuild
         function, which runs under the lock, may then call the manager) or
         ``threading.Lock``.
-      on_event: called with a :class:`ManagerEvent` for every eviction, park,
-        restore, rebuild, preemption and refusal, after the manager's lock is
-        released and the operation is done.  Every event of an operation
-        reaches it even if it raises; its errors are raised to the caller
-        of that completed operation after the last event (one error as
-        itself, several as an ``ExceptionGroup``), or, when the operation
-        itself failed, logged and noted on the operation's error.
+      on_event: called with a :class:`ManagerEvent` for every action and
+        refusal (``kind`` ``"evict"``, ``"demote"``, ``"park"``,
+        ``"restore"``, ``"rebuild"``, ``"preempt"`` or ``"refusal"``), after
+        the manager's lock is released and the operation is done.  Every
+        event of an operation reaches it even if it raises; its errors are
+        raised to the caller of that completed operation after the last
+        event (one error as itself, several as an ``ExceptionGroup``), or,
+        when the operation itself failed, logged and noted on the
+        operation's error.
 
     A manager is always truthy (so ``manager or default`` never replaces an
     empty one); ``len(manager)`` is the number of sessions held.
@@ -157,6 +176,12 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         other sessions are put may find its arrays deleted ("Array has been
         deleted"); ``get`` it again.
 
+        Args:
+          session_id: the id the session was created under.
+
+        Returns:
+          The stored session, its evicted and parked objects brought back.
+
         Raises:
           SessionStateLostError: the id is unknown, released or preempted
             (nothing is created).
@@ -180,6 +205,11 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         releases of this id wait, and the manager does not touch the session, so
         ``fn`` may donate it.
 
+        Args:
+          session_id: the id the session was created under.
+          fn: ``fn(session) -> Session``, typically a jitted step that
+            donates its argument; it must not call ``update`` for the same id.
+
         Returns:
           The new session, as stored.
 
@@ -191,6 +221,17 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
 
         If ``fn`` raises, the stored session is the one ``fn`` got (dead if
         ``fn`` donated it before raising: ``put`` a state back).
+
+        Example:
+          >>> import jax
+          >>> import jax_session_state as jss
+          >>> manager = jss.SessionStateManager()
+          >>> manager.create("a", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))}))
+          >>> step = jax.jit(lambda s: s.commit(carry=s.view()["carry"] + 1), donate_argnums=0)
+          >>> for _ in range(3):
+          ...     session = manager.update("a", step)
+          >>> manager.get("a").view()["carry"]
+          Array([3., 3.], dtype=float32)
         """
         me = threading.get_ident()
         with self._lock:
@@ -221,6 +262,26 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
 
         Yields the session (brought back first, like ``get``).  Pins nest;
         ``put`` inside the block keeps the pin; ``release`` ends it.
+
+        Args:
+          session_id: the id the session was created under.
+
+        Raises:
+          SessionStateLostError: the id is unknown, released or preempted.
+          BudgetExceededError: bringing its objects back does not fit.
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> make = lambda: jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(1, 4))})  # 33 bytes
+          >>> events = []
+          >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 70}, on_event=events.append)
+          >>> manager.create("a", make())
+          >>> manager.create("b", make())
+          >>> with manager.pin("a"):
+          ...     _ = manager.get("b")  # "a" is now the least recently used, but pinned
+          ...     manager.create("c", make())
+          >>> [(e.kind, e.session_id) for e in events]
+          [('park', 'b')]
         """
         events: list[ManagerEvent] = []
         entry = None
@@ -268,6 +329,11 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         or in use is preempted if ``evict_when_full``; over a byte budget room
         is made as described in the module docs.
 
+        Args:
+          session_id: any hashable id not held yet (a released or preempted
+            id may be created again).
+          session: the new session; the manager stores it as given.
+
         Raises:
           ValueError: the id is held already (``put`` replaces a session).
           SessionAdmissionError: at the count cap and no session may be
@@ -310,11 +376,29 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
     def put(self, session_id: Hashable, session: Session) -> Session:
         """Replaces the session (typically with a step's result) and returns it.
 
+        Args:
+          session_id: the id of a session held (``create`` admits new ones).
+          session: the session to store in its place, usually the result of
+            a step on what ``get`` returned.
+
+        Returns:
+          ``session``, as stored.
+
         Raises:
           SessionStateLostError: the id is unknown, released or preempted (use
             ``create`` to admit it again).
           BudgetExceededError: the session does not fit; the stored session
             stays as it was.
+
+        Example:
+          >>> import jax
+          >>> import jax_session_state as jss
+          >>> manager = jss.SessionStateManager()
+          >>> manager.create("a", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))}))
+          >>> step = jax.jit(lambda s: s.commit(carry=s.view()["carry"] + 1), donate_argnums=0)
+          >>> session = manager.put("a", step(manager.get("a")))  # the stored copy was donated: put it back
+          >>> manager.get("a").view()["carry"]
+          Array([1., 1.], dtype=float32)
         """
         new = Entry.of(checked_session(session, "put", session_id))
         events: list[ManagerEvent] = []
@@ -338,6 +422,12 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         """Releases the session, pinned or not; True if it was held (releasing twice is fine: False).
 
         Later lookups raise SessionStateLostError saying it was released.
+
+        Args:
+          session_id: the id to release.
+
+        Returns:
+          Whether the manager held it.
         """
         with self._lock:
             try:
@@ -369,6 +459,21 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
             It runs under the manager's lock.
           cost: the rebuild's cost for the planner (cheapest per byte is
             evicted first); None uses the object's ``recompute_cost``.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> def make():  # "cond" (2049 bytes) can be rebuilt from "prompt" (33 bytes)
+          ...     cond = jss.FixedState.allocate(shapes=(1, 256), recompute_source=("prompt",))
+          ...     return jss.Session(objects={"prompt": jss.FixedState.allocate(shapes=(1, 4)), "cond": cond})
+          >>> events = []
+          >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 2200}, on_event=events.append)
+          >>> manager.register_rebuild("cond", lambda s: s["cond"].empty().commit(jnp.tile(s["prompt"].view(), 64)))
+          >>> manager.create("a", make())
+          >>> manager.create("b", make())  # "a"'s cond is evicted
+          >>> session = manager.get("a")  # rebuilt; "b"'s is evicted to make room
+          >>> [(e.kind, e.session_id, e.object_name) for e in events]
+          [('evict', 'a', 'cond'), ('evict', 'b', 'cond'), ('rebuild', 'a', 'cond')]
         """
         if not callable(fn):
             raise TypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
@@ -395,6 +500,19 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
           ``preemptions`` (whole sessions released), ``parks``, ``restores``
           (parked objects copied back), ``rebuilds``, ``refusals``;
           ``bytes`` by device key.
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> manager = jss.SessionStateManager()
+          >>> manager.create("a", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(1, 4))}))
+          >>> session = manager.get("a")  # a hit
+          >>> try:
+          ...     manager.get("b")  # a miss
+          ... except jss.SessionStateLostError:
+          ...     pass
+          >>> manager.stats()
+          {'sessions': 1, 'lookups': 2, 'hits': 1, 'misses': 1, 'evictions': 0, 'demotions': 0,
+           'preemptions': 0, 'parks': 0, 'restores': 0, 'rebuilds': 0, 'refusals': 0, 'bytes': {'cpu:0': 33}}
         """
         with self._lock:
             return {

@@ -196,6 +196,18 @@ class SessionPool(struct.PyTreeNode):
             message names the object or attr and what differs).
           IndexError: a concrete ``slot`` is out of range.
           ValueError: a concrete ``slot`` is live (extract or release it first).
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> make = lambda: jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+          >>> pool = jss.SessionPool.allocate(make(), slots=3).insert(1, make())
+          >>> pool.active_slots()
+          [1]
+          >>> try:
+          ...     pool.insert(1, make())
+          ... except ValueError as error:
+          ...     print(error)
+          SessionPool.insert: slot 1 holds a live session; extract or release it first.
         """
         self._require_like(session, "insert")
         index, in_range = self._slot_index(slot, "insert")
@@ -221,9 +233,23 @@ class SessionPool(struct.PyTreeNode):
         Jittable with a traced ``slot`` (then an empty or out-of-range slot
         cannot be refused: read :attr:`active` first).
 
+        Args:
+          slot: an int (or int32 scalar array) in ``[0, slots)``.
+
+        Returns:
+          The slot's :class:`Session`, without the slot axis.
+
         Raises:
           IndexError: a concrete ``slot`` is out of range.
           ValueError: a concrete ``slot`` is empty.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> make = lambda: jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+          >>> pool = jss.SessionPool.allocate(make(), slots=3).insert(0, make().commit(carry=jnp.ones(2)))
+          >>> pool.extract(0).view()["carry"], pool.active_slots()  # the slot stays live
+          (Array([1., 1.], dtype=float32), [0])
         """
         index, _ = self._slot_index(slot, "extract")
         live = self.active[index]
@@ -236,9 +262,26 @@ class SessionPool(struct.PyTreeNode):
     def release(self, slot: Any) -> SessionPool:
         """The pool with ``slot`` empty; its data stays where it is until the next insert.
 
+        Jittable with a traced ``slot``: under ``jit`` releasing an empty
+        slot is refused (``refused`` is set, :meth:`check` raises).
+
+        Args:
+          slot: an int (or int32 scalar array) in ``[0, slots)``.
+
         Raises:
           IndexError: a concrete ``slot`` is out of range.
           ValueError: a concrete ``slot`` is already empty.
+
+        Example:
+          >>> import jax
+          >>> import jax_session_state as jss
+          >>> make = lambda: jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+          >>> release = jax.jit(jss.SessionPool.release, donate_argnums=0)
+          >>> pool = release(jss.SessionPool.allocate(make(), slots=3).insert(0, make()), 0)
+          >>> pool.active_slots()
+          []
+          >>> bool(release(pool, 0).refused)  # already empty: refused, nothing written
+          True
         """
         index, in_range = self._slot_index(slot, "release")
         live = self.active[index]
@@ -269,6 +312,18 @@ class SessionPool(struct.PyTreeNode):
 
         Returns:
           The stepped pool and ``out`` with a leading ``slots`` axis.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> make = lambda: jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+          >>> pool = jss.SessionPool.allocate(make(), slots=3).insert(0, make()).insert(2, make())
+          >>> def step(session, x):  # written for one session
+          ...     carry = session.view()["carry"] + x
+          ...     return session.commit(carry=carry), carry.sum()
+          >>> pool, out = jax.jit(jss.SessionPool.map, static_argnums=1)(pool, step, jnp.arange(1.0, 4.0))
+          >>> out  # slot 1 is empty: its out is zero and its state is untouched
+          Array([2., 0., 6.], dtype=float32)
         """
         for i, args in enumerate(per_slot):
             for leaf in jax.tree_util.tree_leaves(args):

@@ -32,6 +32,13 @@ class Session(struct.PyTreeNode):
     construction and on every ``replace``: every source must exist and there
     must be no cycle.
 
+    Attributes:
+      objects: the state objects by name (non-empty strings): each a
+        :class:`~jax_session_state.base.StateObject` the manager may evict,
+        demote or park.
+      attrs: carried values by name, any pytrees (counted in byte figures,
+        never acted on); empty by default.
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import jax_session_state as jss
@@ -119,7 +126,15 @@ class Session(struct.PyTreeNode):
         return self._map(lambda name, obj: obj.discard(), self.objects)
 
     def view(self, *, include_staged: bool = True) -> dict[str, Any]:
-        """Each object's view, by name."""
+        """Each object's view, by name.
+
+        Args:
+          include_staged: whether the views show what is staged (after the
+            committed data) as well; False: committed data only.
+
+        Returns:
+          ``{name: view}``, each what that object's ``view()`` returns.
+        """
         views = {}
         for name, obj in self.objects.items():
             try:
@@ -152,19 +167,61 @@ class Session(struct.PyTreeNode):
 
     # ----------------------------------------------------- recompute graph
     def recomputable(self, name: str) -> bool:
-        """Whether ``name`` could be rebuilt now: it has sources and all are resident."""
+        """Whether ``name`` could be rebuilt now: it has sources and all are resident.
+
+        Args:
+          name: an object of this session.
+
+        Raises:
+          KeyError: the session holds no object ``name``.
+        """
         sources = self[name].recompute_source
         return bool(sources) and all(self.objects[source].resident for source in sources)
 
     # --------------------------------------------------------------- forks
     def fork(self) -> Session:
-        """An independent deep copy (new buffers); safe to donate either side."""
+        """An independent deep copy (new buffers); safe to donate either side.
+
+        Example:
+          >>> import jax
+          >>> import jax_session_state as jss
+          >>> session = jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))})
+          >>> copy = session.fork()
+          >>> step = jax.jit(lambda s: s.commit(carry=s.view()["carry"] + 1), donate_argnums=0)
+          >>> stepped = step(session)  # donates the original's buffers, not the copy's
+          >>> copy.view()["carry"], stepped.view()["carry"]
+          (Array([0., 0.], dtype=float32), Array([1., 1.], dtype=float32))
+        """
         return jax.tree_util.tree_map(_copy_leaf, self)
 
     def branch(self, lanes: int, *, window: int | Mapping[str, int] | None = None) -> Branches:
         """``lanes`` speculative lanes over this session's committed data.
 
         See :func:`jax_session_state.branches.branch`.
+
+        Args:
+          lanes: how many lanes.
+          window: entries one lane may write (K/V rows, latent items), per
+            object name or one number for all; kinds that replace their
+            value need none.
+
+        Returns:
+          The :class:`~jax_session_state.branches.Branches`.
+
+        Raises:
+          ValueError: the session holds staged data, or ``lanes`` < 1.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+          >>> session = jss.Session(objects={"kv": kv.append((jnp.ones((1, 3, 1, 2)),) * 2)})
+          >>> def guess(lane, x):  # each lane stages 2 rows into its own window
+          ...     rows = jnp.full((1, 2, 1, 2), x)
+          ...     return lane.stage(kv=(rows, rows)), x
+          >>> branches, _ = session.branch(2, window=4).map(guess, jnp.arange(2.0))
+          >>> branches.adopt(1).view()["kv"].lengths, session.view()["kv"].lengths
+          (Array([5], dtype=int32), Array([3], dtype=int32))
         """
         from jax_session_state.branches import branch  # branches builds on sessions
 

@@ -351,8 +351,23 @@ class KVCache(StateObject, kw_only=True):
         float storage is read once and freed: the peak is the float cache
         plus its quantized copy (about 1.3x the float cache).
 
+        Returns:
+          The cache quantized to ``tiers[0]``, with the remaining tiers.
+
         Raises:
           NotDemotableError: the cache declares no (further) tier.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> rows = jax.random.normal(jax.random.key(0), (1, 4, 1, 4))
+          >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=8, tiers=("int8",))
+          >>> kv = kv.append((rows, rows))
+          >>> low = kv.demote()
+          >>> low.quantize, low.tiers, low.view().lengths, kv.nbytes, low.nbytes
+          ('int8', (), Array([4], dtype=int32), 272, 144)
+          >>> bool(jnp.allclose(jss.attend(rows, low.view()), jss.attend(rows, kv.view()), atol=0.05))
+          True
         """
         return _quantize.demoted(self, (("k", "k_scale"), ("v", "v_scale")))
 

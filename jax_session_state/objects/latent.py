@@ -150,6 +150,15 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         Raises:
           NotDemotableError: no ``demote_fn`` was declared.
           PayloadTypeError: ``demote_fn`` does not return one array per item.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(4, 2), demote_fn=lambda x: x.mean(axis=0))
+          >>> frames = frames.append(jnp.arange(16.0).reshape(2, 4, 2))  # two items of shape (4, 2)
+          >>> low = frames.demote()
+          >>> low.item_shape, low.view().materialize().tolist(), low.demotable
+          ((2,), [[3.0, 4.0], [11.0, 12.0]], False)
         """
         self._require_resident("demote")
         if self.demote_fn is None:

@@ -416,6 +416,17 @@ class PagedKVCache(StateObject, kw_only=True):
         Raises:
           IndexError: ``slot`` outside ``[0, max_slots)``.
           ValueError: the slot is already free (it holds no pages).
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> cache = jss.PagedKVCache.allocate(max_slots=2, kv_heads=1, head_dim=2, page_size=4, num_pages=8)
+          >>> rows = jnp.ones((2, 6, 1, 2))
+          >>> cache = cache.append(jss.KVChunk(rows, rows, counts=jnp.array([6, 0], jnp.int32)))  # pages 0, 1
+          >>> cache = jax.jit(lambda c: c.fork(0, 1), donate_argnums=0)(cache)  # slot 1 shares page 0
+          >>> cache = cache.free(0)  # page 0 stays: slot 1 still refers to it
+          >>> cache.view().lengths, int(cache.free_count)
+          (Array([0, 6], dtype=int32), 6)
         """
         self._require_resident("free")
         slot, bad_slot = self._slot("free", "slot", slot)
@@ -491,8 +502,22 @@ class PagedKVCache(StateObject, kw_only=True):
         cache donated the bookkeeping is reused in place; the peak is the
         float pools plus their quantized copy (about 1.3x float32).
 
+        Returns:
+          The cache quantized to ``tiers[0]``, with the remaining tiers.
+
         Raises:
           NotDemotableError: the cache declares no (further) tier.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> cache = jss.PagedKVCache.allocate(max_slots=2, kv_heads=1, head_dim=2, page_size=4, num_pages=4,
+          ...                                   tiers=("int8",))
+          >>> rows = jnp.ones((2, 3, 1, 2))
+          >>> cache = cache.append(jss.KVChunk(rows, rows, counts=jnp.array([3, 1], jnp.int32)))
+          >>> low = cache.demote()
+          >>> low.quantize, low.k_pages.dtype, low.view().lengths, int(low.free_count)  # pages kept
+          ('int8', dtype('int8'), Array([3, 1], dtype=int32), 2)
         """
         return _quantize.demoted(self, (("k_pages", "k_scale"), ("v_pages", "v_scale")))
 
