@@ -48,8 +48,8 @@ def capacity_rows(rounds: int) -> list[dict]:
     for T in (1, 16):
         q = jnp.asarray(randn(BATCH, T, HEADS, HEAD_DIM))
         assert relative_error(attend(q, big), attend(q, small)) < 1e-6
-        t = timed({"32k": lambda: attend(q, big).block_until_ready(),
-                    "1k": lambda: attend(q, small).block_until_ready()}, rounds)
+        t = timed({"32k": lambda q=q: attend(q, big).block_until_ready(),
+                    "1k": lambda q=q: attend(q, small).block_until_ready()}, rounds)
         out.append(row("a", f"attend T={T}, 1k valid: capacity 32k vs 1k", t["32k"] * 1e6, t["1k"] * 1e6, "us",
                         bar=BARS["capacity"]))
     return out
@@ -99,7 +99,7 @@ def nnx_rows(fills: list[int], rounds: int) -> list[dict]:
     for fill in fills:
         fill_ = jnp.int32(fill)
 
-        def call(name, fn):
+        def call(name, fn, fill_=fill_):
             box[name], y = fn(box[name], xs[0], fill_)
             y.block_until_ready()
 

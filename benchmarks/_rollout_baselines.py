@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 import jax_session_state as jss
-from examples.world_model import STEPS_PER_ITERATION, WorldModel, kv_names
+from examples.world_model import STEPS_PER_ITERATION, WorldModel
 
 
 @dataclasses.dataclass

@@ -204,7 +204,8 @@ def run(*, full: bool) -> list[dict]:
     for name, value in ratios.items():
         bar = BARS[name]
         holds = value >= bar if name == "copy_over_donated_32k" else value <= bar
-        rows.append({"measure": f"ratio {name}", "value": value, "bar": ("≥ " if name.startswith("copy") else "≤ ") + str(bar), "holds": holds})
+        sign = "≥ " if name.startswith("copy") else "≤ "
+        rows.append({"measure": f"ratio {name}", "value": value, "bar": sign + str(bar), "holds": holds})
     return rows
 
 

@@ -84,7 +84,7 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
         if parts.torch is not None:
             qt, kt, vt = map(parts.torch.from_numpy, (q, k, v))
 
-            def torch_call():
+            def torch_call(length=length, qt=qt, kt=kt, vt=vt):
                 with parts.torch.inference_mode():
                     return torch_step(state.torch_k, state.torch_v, length, qt, kt, vt)
 

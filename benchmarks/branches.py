@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
-from jax_session_state import _native
 from benchmarks import paged
 from benchmarks._common import cli, interleaved
+from jax_session_state import _native
 
 HEADS, HEAD_DIM = 8, 64
 PREFIX, LANES, WINDOW, CHUNK = 32768, 64, 256, 16

@@ -9,9 +9,10 @@ replaced by the format 3 sums (their numpy code, kept here as the
 reference), so the ratio is what the stronger check costs (bar: within
 1.2x).  A restore's time is the fastest of its rounds: on a shared machine
 the neighbours only ever add time, and a 1 GiB restore here took anything
-from 0.8 s to 2.7 s in one run; the ratio of the medians is reported beside it.  For information, the same restore with BLAKE2b over every chunk
-instead of CRC-32 (a cryptographic hash: slower, and no stronger against
-damage).  ``--full`` runs more rounds.
+from 0.8 s to 2.7 s in one run; the ratio of the medians is reported
+beside it.  For information, the same restore with BLAKE2b over every
+chunk instead of CRC-32 (a cryptographic hash: slower, and no stronger
+against damage).  ``--full`` runs more rounds.
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ def run(*, full: bool) -> list[dict]:
     best = {name: min(times) for name, times in samples.items()}
     medians = {name: statistics.median(times) for name, times in samples.items()}
     ratio, blake = best[DIGESTS] / best[SUMS], best[BLAKE2B] / best[SUMS]
-    rows = [{"measure": f"restore {nbytes >> 20} MiB, {name} (s, fastest round)", "value": s} for name, s in best.items()]
-    rows.append({"measure": f"ratio restore {DIGESTS} / {SUMS}", "value": ratio, "bar": f"≤ {BAR}", "holds": ratio <= BAR})
+    rows = [
+        {"measure": f"restore {nbytes >> 20} MiB, {name} (s, fastest round)", "value": s} for name, s in best.items()
+    ]
+    rows.append({"measure": f"ratio restore {DIGESTS} / {SUMS}", "value": ratio, "bar": f"≤ {BAR}",
+                 "holds": ratio <= BAR})
     rows.append({"measure": f"ratio of the medians, {DIGESTS} / {SUMS} (information)",
                  "value": medians[DIGESTS] / medians[SUMS]})
     rows.append({"measure": f"ratio restore {BLAKE2B} / {SUMS} (information)", "value": blake})

@@ -81,7 +81,7 @@ def _reference(q: jax.Array, view: jss.KVView, valid: int) -> tuple[Any, tuple[j
         fn = jax.jit(functools.partial(jax.nn.dot_product_attention, mask=mask, implementation=implementation))
         try:
             jax.block_until_ready(fn(q, k, v))
-        except Exception as error:  # noqa: BLE001 - cuDNN refuses some shapes and platforms: fall back to XLA
+        except Exception as error:  # cuDNN refuses some shapes and platforms: fall back to XLA
             print(f"dot_product_attention(implementation={implementation!r}) does not run here: {type(error).__name__}")
             continue
         return fn, (q, k, v)
@@ -129,8 +129,13 @@ def world_model_rows(*, prefix: int, frames: int, calls: int) -> list[dict]:
     s = Setup(prefix, frames)
     cond = baselines.cond_view(s.snapshot)
     raw = jax.jit(functools.partial(baselines.raw_rollout, s.graphdef), donate_argnums=2)
-    library = lambda: s.rollout(s.params, s.session.fork(), s.actions)
-    raw_run = lambda: raw(s.params, cond, baselines.raw_state(s.snapshot, CAPACITY), s.actions)
+
+    def library():
+        return s.rollout(s.params, s.session.fork(), s.actions)
+
+    def raw_run():
+        return raw(s.params, cond, baselines.raw_state(s.snapshot, CAPACITY), s.actions)
+
     np.testing.assert_allclose(np.asarray(library()[1]), np.asarray(raw_run()[1]), rtol=2e-3, atol=2e-3)
     t_library, t_raw = _seconds(library, calls=calls) / frames, _seconds(raw_run, calls=calls) / frames
     ratio = t_library / t_raw

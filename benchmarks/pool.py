@@ -149,7 +149,8 @@ def slot_rows(world: World, *, rounds: int) -> list[dict[str, Any]]:
     pools = {slots: jss.SessionPool.allocate(make_session(world.config), slots=slots) for slots in (8, 64)}
     pools = {slots: insert(pool, 1, session) for slots, pool in pools.items()}  # slot 1 live for extract
     slot = jnp.int32(5)
-    samples: dict[str, list[float]] = {name: [] for name in ("insert 8", "insert 64", "extract 8", "extract 64", "copy")}
+    names = ("insert 8", "insert 64", "extract 8", "extract 64", "copy")
+    samples: dict[str, list[float]] = {name: [] for name in names}
 
     def timed(name: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -193,8 +194,10 @@ def equality_rows(world: World) -> list[dict[str, Any]]:
         for a, b in zip(jax.tree_util.tree_leaves(pool.extract(watched)), jax.tree_util.tree_leaves(alone))
         if jnp.issubdtype(a.dtype, jnp.floating)
     )
-    return [_ratio(f"{EQUAL_FRAMES} frames of a session in the pool vs alone: max relative error", error, "relative_error"),
-            _ratio("its state after them: max relative error over leaves", state, "relative_error")]
+    return [
+        _ratio(f"{EQUAL_FRAMES} frames of a session in the pool vs alone: max relative error", error, "relative_error"),
+        _ratio("its state after them: max relative error over leaves", state, "relative_error"),
+    ]
 
 
 def memory_rows(slots: int, capacity: int, steps: int) -> list[dict[str, Any]]:
@@ -206,7 +209,8 @@ def memory_rows(slots: int, capacity: int, steps: int) -> list[dict[str, Any]]:
         {"measure": "memory: baseline resident before allocating (MiB)", "value": memory["baseline"] / 2**20},
         {"measure": f"memory: pool of {slots} sessions, capacity {capacity}, logical bytes (MiB)",
          "value": memory["pool"] / 2**20},
-        {"measure": f"memory: peak resident of a donated {steps}-step pool rollout (MiB)", "value": memory["peak"] / 2**20},
+        {"measure": f"memory: peak resident of a donated {steps}-step pool rollout (MiB)",
+         "value": memory["peak"] / 2**20},
         _ratio("peak / (pool + baseline)", memory["peak"] / bound, "peak_over_pool_plus_baseline"),
     ]
 

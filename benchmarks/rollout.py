@@ -53,7 +53,6 @@ import json
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,7 +113,10 @@ def step_times(prefix: int, frames: int, *, rounds: int
     raw = jax.jit(functools.partial(baselines.raw_rollout, s.graphdef), donate_argnums=2)
     library = _blocking(lambda session: s.rollout(s.params, session, s.actions))
     raw_run = _blocking(lambda state: raw(s.params, cond, state, s.actions))
-    outputs = {"library": library(s.session.fork())[1], "raw JAX": raw_run(baselines.raw_state(s.snapshot, CAPACITY))[1]}
+    outputs = {
+        "library": library(s.session.fork())[1],
+        "raw JAX": raw_run(baselines.raw_state(s.snapshot, CAPACITY))[1],
+    }
     candidates = {
         "library": (s.session.fork, library),
         "raw JAX": (lambda: baselines.raw_state(s.snapshot, CAPACITY), raw_run),

@@ -21,24 +21,25 @@ from __future__ import annotations
 
 import os
 
+# XLA_FLAGS must be set before jax is imported.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
-import re  # noqa: E402  (XLA_FLAGS must be set before jax is imported)
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import AxisType
 
-import jax_session_state as jss  # noqa: E402
-from benchmarks._common import cli, interleaved, with_lengths  # noqa: E402
+import jax_session_state as jss
+from benchmarks._common import cli, interleaved, with_lengths
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 MIB = 1 << 20
@@ -92,9 +93,12 @@ def step_benchmark(capacity: int, *, rounds: int) -> tuple[list[dict], jss.Sessi
         for name, t in times.items()
     ]
     rows_out += [
-        {"measure": "sharded step: collectives in the compiled step", "value": collectives, "bar": "= 0", "holds": collectives == 0},
-        {"measure": "sharded step: donated shards written in place", "value": in_place, "bar": "yes", "holds": in_place},
-        {"measure": "step compiles once per placement", "value": traces_after_warmup, "bar": "= 2", "holds": len(traces) == 2},
+        {"measure": "sharded step: collectives in the compiled step", "value": collectives, "bar": "= 0",
+         "holds": collectives == 0},
+        {"measure": "sharded step: donated shards written in place", "value": in_place, "bar": "yes",
+         "holds": in_place},
+        {"measure": "step compiles once per placement", "value": traces_after_warmup, "bar": "= 2",
+         "holds": len(traces) == 2},
     ]
     session = jss.Session(objects={"kv": sharded[0]}, attrs={"rng": jax.random.key(0)})
     return rows_out, jss.shard(session, rules)
@@ -105,7 +109,8 @@ def bytes_per_device(session: jss.Session) -> list[dict]:
     total = sum(by_device.values())
     worst = max(abs(b - total / 8) / (total / 8) for b in by_device.values())
     return [
-        {"measure": f"bytes per device: {len(by_device)} devices, total {total / MIB:.2f} MiB", "value": total / 8 / MIB},
+        {"measure": f"bytes per device: {len(by_device)} devices, total {total / MIB:.2f} MiB",
+         "value": total / 8 / MIB},
         {"measure": "bytes per device: worst deviation from total / 8 (%)", "value": 100 * worst, "bar": "≤ 1",
          "holds": worst <= 0.01},
     ]
@@ -237,7 +242,8 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
             if name.startswith("jss."):  # the bar, as its own row: the runner's table shows a bar row's ratio
                 rows.append({"measure": f"{what} {total / MIB:.0f} MiB: {name} / numpy, same arrays (throughput)",
                              "value": row["ratio"], "bar": "≥ 0.5", "holds": row["ratio"] >= 0.5})
-    rows.append({"measure": "restored session equals the saved one bit for bit", "value": exact, "bar": "yes", "holds": exact})
+    rows.append({"measure": "restored session equals the saved one bit for bit", "value": exact, "bar": "yes",
+                 "holds": exact})
     return rows
 
 

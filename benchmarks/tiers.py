@@ -129,7 +129,8 @@ def memory_rows(capacity: int) -> list[dict[str, Any]]:
     for kind in MAKERS:
         memory = _child("memory", capacity, kind, {**os.environ, "MALLOC_ARENA_MAX": "1"})
         rows += [
-            {"measure": f"memory: [{kind}] baseline resident before the cache (MiB)", "value": memory["baseline"] / mib},
+            {"measure": f"memory: [{kind}] baseline resident before the cache (MiB)",
+             "value": memory["baseline"] / mib},
             {"measure": f"memory: [{kind}] float32 cache, {capacity} tokens, 1 x {HEADS} heads x 128 (MiB)",
              "value": memory["cache"] / mib},
             {"measure": f"memory: [{kind}] its int8 demotion (MiB)", "value": memory["demoted"] / mib},

@@ -48,13 +48,16 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args() if __name__ == "__main__" else None  # --help prints the flags and exits here
 
-import jax
-import jax.numpy as jnp
-import matplotlib
-import numpy as np
-from flax import nnx
-from tqdm import tqdm
-from world_model import (
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import jax_session_state as jss  # noqa: E402
+
+from world_model import (  # noqa: E402
     WorldModel,
     WorldModelConfig,
     make_session,
@@ -62,10 +65,8 @@ from world_model import (
     start_session,
 )
 
-import jax_session_state as jss
-
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: E402
 
 DEVICE = jss.device_key(jax.devices()[0])
 
@@ -81,7 +82,8 @@ class Users:
         frames, actions = moving_patterns(key, config, int(self.wants.max()), args.users)
         self.context = np.asarray(frames[: config.context_frames])  # [K, users, H, W, C]
         self.actions = np.asarray(actions)  # [steps, users, action_dim]
-        self.prompts = np.asarray(jax.random.normal(key, (args.users, config.batch, config.prompt_tokens, config.d_model)))
+        prompt_shape = (args.users, config.batch, config.prompt_tokens, config.d_model)
+        self.prompts = np.asarray(jax.random.normal(key, prompt_shape))
         self.done = np.zeros(args.users, int)  # frames stepped so far
         self.arrive_at = np.cumsum(rng.exponential(1 / args.arrivals, args.users)).astype(int)
 
@@ -119,7 +121,8 @@ def main(args: argparse.Namespace) -> None:
                                       park_memory_kind="pinned_host")
     manager.register_rebuild("cond", lambda s: encode(params, s["cond"], s["prompt"].view()))
     print(f"{args.users} users, {args.slots} slots; a session is {one / 2**10:.0f} KiB, the pool "
-          f"{pool.nbytes / 2**20:.1f} MiB; {DEVICE} budget {budget / 2**20:.1f} MiB (the pool and {args.room} sessions)")
+          f"{pool.nbytes / 2**20:.1f} MiB; {DEVICE} budget {budget / 2**20:.1f} MiB "
+          f"(the pool and {args.room} sessions)")
 
     # Warm up: compile the pool step and the slot operations once, on a pool and a manager thrown away.
     warm, scratch = jss.SessionPool.allocate(make_session(config), slots=args.slots), jss.SessionStateManager()

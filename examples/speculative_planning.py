@@ -32,6 +32,7 @@ from flax import nnx
 from tqdm import tqdm
 
 import jax_session_state as jss
+
 from world_model import WorldModel, WorldModelConfig, kv_names, load_params, moving_patterns, rollout, start_session
 
 
@@ -109,14 +110,16 @@ def main() -> None:
         elites = candidates[order[: args.elites]]
         mean, std = elites.mean(0), np.maximum(elites.std(0), 0.05)
         if scores[order[0]] >= best_score:
-            best_plan, best_score, best_lane, best_branches = candidates[order[0]], float(scores[order[0]]), order[0], branches
+            best_plan, best_score = candidates[order[0]], float(scores[order[0]])
+            best_lane, best_branches = order[0], branches
         history.append({"iteration": iteration, "best": best_score, "iteration_best": float(scores[order[0]]),
                         "elite_mean": float(scores[order[: args.elites]].mean())})
         bar.set_postfix(best=f"{best_score:.4f}")
         tqdm.write(f"iteration {iteration}: best score {best_score:.4f}, elite mean {history[-1]['elite_mean']:.4f}")
     bar.close()
 
-    true_score = float(evaluate(params, session, jnp.broadcast_to(actions[args.history:], (args.candidates, *shape)))[1][0])
+    own_actions = jnp.broadcast_to(actions[args.history:], (args.candidates, *shape))
+    true_score = float(evaluate(params, session, own_actions)[1][0])
     session = jax.jit(lambda branches, lane: branches.adopt(lane))(best_branches, best_lane)
     jss.check(session)
     written = int(session[kv_names(config)[0]].lengths[0])

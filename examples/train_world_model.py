@@ -27,14 +27,15 @@ import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
 
-import jax_session_state as jss  # noqa: E402
-from world_model import WorldModel, WorldModelConfig, moving_patterns, rollout, save_params, start_session  # noqa: E402
+import jax_session_state as jss
+
+from world_model import WorldModel, WorldModelConfig, moving_patterns, rollout, save_params, start_session
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,7 +113,9 @@ def main() -> None:
     args = parse_args()
     # The K/V ring keeps one window of history besides the sinks, so a window's
     # first frames attend to the previous window's rows.
-    config = dataclasses.replace(WorldModelConfig(), batch=args.batch, window=args.window_frames * WorldModelConfig().tokens)
+    config = dataclasses.replace(
+        WorldModelConfig(), batch=args.batch, window=args.window_frames * WorldModelConfig().tokens
+    )
     model = WorldModel(config, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr))
@@ -122,7 +125,8 @@ def main() -> None:
     losses, copy_losses = [], []
     bar = tqdm(range(args.episodes), unit="episode", desc="training")
     for episode in bar:
-        params, opt_state, episode_losses, copy_loss = train_episode(params, opt_state, jax.random.key(args.seed * 100_003 + episode))
+        key = jax.random.key(args.seed * 100_003 + episode)
+        params, opt_state, episode_losses, copy_loss = train_episode(params, opt_state, key)
         losses += np.asarray(episode_losses).tolist()
         copy_losses.append(float(copy_loss))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -133,7 +137,8 @@ def main() -> None:
           f"repeating the last frame scores {np.mean(copy_losses):.4f}")
     args.out.mkdir(parents=True, exist_ok=True)
     plot(args.out / "loss.png", np.asarray(losses), float(np.mean(copy_losses)), args.windows)
-    (args.out / "metrics.json").write_text(json.dumps({"losses": losses, "copy_last_frame_loss": float(np.mean(copy_losses))}))
+    metrics = {"losses": losses, "copy_last_frame_loss": float(np.mean(copy_losses))}
+    (args.out / "metrics.json").write_text(json.dumps(metrics))
     nnx.update(model, params)
     save_params(model, args.out / "world_model.msgpack")
     print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {args.out / 'world_model.msgpack'}")

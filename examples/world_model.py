@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -40,8 +40,8 @@ __all__ = [
     "WorldModel",
     "WorldModelConfig",
     "cross_attend",
-    "make_session",
     "load_params",
+    "make_session",
     "moving_patterns",
     "patchify",
     "rollout",
@@ -164,7 +164,9 @@ def moving_patterns(key: jax.Array, config: WorldModelConfig, steps: int, batch:
     k_freq, k_phase, k_start, k_act = jax.random.split(key, 4)
     freq = jax.random.randint(k_freq, (batch, 2, channels), 1, 3).astype(jnp.float32)  # cycles per frame side
     phase = jax.random.uniform(k_phase, (batch, channels), maxval=2 * math.pi)
-    actions = jax.random.uniform(k_act, (steps + config.context_frames - 1, batch, config.action_dim), minval=-1, maxval=1)
+    actions = jax.random.uniform(
+        k_act, (steps + config.context_frames - 1, batch, config.action_dim), minval=-1, maxval=1
+    )
     start = jax.random.uniform(k_start, (1, batch, 2), maxval=float(height))
     offsets = jnp.concatenate([start, start + jnp.cumsum(actions[..., :2], axis=0)])  # [T, batch, 2]
     y = jnp.arange(height, dtype=jnp.float32)[:, None, None]

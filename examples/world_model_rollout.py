@@ -25,17 +25,17 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
-import jax_session_state as jss  # noqa: E402
-from world_model import (  # noqa: E402
+import jax_session_state as jss
+
+from world_model import (
     WorldModel,
     WorldModelConfig,
     kv_names,

@@ -4,7 +4,6 @@ from jax_session_state import accounting, checkpoint, errors, offload, planner, 
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
-from jax_session_state.kinds import Fill, ManagedOptions
 from jax_session_state.branches import Branches, Lane
 from jax_session_state.errors import (
     BudgetExceededError,
@@ -22,6 +21,7 @@ from jax_session_state.errors import (
     SessionStateError,
     SessionStateLostError,
 )
+from jax_session_state.kinds import Fill, ManagedOptions
 from jax_session_state.manager import Held, ManagerEvent, SessionStateManager
 from jax_session_state.objects import (
     BranchKVView,

@@ -309,7 +309,8 @@ def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, sca
         scores = _scores(keys.astype(_F32) * scale, qh)
         if not view.quantized:
             return _online_update(state, scores, visible, values.astype(_F32))
-        k_scale, v_scale = (jnp.swapaxes(x, 2, 3) for x in _gather_pages(view, i * pages, pages, ("k_scale", "v_scale")))
+        scales = _gather_pages(view, i * pages, pages, ("k_scale", "v_scale"))
+        k_scale, v_scale = (jnp.swapaxes(x, 2, 3) for x in scales)
         return _online_update(state, scores * k_scale, visible, values.astype(_F32), v_scale)
 
     return _finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, _empty_state(qh)))

@@ -43,7 +43,9 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
     if q_positions is None:
         return lengths[:, None].astype(jnp.int32) - T + jnp.arange(T, dtype=jnp.int32)
     if q_positions.shape != (batch, T):
-        raise ValueError(f"attend(): q_positions must have shape [{batch}, {T}] (batch, T); got {list(q_positions.shape)}.")
+        raise ValueError(
+            f"attend(): q_positions must have shape [{batch}, {T}] (batch, T); got {list(q_positions.shape)}."
+        )
     return q_positions.astype(jnp.int32)
 
 

@@ -38,7 +38,16 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-__all__ = ["APART", "DENSE", "DENSE_BLOCK_COST", "LOOP_OVERHEAD", "TOGETHER", "cheapest_reading", "fold_rows", "fold_slots"]
+__all__ = [
+    "APART",
+    "DENSE",
+    "DENSE_BLOCK_COST",
+    "LOOP_OVERHEAD",
+    "TOGETHER",
+    "cheapest_reading",
+    "fold_rows",
+    "fold_slots",
+]
 
 Cache = dict[str, Array]
 """Per-row operands of a reader, each with a leading batch axis (K, V, lengths...)."""
@@ -118,9 +127,14 @@ def fold_slots(
         q_positions = q_positions if positions_batched else jnp.broadcast_to(q_positions, (slots, *q_positions.shape))
         batch, T = q.shape[1:3]
         if not any(jax.tree_util.tree_leaves(cache_batched)):  # lanes sharing one cache: more query rows
-            rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, slots * T, *x.shape[3:])
+
+            def rows(x: Array) -> Array:
+                return jnp.moveaxis(x, 0, 1).reshape(batch, slots * T, *x.shape[3:])
+
+            def lanes_back(x: Array) -> Array:
+                return jnp.moveaxis(x.reshape(batch, slots, T, *x.shape[2:]), 1, 0)
+
             out, lse = primal(rows(q), rows(q_positions), cache)
-            lanes_back = lambda x: jnp.moveaxis(x.reshape(batch, slots, T, *x.shape[2:]), 1, 0)
             return (lanes_back(out), lanes_back(lse)), (True, True)
         if not all(jax.tree_util.tree_leaves(cache_batched)):
             axes = jax.tree_util.tree_map(lambda b: 0 if b else None, cache_batched)

@@ -88,7 +88,7 @@ def deliver(
     for event in events:
         try:
             listener(event)
-        except Exception as error:  # noqa: BLE001 - a listener's error must not stop the other events
+        except Exception as error:  # a listener's error must not stop the other events
             errors.append(error)
     if not errors:
         return

@@ -28,8 +28,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 import ctypes
+import functools
 import importlib.machinery
 import os
 from collections.abc import Callable, Iterator

@@ -91,10 +91,14 @@ def read_arrays(
         on_host = isinstance(place, str)
         item[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=None if on_host else place)
         restore_args[key] = (
-            ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype) if on_host else ocp.ArrayRestoreArgs(sharding=place, dtype=dtype)
+            ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+            if on_host
+            else ocp.ArrayRestoreArgs(sharding=place, dtype=dtype)
         )
     try:
         with _checkpointer() as checkpointer:
             return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
     except Exception as error:  # Orbax and TensorStore raise many types for damaged files
-        raise CheckpointError(f"{directory.parent}: the arrays cannot be read (damaged or truncated files?): {error}") from error
+        raise CheckpointError(
+            f"{directory.parent}: the arrays cannot be read (damaged or truncated files?): {error}"
+        ) from error

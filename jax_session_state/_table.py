@@ -133,15 +133,15 @@ class Entry:
     """One held session: its objects (parked and evicted ones non-resident), records, pins and use."""
 
     __slots__ = (
-        "session",
-        "records",
-        "attrs_storages",
+        "_usage",
         "attrs_bytes",
-        "whole",
-        "pins",
+        "attrs_storages",
         "busy",
         "origin",
-        "_usage",
+        "pins",
+        "records",
+        "session",
+        "whole",
     )
 
     def __init__(self, session: Session, records: dict[str, ObjectRecord]):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
-
-import warnings
 
 import jax
 import numpy as np

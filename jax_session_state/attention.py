@@ -83,12 +83,12 @@ from jax_session_state import _native
 from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
     SMALLEST_BUCKET,
+    _absolute,
     _append_block,
     _bucketed,
     _cache_blocks,
     _empty_state,
     _finish,
-    _absolute,
     _gather_dequantized,
     _online_update,
     _paged_attention,
@@ -108,7 +108,15 @@ from jax_session_state._attention_pooled import fold_slots
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
-__all__ = ["BLOCK_SIZE", "IMPLEMENTATIONS", "SMALLEST_BUCKET", "attend", "attend_with_lse", "merge_attention", "native_status"]
+__all__ = [
+    "BLOCK_SIZE",
+    "IMPLEMENTATIONS",
+    "SMALLEST_BUCKET",
+    "attend",
+    "attend_with_lse",
+    "merge_attention",
+    "native_status",
+]
 
 IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed")
 """The ways :func:`attend` reads append-mode and paged views."""
@@ -399,7 +407,9 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
                                   view.lengths, positions, cpu=kernel, default=loop)
 
 
-def _ring_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
+def _ring_with_lse(
+    q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array
+) -> tuple[Array, Array]:
     """A ring view: one dense pass over its slots.
 
     Under ``jax.vmap`` over a pool's rings, a loop over blocks up to each
@@ -422,7 +432,9 @@ def _ring_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_
     return fold_slots(read, functools.partial(_cache_blocks, n=n), dense=(dense, dense_blocks))(q, q_positions, cache)
 
 
-def _dense_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array) -> tuple[Array, Array]:
+def _dense_with_lse(
+    q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array
+) -> tuple[Array, Array]:
     """One masked pass over every slot of a small view, using ``positions``."""
     qh, groups, scale = _grouped(q, view.k, scale)
     key_position = view.positions[:, None, None, :]  # [B, 1, 1, C]

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.errors import (
     CapacityError,
@@ -44,6 +43,7 @@ from jax_session_state.errors import (
     NotEvictableError,
     NotResidentError,
 )
+from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec
 
 if TYPE_CHECKING:
     from jax_session_state.sharding import ShardingRules

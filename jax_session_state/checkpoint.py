@@ -382,7 +382,9 @@ def _check_matches(record: dict[str, Any], entries: dict[str, Any], target: Sess
         obj_record = dict(record["objects"][name])
         del obj_record["storage"]
         if obj_record != json.loads(json.dumps(_object_spec(target[name], f"target object {name!r}"))):
-            problems.append(f"object {name!r} is {_describe(obj_record)} in the checkpoint, {target[name].describe()} in the target")
+            problems.append(
+                f"object {name!r} is {_describe(obj_record)} in the checkpoint, {target[name].describe()} in the target"
+            )
     table = ArrayTable(keep_values=False)
     target_attrs = json.loads(json.dumps(_encode_session(Session(objects={}, attrs=target.attrs), table)["attrs"]))
     saved_attrs = [_signature(leaf, entries) for leaf in record["attrs"]["leaves"]]

@@ -19,20 +19,20 @@ Example:
 from __future__ import annotations
 
 __all__ = [
-      "SessionStateError",
-      "CapacityError",
-      "NotResidentError",
-      "NotEvictableError",
-      "RecomputeGraphError",
-      "BudgetExceededError",
-      "SessionAdmissionError",
-      "SessionStateLostError",
-      "SessionCheckedOutError",
-      "CheckpointError",
-      "PayloadError",
-      "PayloadTypeError",
-      "DonatedError",
-      "NotDemotableError",
+    "BudgetExceededError",
+    "CapacityError",
+    "CheckpointError",
+    "DonatedError",
+    "NotDemotableError",
+    "NotEvictableError",
+    "NotResidentError",
+    "PayloadError",
+    "PayloadTypeError",
+    "RecomputeGraphError",
+    "SessionAdmissionError",
+    "SessionCheckedOutError",
+    "SessionStateError",
+    "SessionStateLostError",
 ]
 
 

@@ -135,7 +135,8 @@ def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) ->
     if isinstance(x, jax.Array) and not x.committed and x.sharding == sharding:
         return x
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(place(jax.random.key_data(x), sharding, committed=False), impl=jax.random.key_impl(x))
+        data = place(jax.random.key_data(x), sharding, committed=False)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     # Only uncommitted arrays on one device exist, and only a transfer from the host makes one:
     # jax.device_put onto a device or sharding commits what it returns.
     (device,) = sharding.device_set

@@ -281,11 +281,12 @@ def plan(
     ``recompute_cost`` per byte freed on over-budget keys first (ties by
     name); (2) demote, LRU session first, most bytes saved on over-budget keys
     first; (3) park, LRU session first, larger objects first (an object
-    demoted in the plan is not also parked); (4) preempt LRU sessions first.  Each action frees bytes on a key over budget when taken
-    (a replayed search evict may instead free room its parks need), and the
-    plan stops as soon as every key fits.  A preemption that later ones made
-    needless is left out (preemption loses history, so the plan keeps as few
-    as this greedy order allows).
+    demoted in the plan is not also parked); (4) preempt LRU sessions first.
+    Each action frees bytes on a key over budget when taken (a replayed
+    search evict may instead free room its parks need), and the plan stops
+    as soon as every key fits.  A preemption that later ones made needless
+    is left out (preemption loses history, so the plan keeps as few as this
+    greedy order allows).
 
     Completeness: a Plan is returned whenever some valid plan fits (of
     evictions, demotions, parks and preemptions).  Greedy choices can block

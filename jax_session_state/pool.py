@@ -336,7 +336,9 @@ class SessionPool(struct.PyTreeNode):
         def one(session: Session, live: jax.Array, *args: Any) -> tuple[Session, Any]:
             (stepped, out), origins = run_masked(step, live, session, *args)
             if not isinstance(stepped, Session):
-                raise TypeError(f"SessionPool.map: {_name(step)} must return (session, out); got {type(stepped).__name__}.")
+                raise TypeError(
+                    f"SessionPool.map: {_name(step)} must return (session, out); got {type(stepped).__name__}."
+                )
             _require_same(session, stepped, f"SessionPool.map: {_name(step)} returned a session that")
             old, tree = jax.tree_util.tree_flatten(session)
             new = jax.tree_util.tree_leaves(stepped)

@@ -192,7 +192,7 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
       session  held      name  kind        shapes  dtype    committed  staged  capacity  margin  resident  recompute  cpu:0
       -------  --------  ----  ----------  ------  -------  ---------  ------  --------  ------  --------  ---------  -----
       user     resident  h     FixedState  [2]     float32  1          0       1         0       yes       -          17
-    """
+    """  # noqa: E501 - a doctest's expected table: its rows cannot be wrapped
     seen = SeenStorages()
     if isinstance(tree, StateObject):
         rows = [object_row(type(tree).__name__, tree, seen)]

@@ -203,7 +203,9 @@ class Conformance:
         """``view(include_staged=False)`` ignores staged data; the staged view shows it."""
         fresh = self.make()
         staged = fresh.stage(self._payload())
-        assert_logically_equal(staged.view(include_staged=False), fresh.view(), "staged data leaked into the committed view")
+        assert_logically_equal(
+            staged.view(include_staged=False), fresh.view(), "staged data leaked into the committed view"
+        )
         assert not logically_equal(staged.view(), fresh.view()), (
             f"{fresh.describe()}: view(include_staged=True) does not show staged data"
         )
@@ -358,9 +360,13 @@ class Conformance:
                         run(obj, wrong)
                     except (TypeError, ValueError) as error:
                         where = f"{obj.describe()}.{method} {how}, wrong {what}"
-                        assert type(obj).__name__ in str(error), f"{where}: the message does not name the object: {error}"
+                        assert type(obj).__name__ in str(error), (
+                            f"{where}: the message does not name the object: {error}"
+                        )
                         assert "got" in str(error), f"{where}: the message does not say what came: {error}"
-                        assert isinstance(error, SessionStateError), f"{where}: {type(error).__name__} is no SessionStateError"
+                        assert isinstance(error, SessionStateError), (
+                            f"{where}: {type(error).__name__} is no SessionStateError"
+                        )
                         continue
                     raise AssertionError(f"{obj.describe()}.{method} {how} accepted a payload of the wrong {what}")
 

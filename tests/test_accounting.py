@@ -24,7 +24,9 @@ def test_default_memory_device_key():
 
 def test_memory_kind_is_part_of_the_key():
     device = jax.devices()[0]
-    pinned = jax.device_put(jnp.zeros((8,), jnp.float32), jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+    pinned = jax.device_put(
+        jnp.zeros((8,), jnp.float32), jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    )
     assert device_bytes(pinned) == {f"{device_key(device)}/pinned_host": 32}
 
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from tests.support.attention_reference import append_view, assert_close, randn, reference
 from jax_session_state import _attention_blocks, _native
+from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 EXAMPLES = settings(max_examples=25)
 
@@ -41,7 +41,7 @@ def ring_positions(length, capacity, sink):
     return positions
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(**static):
     return jax.jit(functools.partial(jss.attend_with_lse, **static))
 
@@ -69,7 +69,9 @@ def test_append_mode(seed, batch, kv_heads, groups, T, capacity, causal):
 
 
 @EXAMPLES
-@given(seed=st.integers(0, 2**31 - 1), T=st.sampled_from([1, 16]), causal=st.booleans(), scale=st.sampled_from([None, 0.3]))
+@given(
+    seed=st.integers(0, 2**31 - 1), T=st.sampled_from([1, 16]), causal=st.booleans(), scale=st.sampled_from([None, 0.3])
+)
 def test_explicit_query_positions(seed, T, causal, scale):
     rng = np.random.default_rng(seed)
     q = randn(rng, 2, T, 4, 8)
@@ -99,7 +101,9 @@ def test_ring_mode_with_wraparound_and_sinks(seed, batch, groups, T, window, sin
     positions = np.stack([ring_positions(int(n), capacity, sink) for n in lengths])
     q = randn(rng, batch, T, 2 * groups, 8)
     k, v = randn(rng, batch, 2, capacity, 8), randn(rng, batch, 2, capacity, 8)
-    view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions), window=window, sink=sink)
+    view = jss.KVView(
+        k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions), window=window, sink=sink
+    )
     out, lse = jitted(causal=causal)(q, view)
     assert_close(out, lse, *reference(q, k, v, lengths, positions, window=window, sink=sink, causal=causal))
 
@@ -147,7 +151,8 @@ def test_cascade_over_branch_lanes_equals_the_concatenation(ring):
             outs.append(jss.attend_with_lse(queries[c], lane.view()["kv"]))
         return lane, outs
 
-    _, outs = jax.jit(lambda s, r, q: s.branch(lanes, window=chunks * T).map(lane_rollout, r, q))(session, rows, queries)
+    rollout = jax.jit(lambda s, r, q: s.branch(lanes, window=chunks * T).map(lane_rollout, r, q))
+    _, outs = rollout(session, rows, queries)
     for lane in range(lanes):
         history = np.concatenate(prefix_k + [rows[lane, c] for c in range(chunks)], 1).transpose(0, 2, 1, 3)
         for c in range(chunks):
@@ -349,7 +354,9 @@ def test_branch_lanes_read_the_prefix_once():
     prefix = f"f32[1,2,{capacity},8]"
     reads = [(op, shape) for shape, op, operand in re.findall(r"= (\S+?)\{\S* (dynamic-slice|gather)\((%[\w.-]+)", hlo)
              if shapes.get(operand) == prefix]
-    calls = re.findall(rf"= \(f32\[([\d,]+)\][^)]*\) custom-call\(([^)]*)\), custom_call_target=\"{_native.TARGET}\"", hlo)
+    calls = re.findall(
+        rf"= \(f32\[([\d,]+)\][^)]*\) custom-call\(([^)]*)\), custom_call_target=\"{_native.TARGET}\"", hlo
+    )
     if _native.enabled():
         assert not reads, reads
         assert len(calls) == 1 and calls[0][0] == f"1,{lanes * 3},4,8", calls  # every lane's queries, one call

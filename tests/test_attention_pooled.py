@@ -230,7 +230,7 @@ def test_quantized_caches_under_vmap_match_their_dequantized_values(ring):
     rng = np.random.default_rng(8)
     kind = {"window": 40, "sink": 2, "max_staged": 9} if ring else {"capacity": 2000}
     caches = []
-    for slot, steps in enumerate([1, 200, 3, 0, 7, 2]):  # one long slot: read one by one
+    for _slot, steps in enumerate([1, 200, 3, 0, 7, 2]):  # one long slot: read one by one
         cache = jss.KVCache.allocate(batch=1, kv_heads=KV_HEADS, head_dim=DIM, quantize="int8", **kind)
         for _ in range(steps):
             rows = randn(rng, 2, 1, 9, KV_HEADS, DIM)

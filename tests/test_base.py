@@ -7,7 +7,6 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state.errors import DonatedError, PayloadError, PayloadTypeError
-
 from tests.support.kinds import KINDS
 
 
@@ -15,7 +14,8 @@ from tests.support.kinds import KINDS
 def test_unknown_keyword_is_a_type_error_naming_it(kind):
     make, _ = KINDS[kind]
     obj = make()
-    with pytest.raises(TypeError, match=rf"{type(obj).__name__}\.allocate\(\) got unexpected keyword argument\(s\): sizee"):
+    message = rf"{type(obj).__name__}\.allocate\(\) got unexpected keyword argument\(s\): sizee"
+    with pytest.raises(TypeError, match=message):
         type(obj).allocate(sizee=3)
 
 

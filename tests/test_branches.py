@@ -149,7 +149,7 @@ def test_branching_staged_data_is_refused():
 def test_adopt_out_of_range():
     session = make_session()
     branches = session.branch(2, window=4)
-    with pytest.raises(IndexError, match="lane 2 is out of range.*0..1"):
+    with pytest.raises(IndexError, match=r"lane 2 is out of range.*0\.\.1"):
         branches.adopt(2)
     with pytest.raises(IndexError):
         branches.adopt(-1)

@@ -3,7 +3,6 @@
 import pytest
 
 from jax_session_state.testing import CHECKS, Conformance
-
 from tests.support.kinds import KINDS
 
 

@@ -27,7 +27,9 @@ import jax_session_state as jss
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL)
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL
+)
 _DIRECTIVE = re.compile(r"^:::\s+(?P<path>\S+)\n(?P<options>(?:[ \t]+\S.*\n)*)", re.MULTILINE)
 
 

@@ -1,5 +1,6 @@
 """Every example runs end to end at a tiny size, in its own process, and produces what it promises."""
 
+import itertools
 import json
 import re
 import subprocess
@@ -92,11 +93,12 @@ def test_speculative_planning(tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     best = [it["best"] for it in plan["iterations"]]
     assert len(best) == 3 and np.all(np.isfinite(best))
-    assert all(b >= a for a, b in zip(best, best[1:])), best  # the best plan competes again: never worse
+    assert all(b >= a for a, b in itertools.pairwise(best)), best  # the best plan competes again: never worse
     assert plan["best_score"] == best[-1] >= max(it["iteration_best"] for it in plan["iterations"])
     assert np.asarray(plan["best_plan"]).shape == (2, 1, 2)
     assert plan["tokens_committed"] == (4 + 2) * 16  # the history, then the adopted lane's two frames
-    assert f"session before branching: {DEVICE}:" in done.stdout and "during branching (8 lanes x 2 frames)" in done.stdout
+    assert f"session before branching: {DEVICE}:" in done.stdout
+    assert "during branching (8 lanes x 2 frames)" in done.stdout
     assert f"best score {plan['best_score']:.4f}" in done.stdout
 
 

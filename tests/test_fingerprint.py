@@ -91,5 +91,7 @@ def test_a_manifest_digest_sees_every_change_of_its_parsed_content():
     record = {"a": [1, 2.5, "x"], "b": {"c": None, "d": True}}
     same = {"a": [1, 2.5, "x"], "b": {"c": None, "d": True}}
     assert _digest.manifest_digest(record) == _digest.manifest_digest(same)
-    for other in ({"a": [1, 2.5, "y"], "b": same["b"]}, {"b": same["b"], "a": same["a"]}, {"a": [1.0, 2.5, "x"], "b": same["b"]}):
+    for other in (
+        {"a": [1, 2.5, "y"], "b": same["b"]}, {"b": same["b"], "a": same["a"]}, {"a": [1.0, 2.5, "x"], "b": same["b"]}
+    ):
         assert _digest.manifest_digest(other) != _digest.manifest_digest(record)  # a value, key order, int vs float

@@ -6,9 +6,12 @@ import threading
 import jax
 import numpy as np
 import pytest
+
+import jax_session_state as jss
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import (
     TRACES,
+    _step as world_step,
     assert_same,
     contents,
     make_session,
@@ -16,9 +19,6 @@ from tests.support.world import (
     session_bytes,
     step,
 )
-from tests.support.world import _step as world_step
-
-import jax_session_state as jss
 
 SIZES = session_bytes()
 ONE = SIZES["session"]
@@ -138,12 +138,12 @@ def test_create_of_a_held_id_and_puts_of_other_things_are_refused():
     m.create("a", make_session(0))
     with pytest.raises(ValueError, match=r"create\('a'\): that session exists already"):
         m.create("a", make_session(1))
-    with pytest.raises(TypeError, match="expected a jss.Session; got dict"):
+    with pytest.raises(TypeError, match=r"expected a jss\.Session; got dict"):
         m.put("a", {"kv": 1})
     dead = make_session(2)
     step(dead)
     for call in (lambda: m.put("a", dead), lambda: m.create("b", dead)):
-        with pytest.raises(ValueError, match="arrays were deleted.*Pass the step's output instead"):
+        with pytest.raises(ValueError, match=r"arrays were deleted.*Pass the step's output instead"):
             call()
     assert "b" not in m and m.nbytes_by_device() == {DEVICE: ONE}
 
@@ -251,7 +251,7 @@ def test_host_budget_limits_parking():
 
 
 def test_restore_that_does_not_fit_is_refused_and_leaves_the_session_parked():
-    m, events = manager(byte_budget={DEVICE: ONE + 10})
+    m, _ = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     with m.pin("b"):
@@ -281,7 +281,7 @@ def test_pinned_sessions_are_never_touched_and_pins_nest():
 
 
 def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorable():
-    m, events = manager(byte_budget={DEVICE: ONE + 10})
+    m, _ = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     m.release("b")
@@ -382,7 +382,7 @@ def test_sessions_donated_after_planning_are_skipped_when_the_plan_is_prepared()
 
 
 def test_update_is_atomic_for_its_session_and_safe_with_donation():
-    m, events = manager()
+    m, _ = manager()
     m.create("a", make_session(0, capacity=64))
     start = int(m.get("a").attrs["step"])
 
@@ -528,7 +528,9 @@ def test_a_listener_that_raises_leaves_no_pin_or_update_hold_behind():
 
 def test_a_refusal_stays_the_error_when_the_listener_raises_too():
     listener, seen = listener_failing_on({0})
-    m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False, on_event=listener)
+    m = jss.SessionStateManager(
+        byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False, on_event=listener
+    )
     m.create("a", make_session(0))
     with pytest.raises(jss.BudgetExceededError) as refused:
         m.create("b", make_session(1))
@@ -538,7 +540,9 @@ def test_a_refusal_stays_the_error_when_the_listener_raises_too():
 
 BACKEND_COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda name, seconds, **kw: BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    lambda name, seconds, **kw: (
+        BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
 )
 
 
@@ -551,7 +555,7 @@ def test_parked_and_rebuilt_sessions_come_back_without_a_compile(rebuild):
     m.create("a", fresh_step(make_session(0)))  # uncommitted arrays, as jnp makes them
     m.create("b", fresh_step(make_session(1)))
     compiles = []
-    for cycle in range(21):  # the first cycle compiles what parks, restores and rebuilds
+    for _cycle in range(21):  # the first cycle compiles what parks, restores and rebuilds
         compiles.append(len(BACKEND_COMPILES))
         for sid in "ab":  # each get brings one session back and parks (or evicts) the other
             m.put(sid, fresh_step(m.get(sid)))

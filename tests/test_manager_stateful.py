@@ -12,12 +12,12 @@ import contextlib
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from tests.support.devices import DEVICE, PINNED
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from tests.support.world import contents, make_session, rebuild_cond, session_bytes, step
 
 import jax_session_state as jss
+from tests.support.devices import DEVICE, PINNED
+from tests.support.world import contents, make_session, rebuild_cond, session_bytes, step
 
 IDS = st.sampled_from("abcd")
 CAPACITIES = st.sampled_from([8, 16, 32])

@@ -4,10 +4,9 @@ import collections
 import random
 import threading
 
+import jax_session_state as jss
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import make_session, rebuild_cond, session_bytes, step
-
-import jax_session_state as jss
 
 THREADS, OPERATIONS, SESSIONS = 8, 2000, 100
 ONE = session_bytes(capacity=8)["session"]
@@ -56,7 +55,7 @@ def test_eight_threads_of_random_operations():
             except ValueError as error:  # another thread created it in between
                 assert op == "create" and "exists already" in str(error)
                 outcomes[op, "exists"] += 1
-            except BaseException as error:  # noqa: BLE001 - recorded and failed on below
+            except BaseException as error:  # recorded and failed on below
                 unexpected.append((op, sid, repr(error)))
 
     threads = [threading.Thread(target=work, args=(seed,)) for seed in range(THREADS)]

@@ -28,7 +28,9 @@ def tier_session(seed, *, cond=False):
     k, v = (jnp.asarray(rng.normal(size=(B, TOKENS, H, D)), jnp.float32) for _ in range(2))
     objects = {
         "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=CAPACITY, tiers=("int8",)).append((k, v)),
-        "carry": jss.FixedState.allocate(shapes={"h": (B, 8)}).commit({"h": jnp.asarray(rng.normal(size=(B, 8)), jnp.float32)}),
+        "carry": jss.FixedState.allocate(shapes={"h": (B, 8)}).commit(
+            {"h": jnp.asarray(rng.normal(size=(B, 8)), jnp.float32)}
+        ),
     }
     if cond:
         prompt = jnp.asarray(rng.normal(size=(B, PROMPT, H * D)), jnp.float32)
@@ -194,7 +196,8 @@ def paged_session(seed):
     rng = np.random.default_rng(seed)
     k, v = (jnp.asarray(rng.normal(size=(3, TOKENS, H, D)), jnp.float32) for _ in range(2))
     cache = jss.PagedKVCache.allocate(max_slots=3, kv_heads=H, head_dim=D, page_size=4, num_pages=12, tiers=("int8",))
-    return jss.Session(objects={"kv": cache.append(jss.KVChunk(k, v, jnp.asarray([TOKENS, 5, 0], jnp.int32))).fork(0, 2)})
+    cache = cache.append(jss.KVChunk(k, v, jnp.asarray([TOKENS, 5, 0], jnp.int32))).fork(0, 2)
+    return jss.Session(objects={"kv": cache})
 
 
 def host_rows(cache):
@@ -217,7 +220,9 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
     sessions = {sid: make(seed) for seed, sid in enumerate("abc")}
     written = {sid: host_rows(session["kv"]) for sid, session in sessions.items()}
     old = sessions["a"]["kv"]
-    bookkeeping = [name for name in old.storage_fields() if name not in old.data_fields and getattr(old, name) is not None]
+    bookkeeping = [
+        name for name in old.storage_fields() if name not in old.data_fields and getattr(old, name) is not None
+    ]
     pointers = {name: getattr(old, name).unsafe_buffer_pointer() for name in bookkeeping}
     m, events = manager(3 * size - saved // 2, rebuild=False)
     for sid in "abc":

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from tests.support.attention_reference import append_view, assert_close, randn, reference
 from jax_session_state import _native
+from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 needs_native = pytest.mark.skipif(
     not _native.AVAILABLE or jax.default_backend() != "cpu",
@@ -28,7 +28,7 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def native_attend(causal):
     """attend_with_lse jitted with the native kernel; q_positions may be None."""
     with _native.use(True):
@@ -237,7 +237,9 @@ def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once(
     capacity = 4093  # a size no other array of the step has
     cache = jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=8, capacity=capacity)
     jitted = jax.jit(step, donate_argnums=0)
-    hlo = _traced_with(True, lambda: jitted.lower(cache, jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))).compile().as_text())
+    hlo = _traced_with(
+        True, lambda: jitted.lower(cache, jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))).compile().as_text()
+    )
     assert calls_native(hlo) == 1 and " while(" not in hlo  # no pure loop left on CPU
     assert not re.search(rf"copy\S*\(f32\[2,2,{capacity},8\]", hlo) and f"f32[2,2,{capacity},8]" in hlo
     rng = np.random.default_rng(16)
@@ -279,7 +281,9 @@ def test_half_precision_caches_take_the_kernel_and_match_float64_on_their_values
 def test_ring_views_stay_on_the_pure_path():
     ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_staged=4)
     rows = jnp.ones((1, 3, 2, 8))
-    hlo = _traced_with(True, lambda: jax.jit(rollout_step).lower(ring, jnp.ones((1, 3, 4, 8)), rows).compile().as_text())
+    hlo = _traced_with(
+        True, lambda: jax.jit(rollout_step).lower(ring, jnp.ones((1, 3, 4, 8)), rows).compile().as_text()
+    )
     assert calls_native(hlo) == 0
 
 

@@ -75,7 +75,8 @@ def test_quantized_cache_matches_float64_over_its_dequantized_rows(seed, fmt, ba
 @needs_native
 @pytest.mark.parametrize("T, groups", [(1, 1), (16, 2)], ids=["dot-per-row", "rows-in-lanes"])
 def test_a_quantized_cache_takes_the_kernel_in_a_compiled_step_without_a_dequantized_copy(T, groups):
-    """Through ``KVCache.allocate(quantize="int8")``: one kernel call, no loop, no float32 array of the cache's shape."""
+    """Through ``KVCache.allocate(quantize="int8")``: one kernel call, no loop, no float32 array of the
+    cache's shape."""
     B, H, D, capacity = 2, 2, 64, 4093  # a capacity no other array of the step has
     cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=capacity, quantize="int8")
     rng = np.random.default_rng(21)

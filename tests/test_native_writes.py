@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
 from jax_session_state import _native, _writes
@@ -71,7 +70,9 @@ def test_the_row_writer_matches_numpy_jitted_and_under_vmap(seed, dtype, lead, t
         slots = rng.integers(-2, size + 2, size=(*lead[:k], T)).astype(np.int32)  # some out of range: dropped
         return np.asarray(buffer), slots, np.asarray(rows)
 
-    write = lambda b, s, r: _native.write_rows(b, s, r, axis=axis)
+    def write(b, s, r):
+        return _native.write_rows(b, s, r, axis=axis)
+
     buffer, slots, rows = operands()
     np.testing.assert_array_equal(as_f32(jax.jit(write)(buffer, slots, rows)),
                                   numpy_rows(buffer, slots, rows, axis).astype(np.float32))
@@ -226,7 +227,8 @@ def test_gradients_flow_through_a_native_write_as_through_xla_writes():
     grads = []
     for native in (True, False):
         with _native.use(native):
-            grads.append(jax.jit(jax.grad(lambda *a: loss(*a), argnums=(0, 1)))(jnp.float32(1.5), jnp.float32(0.5), cache))
+            grad = jax.jit(jax.grad(lambda *a: loss(*a), argnums=(0, 1)))
+            grads.append(grad(jnp.float32(1.5), jnp.float32(0.5), cache))
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
     assert all(float(g) != 0.0 for g in grads[0])
 
@@ -274,7 +276,10 @@ def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
                 assert [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(stepped)] == before
             results.append(stepped)
     assert_same_leaves(*results)
-    slot = lambda p, i: jax.tree_util.tree_map(lambda x: x[i], p.sessions)
+
+    def slot(p, i):
+        return jax.tree_util.tree_map(lambda x: x[i], p.sessions)
+
     assert_same_leaves(slot(results[0], 1), slot(pool, 1))  # an empty slot: untouched
     assert int(results[0].extract(2).objects["kv"].lengths[0]) == 3 + 3 + 2
 

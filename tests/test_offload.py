@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.support.kinds import KINDS
-from tests.support.world import assert_same
 
 import jax_session_state as jss
 from jax_session_state import offload
 from tests.support.devices import DEVICE, PINNED
+from tests.support.kinds import KINDS
+from tests.support.world import assert_same
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -66,7 +66,9 @@ def test_park_refuses_what_it_cannot_park():
 
 BACKEND_COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda name, seconds, **kw: BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    lambda name, seconds, **kw: (
+        BACKEND_COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
 )
 
 
@@ -81,12 +83,15 @@ def test_restored_arrays_are_committed_as_they_were_so_a_step_does_not_compile_a
     for _ in range(4):  # the first cycle compiles the copies that parking and restoring make
         compiles.append(len(BACKEND_COMPILES))
         restored = offload.restore(offload.park(cache))
-        assert [x.committed for x in jax.tree_util.tree_leaves(restored)] == [x.committed for x in jax.tree_util.tree_leaves(cache)]
+        assert [x.committed for x in jax.tree_util.tree_leaves(restored)] == [
+            x.committed for x in jax.tree_util.tree_leaves(cache)
+        ]
         assert {x.committed for x in jax.tree_util.tree_leaves(cache)} == {committed}
         assert_same(restored, cache)
         cache = step(restored)
         rebuilt = offload.Placement.of(cache).apply(cache.empty())  # what the manager does to a rebuilt object
-        assert [x.committed for x in jax.tree_util.tree_leaves(rebuilt)] == [committed] * len(jax.tree_util.tree_leaves(cache))
+        n_leaves = len(jax.tree_util.tree_leaves(cache))
+        assert [x.committed for x in jax.tree_util.tree_leaves(rebuilt)] == [committed] * n_leaves
         step(rebuilt)
     assert compiles[1] == len(BACKEND_COMPILES)  # then nothing compiles: the step runs its one executable
 

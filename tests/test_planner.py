@@ -670,7 +670,9 @@ def tiered(name, nbytes, demoted, **kw):
 
 def test_demotion_comes_after_eviction_and_before_parking():
     sessions = [
-        sess("a", tiered("kv", 1000, 270), obj("cond", {"d": 100}, rebuildable=True), obj("x", {"d": 500}), last_used=0),
+        sess(
+            "a", tiered("kv", 1000, 270), obj("cond", {"d": 100}, rebuildable=True), obj("x", {"d": 500}), last_used=0
+        ),
         sess("b", tiered("kv", 1000, 270), last_used=1),
     ]
     # 2600 held: evicting cond (100) is not enough, demoting a's kv (730) is.

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.support.attention_reference import assert_close, reference
-from tests.support.pooled import CAPACITY, CHUNK, DIM, HEADS, KV_HEADS, new_session, step, steps_fit
 
 import jax_session_state as jss
 from jax_session_state import _native
+from tests.support.attention_reference import assert_close, reference
+from tests.support.pooled import CAPACITY, CHUNK, DIM, HEADS, KV_HEADS, new_session, step, steps_fit
 
 SLOTS = 6
 
@@ -233,8 +233,12 @@ def test_bad_slots_raise_eagerly_and_are_refused_under_jit():
     with pytest.raises(TypeError, match="integer scalar"):
         pool.insert(0.5, new_session(2))
     before = jax.tree_util.tree_map(lambda x: x.copy(), pool)
-    for operation, args in [(jss.SessionPool.insert, (1, new_session(2))), (jss.SessionPool.insert, (5, new_session(2))),
-                            (jss.SessionPool.release, (0,)), (jss.SessionPool.release, (-1,))]:
+    for operation, args in [
+        (jss.SessionPool.insert, (1, new_session(2))),
+        (jss.SessionPool.insert, (5, new_session(2))),
+        (jss.SessionPool.release, (0,)),
+        (jss.SessionPool.release, (-1,)),
+    ]:
         refused = jax.jit(operation)(pool, *args)
         with pytest.raises(ValueError, match="refused and wrote nothing"):
             refused.check()

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tests.support.world import _step, make_session, rebuild_cond, session_bytes
 
 import jax_session_state as jss
 from tests.support.devices import DEVICE
+from tests.support.world import _step, make_session, rebuild_cond, session_bytes
 
 SLOTS, CAPACITY, MAX_STEPS = 3, 40, 30
 IDS = st.sampled_from("abcde")

@@ -7,7 +7,6 @@ from jax.sharding import AxisType
 
 import jax_session_state as jss
 from jax_session_state.testing import assert_logically_equal
-
 from tests.support.kinds import KINDS, kv_payload
 
 MESH = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2)

@@ -36,7 +36,8 @@ def test_rollout_matches_flax_decode_cache_and_raw_arrays():
     ours = np.asarray(jax.jit(functools.partial(rollout, model))(session, actions)[1])
 
     graphdef, params = nnx.split(model)
-    raw = jax.jit(functools.partial(baselines.raw_rollout, graphdef))(params, cond, baselines.raw_state(snapshot, 256), actions)[1]
+    raw_rollout = jax.jit(functools.partial(baselines.raw_rollout, graphdef))
+    raw = raw_rollout(params, cond, baselines.raw_state(snapshot, 256), actions)[1]
     np.testing.assert_allclose(np.asarray(raw), ours, rtol=1e-5, atol=1e-5)
 
     # flax's MultiHeadAttention on its own cache, one token per call: an independent attention.
@@ -55,8 +56,9 @@ def test_two_steps_per_loop_iteration_roll_what_one_does_even_for_an_odd_count()
     np.testing.assert_allclose(np.asarray(two_frames), np.asarray(one_frames), rtol=1e-6, atol=1e-6)
     for name in kv_names(CONFIG):
         assert two_session[name].lengths.tolist() == one_session[name].lengths.tolist() == [(2 + 3) * CONFIG.tokens]
-    np.testing.assert_allclose(np.asarray(two_session.view()["carry"]["h"]), np.asarray(one_session.view()["carry"]["h"]),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(two_session.view()["carry"]["h"]), np.asarray(one_session.view()["carry"]["h"]), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_donated_rollout_compiles_once_and_writes_in_place():

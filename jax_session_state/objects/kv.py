@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state import _validation as v
-from jax_session_state import _writes
-from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadTypeError
+from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 

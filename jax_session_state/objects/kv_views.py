@@ -1,4 +1,7 @@
-"""What K/V kinds are written with and read as: :class:`KVChunk`, :class:`KVView`, :class:`BranchKVView`, :class:`PagedView`."""
+"""What K/V kinds are written with and read as.
+
+:class:`KVChunk`, :class:`KVView`, :class:`BranchKVView`, :class:`PagedView`.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.kinds import refuse_now_if
 from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError, PayloadTypeError
+from jax_session_state.kinds import refuse_now_if
 from jax_session_state.objects._quantize import dequantize
 
 __all__ = ["BranchKVView", "KVChunk", "KVView", "PagedView", "read_chunk"]

@@ -12,8 +12,8 @@ from flax import struct
 from jax import Array, lax
 
 from jax_session_state import _validation as v
-from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.errors import PayloadError, PayloadTypeError
+from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes
 
@@ -216,7 +216,9 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         if size is None:
             raise PayloadTypeError(f"{self.describe()}: lanes need a window size (items per lane).")
         if self.ring and size > self.slots:
-            raise PayloadError(f"{self.describe()}: a lane window of {size} items exceeds the ring's {self.slots} slots.")
+            raise PayloadError(
+                f"{self.describe()}: a lane window of {size} items exceeds the ring's {self.slots} slots."
+            )
         return LatentBuffer.allocate(
             capacity=size, item_shape=self.item_shape, dtype=self.dtype, axes=self.axes, sharding=self.sharding
         )
@@ -236,6 +238,10 @@ class LatentBuffer(ItemBuffer, kw_only=True):
     def commit_window(self, window: LatentBuffer) -> LatentBuffer:
         """Appends the lane's items."""
         written, refused = self._write(
-            [window.items], window.capacity, staging=False, operation="commit_window", take=window.committed + window.staged
+            [window.items],
+            window.capacity,
+            staging=False,
+            operation="commit_window",
+            take=window.committed + window.staged,
         )
         return written._commit_staged(when=~refused)

@@ -21,11 +21,10 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state import _validation as v
-from jax_session_state import _writes
-from jax_session_state.kinds import allocator, overwrite, refuse_now_if
+from jax_session_state import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
+from jax_session_state.kinds import allocator, overwrite, refuse_now_if
 from jax_session_state.objects import _quantize
 from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
@@ -96,9 +95,11 @@ class PagedKVCache(StateObject, kw_only=True):
     v_pages: Array | None = None
     """``Float[Array, "num_pages page_size kv_heads head_dim"]`` (int8 / fp8 values when quantized)."""
     k_scale: Array | None = None
-    """``Float[Array, "num_pages page_size kv_heads 1"]`` the scale of each row of ``k_pages`` when quantized, else None."""
+    """``Float[Array, "num_pages page_size kv_heads 1"]`` the scale of each row of ``k_pages`` when quantized,
+    else None."""
     v_scale: Array | None = None
-    """``Float[Array, "num_pages page_size kv_heads 1"]`` the scale of each row of ``v_pages`` when quantized, else None."""
+    """``Float[Array, "num_pages page_size kv_heads 1"]`` the scale of each row of ``v_pages`` when quantized,
+    else None."""
     page_table: Array | None = None
     """``Int[Array, "max_slots max_pages_per_slot"]`` page ids in row order, -1 after the last."""
     lengths: Array | None = None

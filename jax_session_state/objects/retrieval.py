@@ -11,8 +11,8 @@ from flax import struct
 from jax import Array
 
 from jax_session_state import _validation as v
-from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.errors import PayloadError
+from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.objects import _ring
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes

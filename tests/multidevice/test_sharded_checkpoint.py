@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from tests.support.meshes import auto_mesh, shard_pointers, shardings
 
 import jax_session_state as jss
 from jax_session_state import _digest, checkpoint
+from tests.support.meshes import auto_mesh, shard_pointers, shardings
 
 B, H, D, CAPACITY = 2, 8, 4, 32
 AXES = {"batch": "data", "kv_heads": "model", "hidden": "model"}

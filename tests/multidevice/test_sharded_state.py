@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from tests.support.meshes import auto_mesh, shard_pointers, shardings
 
 import jax_session_state as jss
 from jax_session_state.testing import assert_logically_equal
+from tests.support.meshes import auto_mesh, shard_pointers, shardings
 
 B, H, D = 2, 8, 4
 MESH = auto_mesh((2, 4), ("data", "model"))
@@ -320,7 +320,7 @@ def dense_attend(q, view):
 def reference_attention(q, view):
     """float64 numpy attention of each query over the visible rows of its batch row."""
     q = np.asarray(q, np.float64)
-    batch, T, heads, dim = q.shape
+    _batch, T, heads, dim = q.shape
     out = np.zeros_like(q)
     for b, row in enumerate(view.materialize()):
         group = heads // row["k"].shape[1]
@@ -351,7 +351,8 @@ def test_attention_over_head_sharded_cache_never_gathers_it(mesh_shape, names, r
     append = jax.jit(lambda kv, chunk: kv.append(chunk))  # eagerly, JAX 0.10.2 mixes up meshes of one device set
     for _ in range(2):
         kv = append(kv, kv_chunk(rng, T=5, heads=kv_heads)[:2])
-    q_sharding = jax.sharding.NamedSharding(mesh, rules.partition_spec(("batch", None, "heads", None), (B, T, heads, D)))
+    q_spec = rules.partition_spec(("batch", None, "heads", None), (B, T, heads, D))
+    q_sharding = jax.sharding.NamedSharding(mesh, q_spec)
     q = jax.device_put(jnp.asarray(rng.normal(size=(B, T, heads, D)), jnp.float32), q_sharding)
     chunk = kv_chunk(rng, T=T, heads=kv_heads)[:2]
 
@@ -377,7 +378,8 @@ def test_the_manager_budgets_each_device_of_a_sharded_session():
     rules = jss.ShardingRules(mesh, {"kv_heads": "model"})
 
     def make():
-        return jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=8, head_dim=16, capacity=64, sharding=rules)})
+        kv = jss.KVCache.allocate(batch=1, kv_heads=8, head_dim=16, capacity=64, sharding=rules)
+        return jss.Session(objects={"kv": kv})
 
     per_device = make().nbytes_by_device()["cpu:0"]
     manager = jss.SessionStateManager(byte_budget={f"cpu:{d.id}": per_device * 3 // 2 for d in jax.devices()})

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import jax_session_state as jss
-from tests.support.models import OK, Op, drive
 from tests.support.devices import DEVICE
+from tests.support.models import OK, Op, drive
 
 SPEC = {"h": (2, 5), "conv": jax.ShapeDtypeStruct((2, 3), jnp.int32)}
 

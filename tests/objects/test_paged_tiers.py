@@ -1,5 +1,7 @@
 """Quantized paged K/V (int8, fp8): appends, forks, demotion and attention, against float64 numpy references."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -197,7 +199,7 @@ def test_quantized_pages_are_read_in_place_by_the_kernel_and_the_loop():
     q = jnp.asarray(rng.standard_normal((3, 1, H, D)), jnp.float32)
     pool_rows = view.k_pages.shape[0] * view.k_pages.shape[1]
     for implementation in ("auto", "loop"):
-        hlo = jax.jit(lambda q, view: jss.attend(q, view, implementation=implementation)).lower(q, view).compile()
+        hlo = jax.jit(functools.partial(jss.attend, implementation=implementation)).lower(q, view).compile()
         hlo = hlo.as_text()
         assert f"f32[{view.k_pages.shape[0]},16,{H},{D}]" not in hlo  # no float copy of the pool
         assert f"[{pool_rows}," not in hlo and f"f32[3,{H},{view.page_table.shape[1] * 16},{D}]" not in hlo
@@ -215,7 +217,8 @@ def test_quantized_paged_cache_round_trips_a_checkpoint_exactly(tmp_path, how):
         cache = cache.demote()
     session = jss.Session(objects={"kv": cache})
     jss.checkpoint.save(tmp_path / "ckpt", session)
-    for restored in (jss.checkpoint.restore(tmp_path / "ckpt"), jss.checkpoint.restore(tmp_path / "ckpt", target=session)):
+    restores = (jss.checkpoint.restore(tmp_path / "ckpt"), jss.checkpoint.restore(tmp_path / "ckpt", target=session))
+    for restored in restores:
         kv = restored["kv"]
         assert (kv.quantize, kv.tiers, kv.k_pages.dtype) == ("int8", (), jnp.int8)
         for name in kv.storage_fields():

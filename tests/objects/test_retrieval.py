@@ -35,7 +35,8 @@ def ops(draw):
     out = []
     for _ in range(draw(st.integers(1, 14))):
         name = draw(st.sampled_from(["stage", "append", "append", "commit", "discard", "commit_payload"]))
-        out.append(Op(name, entries(rng, draw(st.sampled_from([1, 2, 3]))) if name not in ("commit", "discard") else None))
+        payload = entries(rng, draw(st.sampled_from([1, 2, 3]))) if name not in ("commit", "discard") else None
+        out.append(Op(name, payload))
     return out
 
 

@@ -16,7 +16,7 @@ TOL = 1e-5
 def reference(q, k, v, lengths, key_positions, *, window=None, sink=0, causal=True, scale=None, q_positions=None):
     """Naive float64 attention: (out, lse), zeros / -inf where nothing is visible."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    B, T, q_heads, D = q.shape
+    _B, T, q_heads, D = q.shape
     groups = q_heads // k.shape[1]
     scale = 1 / np.sqrt(D) if scale is None else scale
     lengths = np.asarray(lengths)

@@ -87,7 +87,10 @@ KINDS = {
         ),
         lambda rng: (
             jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
-            {"a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)},
+            {
+                "a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32),
+                "b": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32),
+            },
         ),
     ),
 }
