@@ -33,6 +33,7 @@ from jax_session_state._attention_blocks import (
     _scores,
 )
 from jax_session_state._attention_pooled import fold_slots
+from jax_session_state.errors import PayloadError
 from jax_session_state.objects.kv import KVView
 
 _F32 = jnp.float32
@@ -43,7 +44,7 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
     if q_positions is None:
         return lengths[:, None].astype(jnp.int32) - T + jnp.arange(T, dtype=jnp.int32)
     if q_positions.shape != (batch, T):
-        raise ValueError(
+        raise PayloadError(
             f"attend(): q_positions must have shape [{batch}, {T}] (batch, T); got {list(q_positions.shape)}."
         )
     return q_positions.astype(jnp.int32)

@@ -26,7 +26,7 @@ import jax
 
 from jax_session_state._table import Entry, distinct_bytes
 from jax_session_state.accounting import Storage, tree_storages
-from jax_session_state.errors import SessionCheckedOutError
+from jax_session_state.errors import PayloadError, PayloadTypeError, SessionCheckedOutError
 from jax_session_state.planner import SessionUsage
 from jax_session_state.pool import SessionPool
 from jax_session_state.session import Session
@@ -110,7 +110,7 @@ class PoolCheckouts:
             entry = self._wait_idle(session_id)
             index, _ = pool._slot_index(slot, "checkout")
             if bool(pool.active[index]):
-                raise ValueError(
+                raise PayloadError(
                     f"checkout({session_id!r}): slot {int(index)} of the pool holds a live session; "
                     f"pick an empty one (live: {pool.active_slots()})."
                 )
@@ -174,7 +174,7 @@ class PoolCheckouts:
 
         Raises:
           SessionStateLostError: the id is unknown to the manager.
-          ValueError: it is not checked out, or into another pool or slot.
+          PayloadError: it is not checked out, or into another pool or slot.
           BudgetExceededError / SessionAdmissionError: it does not fit; it
             stays checked out and ``pool`` is unchanged.
         """
@@ -184,18 +184,18 @@ class PoolCheckouts:
             where = self._checked_out.get(session_id)
             if where is None:
                 if session_id in self._entries:
-                    raise ValueError(f"checkin({session_id!r}): the manager holds it; it is not checked out.")
+                    raise PayloadError(f"checkin({session_id!r}): the manager holds it; it is not checked out.")
                 raise self._lost_error(session_id)
             tag = int(pool.tag)
             slot = int(pool._slot_index(slot, "checkin")[0])
             if (where.tag, where.slot) != (tag, slot):
-                raise ValueError(
+                raise PayloadError(
                     f"checkin({session_id!r}, pool, {slot!r}): it is checked out into slot {where.slot} of "
                     f"pool {where.tag}; this is {'slot ' + repr(slot) + ' of ' if where.tag == tag else ''}"
                     f"pool {tag}. Nothing changed."
                 )
             if not bool(pool.active[slot]):
-                raise ValueError(
+                raise PayloadError(
                     f"checkin({session_id!r}): slot {slot} of the pool is empty, so the session was released "
                     "from it outside the manager and is lost; checked out sessions leave only by checkin()."
                 )
@@ -252,4 +252,6 @@ class PoolCheckouts:
 
 def _require_pool(pool: Any, operation: str, session_id: Hashable) -> None:
     if not isinstance(pool, SessionPool):
-        raise TypeError(f"{operation}({session_id!r}, pool, slot): expected a SessionPool; got {type(pool).__name__}.")
+        raise PayloadTypeError(
+            f"{operation}({session_id!r}, pool, slot): expected a SessionPool; got {type(pool).__name__}."
+        )

@@ -50,6 +50,8 @@ from jax_session_state.accounting import Storage
 from jax_session_state.base import StateObject
 from jax_session_state.errors import (
     BudgetExceededError,
+    PayloadError,
+    PayloadTypeError,
     SessionAdmissionError,
     SessionStateLostError,
 )
@@ -418,7 +420,7 @@ class ManagerCore:
         else:
             got = rebuilt.describe()
         if got != original.describe():
-            raise ValueError(
+            raise PayloadError(
                 f"{where}: the rebuild function must return a resident {original.describe()}; it returned "
                 f"{got}. The session is unchanged; fix the function given to register_rebuild({name!r})."
             )
@@ -429,11 +431,11 @@ class ManagerCore:
 
 def checked_session(session: Any, operation: str, session_id: Hashable) -> Session:
     if not isinstance(session, Session):
-        raise TypeError(
+        raise PayloadTypeError(
             f"{operation}({session_id!r}, session): expected a jss.Session; got {type(session).__name__}."
         )
     if offload.is_donated(session):
-        raise ValueError(
+        raise PayloadError(
             f"{operation}({session_id!r}, session): some of its arrays were deleted (donated to a jitted "
             "step). Pass the step's output instead. Nothing changed."
         )

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Self
 
 from jax_session_state import offload
 from jax_session_state._manager_core import COUNTERS, ManagerCore
+from jax_session_state.errors import DonatedError, PayloadError
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerSnapshot", "ManagerSnapshots", "SnapshotSession"]
@@ -134,7 +135,7 @@ class ManagerSnapshots(ManagerCore):
         ``on_event`` and registered rebuilds are not part of it.
 
         Raises:
-          RuntimeError: a session's arrays were donated to a step that has
+          DonatedError: a session's arrays were donated to a step that has
             not been put back (``put`` it first).
 
         Example:
@@ -151,7 +152,7 @@ class ManagerSnapshots(ManagerCore):
             sessions = []
             for session_id, entry in self._by_recency():
                 if offload.is_donated(entry.session):
-                    raise RuntimeError(
+                    raise DonatedError(
                         f"session {session_id!r} is in use: its arrays were donated to a step that has not "
                         "been put back. put() it (or release() it) first."
                     )
@@ -178,14 +179,14 @@ class ManagerSnapshots(ManagerCore):
         thread may use the manager meanwhile.
 
         Raises:
-          ValueError: the manager holds sessions already.
+          PayloadError: the manager holds sessions already.
           BudgetExceededError, SessionAdmissionError: a session does not fit;
             every session loaded so far is released again: nothing is
             half-loaded.
         """
         with self._lock:
             if self._entries:
-                raise ValueError(f"load() needs an empty manager; this one holds {len(self)} sessions.")
+                raise PayloadError(f"load() needs an empty manager; this one holds {len(self)} sessions.")
         loaded = []
         try:
             for held in snapshot.sessions:

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jax_session_state.errors import PayloadError
+
 __all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "kernel", "paged_kernel", "quantized_kernel", "status",
            "supports", "use", "write_rows"]
 
@@ -264,7 +266,7 @@ def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int) -> Array:
 def _scales(k_scale: Array | None, v_scale: Array | None) -> tuple[Array, ...]:
     """Both row scales as float32, or none (an unquantized cache)."""
     if (k_scale is None) != (v_scale is None):
-        raise ValueError("the native kernel reads a quantized cache with both k_scale and v_scale, or neither.")
+        raise PayloadError("the native kernel reads a quantized cache with both k_scale and v_scale, or neither.")
     return () if k_scale is None else (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
 
 

@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Hashable, Mapping
 from typing import Literal
 
+from jax_session_state.errors import PayloadError
+
 __all__ = [
     "Action",
     "DemoteObject",
@@ -30,7 +32,7 @@ ObjectState = Literal["resident", "evicted", "parked"]
 
 def _frozen_bytes(bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
     if any(count < 0 for count in bytes_by_device.values()):
-        raise ValueError(f"negative byte count in {dict(bytes_by_device)}")
+        raise PayloadError(f"negative byte count in {dict(bytes_by_device)}")
     return types.MappingProxyType({k: b for k, b in bytes_by_device.items() if b})
 
 
@@ -70,9 +72,9 @@ class ObjectUsage:
             warnings.warn('ObjectUsage state "dropped" is deprecated; use "evicted".', DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "state", "evicted")
         if self.state not in ("resident", "evicted", "parked"):
-            raise ValueError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
+            raise PayloadError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
         if not self.recompute_cost >= 0:
-            raise ValueError(
+            raise PayloadError(
                 f"ObjectUsage {self.name!r}: recompute_cost must be >= 0, got {self.recompute_cost}"
             )
         object.__setattr__(self, "bytes_by_device", _frozen_bytes(self.bytes_by_device))

@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_session_state.errors import PayloadTypeError
+
 __all__ = [
     "HOST",
     "SeenStorages",
@@ -155,7 +157,7 @@ def storages(x: Any) -> list[Storage]:
       array.
 
     Raises:
-      TypeError: ``x`` is a tracer (inside ``jit`` there is no storage).
+      PayloadTypeError: ``x`` is a tracer (inside ``jit`` there is no storage).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
@@ -166,7 +168,7 @@ def storages(x: Any) -> list[Storage]:
       ([('host', 64)], [])
     """
     if isinstance(x, jax.core.Tracer):
-        raise TypeError(
+        raise PayloadTypeError(
             "byte accounting counts the storage of concrete arrays; it got a traced "
             "value. Count bytes outside jit, on the step's inputs or outputs."
         )
@@ -230,7 +232,7 @@ def device_bytes(x: Any, seen: SeenStorages | set | None = None) -> dict[str, in
       A dict from device key to bytes; keys with nothing new are absent.
 
     Raises:
-      TypeError: ``x`` is a tracer (inside ``jit`` there is no storage to count).
+      PayloadTypeError: ``x`` is a tracer (inside ``jit`` there is no storage to count).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np

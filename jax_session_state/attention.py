@@ -105,6 +105,7 @@ from jax_session_state._attention_dense import (
     _quantized_native_or_blockwise,
 )
 from jax_session_state._attention_pooled import fold_slots
+from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
 
@@ -230,13 +231,13 @@ def attend_with_lse(
       True
     """
     if q.ndim != 4:
-        raise ValueError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
+        raise PayloadError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
+        raise PayloadError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
     if implementation == "native" and not _native.enabled():
         raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_native.status()}")
     if not isinstance(view, (KVView, BranchKVView, PagedView)):
-        raise TypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
+        raise PayloadTypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
     if _eager(q, view, q_positions, scale):  # one compiled program per signature, not one per call
         return _compiled_attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
     return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
@@ -314,11 +315,11 @@ def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]
 def _checked(q: Array, view_batch: int, kv_heads: int, view_dim: int, scale: float | None) -> tuple[int, float]:
     B, _, q_heads, D = q.shape
     if B != view_batch:
-        raise ValueError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
+        raise PayloadError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
     if D != view_dim:
-        raise ValueError(f"attend(): q has head_dim {D} but the view has head_dim {view_dim}.")
+        raise PayloadError(f"attend(): q has head_dim {D} but the view has head_dim {view_dim}.")
     if q_heads % kv_heads:
-        raise ValueError(f"attend(): q_heads={q_heads} is not a multiple of the view's kv_heads={kv_heads}.")
+        raise PayloadError(f"attend(): q_heads={q_heads} is not a multiple of the view's kv_heads={kv_heads}.")
     return q_heads // kv_heads, 1.0 / math.sqrt(D) if scale is None else scale
 
 
@@ -362,7 +363,7 @@ def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, k
         return False
     takes = _native.enabled() and _native.supports(q, k, v, kv_heads=kv_heads, quantized=quantized)
     if implementation == "native" and not takes:
-        raise ValueError(f"attend(implementation='native'): the kernel on its {_native.ISA} path does not take a "
+        raise PayloadError(f"attend(implementation='native'): the kernel on its {_native.ISA} path does not take a "
                          f"{k.dtype} cache with q of shape {list(q.shape)} (see _native.supports).")
     return takes
 

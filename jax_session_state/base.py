@@ -42,6 +42,7 @@ from jax_session_state.errors import (
     NotDemotableError,
     NotEvictableError,
     NotResidentError,
+    PayloadTypeError,
 )
 from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec
 
@@ -180,7 +181,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         return their writes through here rather than ``replace``.
 
         Raises:
-          TypeError: a new storage pytree differs from the one it replaces.
+          PayloadTypeError: a new storage pytree differs from the one it replaces.
         """
         for name, new in storage.items():
             check_same_spec(self, name, getattr(self, name), new)
@@ -472,7 +473,7 @@ def check(tree: Any) -> None:
 
     Raises:
       CapacityError: naming each flagged object by its path in ``tree``.
-      TypeError: called on traced values.
+      PayloadTypeError: called on traced values.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -492,7 +493,7 @@ def check(tree: Any) -> None:
             continue
         flag = obj.overflowed
         if isinstance(flag, jax.core.Tracer):
-            raise TypeError("check() reads overflow flags; call it outside jit on the step's output.")
+            raise PayloadTypeError("check() reads overflow flags; call it outside jit on the step's output.")
         if bool(np.any(flag)):  # lanes of a branch carry one flag each
             flagged.append(f"{jax.tree_util.keystr(path) or '<root>'}: {obj.describe()}")
     if flagged:

@@ -36,6 +36,7 @@ from flax import struct
 
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
+from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.session import Session
 
 __all__ = ["Branches", "Lane", "branch"]
@@ -74,7 +75,7 @@ class Lane(struct.PyTreeNode):
         for name, payload in payloads.items():
             if name not in windows:
                 kind = self.prefix[name].describe()
-                raise TypeError(
+                raise PayloadTypeError(
                     f"lanes cannot write {name!r} ({kind}): it is shared by all lanes. Write it "
                     "before branching, or after adopting a lane."
                 )
@@ -224,7 +225,7 @@ def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | No
       The :class:`Branches`.
 
     Raises:
-      ValueError: the session holds staged data, or ``lanes`` < 1.
+      PayloadError: the session holds staged data, or ``lanes`` < 1.
 
     Example:
       >>> import jax.numpy as jnp
@@ -241,10 +242,10 @@ def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | No
       or discard it first.
     """
     if lanes < 1:
-        raise ValueError(f"branch() needs at least one lane; got {lanes}.")
+        raise PayloadError(f"branch() needs at least one lane; got {lanes}.")
     staged = session.staged_names()
     if staged:
-        raise ValueError(
+        raise PayloadError(
             f"cannot branch a session with staged data in {staged}: lanes share only committed "
             "data. Commit or discard it first."
         )

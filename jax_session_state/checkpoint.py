@@ -73,7 +73,7 @@ from jax_session_state._digest import array_digests
 from jax_session_state._manifest import FORMAT, VERSION, ArrayTable
 from jax_session_state._orbax_io import AS_NUMPY, Destination
 from jax_session_state.base import StateObject
-from jax_session_state.errors import CheckpointError
+from jax_session_state.errors import CheckpointError, PayloadTypeError
 from jax_session_state.manager import (
     ManagerSnapshot,
     SessionStateManager,
@@ -113,7 +113,7 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
       The directory of the new checkpoint.
 
     Raises:
-      TypeError: ``state`` is not something a checkpoint can hold.
+      PayloadTypeError: ``state`` is not something a checkpoint can hold.
       CheckpointError: a spec, structure or attr that cannot be recorded.
 
     Example:
@@ -130,7 +130,7 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
     content = next((c for c in _CONTENTS.values() if isinstance(state, c.type)), None)
     if content is None:
         kinds = ", ".join(c.type.__name__ for c in _CONTENTS.values())
-        raise TypeError(f"checkpoint.save() saves a {kinds}; got {type(state).__name__}.")
+        raise PayloadTypeError(f"checkpoint.save() saves a {kinds}; got {type(state).__name__}.")
     if jax.process_count() > 1:
         raise NotImplementedError(
             "checkpoint.save() writes from one process; multi-process saves need one primary process "
@@ -192,9 +192,11 @@ def restore(
       Array([1., 1.], dtype=float32)
     """
     if target is not None and not isinstance(target, (Session, SessionStateManager)):
-        raise TypeError(f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}.")
+        raise PayloadTypeError(
+            f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}."
+        )
     if shardings is not None and not isinstance(shardings, ShardingRules):
-        raise TypeError(f"restore(shardings=...) takes ShardingRules; got {type(shardings).__name__}.")
+        raise PayloadTypeError(f"restore(shardings=...) takes ShardingRules; got {type(shardings).__name__}.")
     directory = _atomic.newest(Path(path))
     manifest = _manifest.read(directory)
     content = _CONTENTS.get(manifest.get("content"))

@@ -37,7 +37,17 @@ __all__ = [
 
 
 class SessionStateError(Exception):
-    """Base class of every error raised by ``jax_session_state``.
+    """Base class of the errors raised by ``jax_session_state``.
+
+    Every error about a state object, a session, a payload or an argument is
+    one.  Where Python's protocols ask for a built-in type the library raises
+    that type: ``KeyError`` for a name a :class:`~jax_session_state.Session`
+    does not hold, ``IndexError`` for a pool slot or branch lane out of
+    range.  ``RuntimeError`` is left for what no argument caused: a native
+    kernel asked for that this build or CPU lacks (``JSS_NATIVE_ISA``,
+    ``implementation="native"``), ``update`` called from inside its own
+    ``fn``, and a registered rebuild function that raised (its error
+    chained).
 
     Example:
       >>> import jax_session_state as jss

@@ -52,7 +52,7 @@ from jax_session_state._manager_snapshot import (
 )
 from jax_session_state._table import Entry, Rebuild
 from jax_session_state.base import StateObject
-from jax_session_state.errors import BudgetExceededError, SessionStateLostError
+from jax_session_state.errors import BudgetExceededError, PayloadError, PayloadTypeError, SessionStateLostError
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "SnapshotSession"]
@@ -128,20 +128,20 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         on_event: Callable[[ManagerEvent], None] | None = None,
     ):
         if not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ValueError(f"SessionStateManager: max_sessions must be an int >= 1; got {max_sessions!r}.")
+            raise PayloadError(f"SessionStateManager: max_sessions must be an int >= 1; got {max_sessions!r}.")
         budgets = dict(byte_budget or {})
         for key, nbytes in budgets.items():
             if not isinstance(key, str) or not isinstance(nbytes, int) or nbytes < 0:
-                raise ValueError(
+                raise PayloadError(
                     "SessionStateManager: byte_budget maps device keys ('cpu:0', 'cuda:0', "
                     f"'cuda:0/pinned_host') to bytes >= 0; got {key!r}: {nbytes!r}."
                 )
         if park_memory_kind not in ("pinned_host", None):
-            raise ValueError(
+            raise PayloadError(
                 f"SessionStateManager: park_memory_kind is 'pinned_host' or None; got {park_memory_kind!r}."
             )
         if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
-            raise ValueError(
+            raise PayloadError(
                 f"SessionStateManager: host_budget must be bytes >= 0 or None; got {host_budget!r}."
             )
         ManagerCore.__init__(
@@ -335,7 +335,7 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
           session: the new session; the manager stores it as given.
 
         Raises:
-          ValueError: the id is held already (``put`` replaces a session).
+          PayloadError: the id is held already (``put`` replaces a session).
           SessionAdmissionError: at the count cap and no session may be
             preempted; nothing changed.
           BudgetExceededError: the session does not fit; nothing changed.
@@ -346,7 +346,7 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
             if session_id in self._checked_out:
                 raise self._checked_out_error(session_id)
             if session_id in self._entries:
-                raise ValueError(
+                raise PayloadError(
                     f"create({session_id!r}): that session exists already. put() replaces it; "
                     "release() it first to start over."
                 )
@@ -476,9 +476,9 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
           [('evict', 'a', 'cond'), ('evict', 'b', 'cond'), ('rebuild', 'a', 'cond')]
         """
         if not callable(fn):
-            raise TypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
+            raise PayloadTypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
         if cost is not None and not cost >= 0:
-            raise ValueError(f"register_rebuild({name!r}): cost must be >= 0 or None; got {cost!r}.")
+            raise PayloadError(f"register_rebuild({name!r}): cost must be >= 0 or None; got {cost!r}.")
         with self._lock:
             self._rebuilds[name] = Rebuild(fn, cost)
             self._rebuilds_version += 1

@@ -36,7 +36,7 @@ import numpy as np
 
 from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
-from jax_session_state.errors import NotResidentError
+from jax_session_state.errors import DonatedError, NotResidentError, PayloadError
 
 __all__ = ["Parked", "Placement", "is_donated", "park", "place", "restore"]
 
@@ -105,12 +105,12 @@ class Placement:
         """``obj`` with every array put on its sharding here, committed as it was (a no-op where it is so).
 
         Raises:
-          ValueError: ``obj`` has another structure or spec than the object
+          PayloadError: ``obj`` has another structure or spec than the object
             this placement was taken from.
         """
         leaves, treedef = jax.tree_util.tree_flatten(obj)
         if treedef != self.treedef:
-            raise ValueError(
+            raise PayloadError(
                 f"cannot place {_name(obj)} where an object of another structure was: expected "
                 f"{self.treedef}, got {treedef}. Rebuild it with the same spec as the original."
             )
@@ -193,9 +193,9 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
 
     Raises:
       NotResidentError: ``obj`` holds no storage.
-      RuntimeError: some array of ``obj`` was deleted (donated); park the
+      DonatedError: some array of ``obj`` was deleted (donated); park the
         step's output instead.
-      ValueError: a device of ``obj`` has no ``memory_kind`` memory.
+      PayloadError: a device of ``obj`` has no ``memory_kind`` memory.
 
     Example:
       >>> import jax.numpy as jnp
@@ -208,7 +208,7 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
     if not obj.resident:
         raise NotResidentError(f"park() of {_name(obj)}, which is not resident: there is nothing to park.")
     if is_donated(obj):
-        raise RuntimeError(
+        raise DonatedError(
             f"park() of {_name(obj)}, whose arrays were deleted (donated to a jitted step). "
             "Park the step's output instead."
         )
@@ -217,7 +217,7 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
         for device in sharding.device_set if sharding is not None else ():
             kinds = [memory.kind for memory in device.addressable_memories()]
             if memory_kind not in kinds:
-                raise ValueError(
+                raise PayloadError(
                     f"park() of {_name(obj)}: device {device} has no {memory_kind!r} memory; "
                     f"it has {kinds}. Pass one of those."
                 )

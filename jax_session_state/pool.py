@@ -55,7 +55,7 @@ from flax import struct
 from jax_session_state._masked_step import run_masked
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
-from jax_session_state.errors import NotResidentError
+from jax_session_state.errors import NotResidentError, PayloadError, PayloadTypeError
 from jax_session_state.kinds import update_slice_or_keep
 from jax_session_state.session import Session
 
@@ -104,14 +104,14 @@ class SessionPool(struct.PyTreeNode):
           slots: how many sessions the pool holds at once.
 
         Raises:
-          TypeError: ``template`` is not a Session, or ``slots`` not an int >= 1.
+          PayloadTypeError: ``template`` is not a Session, or ``slots`` not an int >= 1.
           NotResidentError: an object of ``template`` is not resident.
-          ValueError: an object of ``template`` is placed on a mesh.
+          PayloadError: an object of ``template`` is placed on a mesh.
         """
         if not isinstance(template, Session):
-            raise TypeError(f"SessionPool.allocate: template must be a Session; got {type(template).__name__}.")
+            raise PayloadTypeError(f"SessionPool.allocate: template must be a Session; got {type(template).__name__}.")
         if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
-            raise TypeError(f"SessionPool.allocate: slots must be an int >= 1; got {slots!r}.")
+            raise PayloadTypeError(f"SessionPool.allocate: slots must be an int >= 1; got {slots!r}.")
         for name, obj in template.objects.items():
             if not obj.resident:
                 raise NotResidentError(
@@ -119,7 +119,7 @@ class SessionPool(struct.PyTreeNode):
                     "allocate the pool from a session whose objects all hold storage (an empty one is best)."
                 )
             if obj.sharding is not None:
-                raise ValueError(
+                raise PayloadError(
                     f"SessionPool.allocate: template object {name!r} ({obj.describe()}) is placed on a mesh; "
                     "a pool stacks sessions on the default device. Allocate the template without sharding."
                 )
@@ -166,14 +166,14 @@ class SessionPool(struct.PyTreeNode):
         """Raises for a refused slot operation or an overflowed object in any slot (outside ``jit``).
 
         Raises:
-          ValueError: a slot operation under ``jit`` was refused (slot out of
+          PayloadError: a slot operation under ``jit`` was refused (slot out of
             range, insert into a live slot, extract or release of an empty one).
           CapacityError: a write in some slot overflowed (see :func:`jss.check`).
         """
         if isinstance(self.refused, jax.core.Tracer):
-            raise TypeError("SessionPool.check() reads flags; call it outside jit on the step's output.")
+            raise PayloadTypeError("SessionPool.check() reads flags; call it outside jit on the step's output.")
         if bool(self.refused):
-            raise ValueError(
+            raise PayloadError(
                 "SessionPool: a slot operation inside jit was refused and wrote nothing (a slot out of "
                 f"range [0, {self.slots}), an insert into a live slot, or an extract or release of an "
                 "empty slot). Check pool.active_slots() before choosing a slot."
@@ -192,10 +192,10 @@ class SessionPool(struct.PyTreeNode):
           session: a Session of the template's structure, shapes and dtypes.
 
         Raises:
-          TypeError / ValueError: ``session`` differs from the template (the
+          PayloadTypeError / PayloadError: ``session`` differs from the template (the
             message names the object or attr and what differs).
           IndexError: a concrete ``slot`` is out of range.
-          ValueError: a concrete ``slot`` is live (extract or release it first).
+          PayloadError: a concrete ``slot`` is live (extract or release it first).
 
         Example:
           >>> import jax_session_state as jss
@@ -213,7 +213,7 @@ class SessionPool(struct.PyTreeNode):
         index, in_range = self._slot_index(slot, "insert")
         live = self.active[index]
         if _concrete(live) and bool(live):
-            raise ValueError(
+            raise PayloadError(
                 f"SessionPool.insert: slot {int(index)} holds a live session; extract or release it first."
             )
         lands = in_range & ~live
@@ -241,7 +241,7 @@ class SessionPool(struct.PyTreeNode):
 
         Raises:
           IndexError: a concrete ``slot`` is out of range.
-          ValueError: a concrete ``slot`` is empty.
+          PayloadError: a concrete ``slot`` is empty.
 
         Example:
           >>> import jax.numpy as jnp
@@ -254,7 +254,7 @@ class SessionPool(struct.PyTreeNode):
         index, _ = self._slot_index(slot, "extract")
         live = self.active[index]
         if _concrete(live) and not bool(live):
-            raise ValueError(f"SessionPool.extract: slot {int(index)} is empty; live slots: {self.active_slots()}.")
+            raise PayloadError(f"SessionPool.extract: slot {int(index)} is empty; live slots: {self.active_slots()}.")
         return jax.tree_util.tree_map(
             lambda buffer: jax.lax.dynamic_index_in_dim(buffer, index, axis=0, keepdims=False), self.sessions
         )
@@ -270,7 +270,7 @@ class SessionPool(struct.PyTreeNode):
 
         Raises:
           IndexError: a concrete ``slot`` is out of range.
-          ValueError: a concrete ``slot`` is already empty.
+          PayloadError: a concrete ``slot`` is already empty.
 
         Example:
           >>> import jax
@@ -286,7 +286,7 @@ class SessionPool(struct.PyTreeNode):
         index, in_range = self._slot_index(slot, "release")
         live = self.active[index]
         if _concrete(live) and not bool(live):
-            raise ValueError(f"SessionPool.release: slot {int(index)} is already empty.")
+            raise PayloadError(f"SessionPool.release: slot {int(index)} is already empty.")
         lands = in_range & live
         return self.replace(
             active=_write_slot(self.active, jnp.asarray(False), index, lands),
@@ -328,7 +328,7 @@ class SessionPool(struct.PyTreeNode):
         for i, args in enumerate(per_slot):
             for leaf in jax.tree_util.tree_leaves(args):
                 if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != self.slots:
-                    raise ValueError(
+                    raise PayloadError(
                         f"SessionPool.map: argument {i} of {_name(step)} needs a leading axis of "
                         f"{self.slots} slots on every leaf; got a leaf of shape {jnp.shape(leaf)}."
                     )
@@ -336,7 +336,7 @@ class SessionPool(struct.PyTreeNode):
         def one(session: Session, live: jax.Array, *args: Any) -> tuple[Session, Any]:
             (stepped, out), origins = run_masked(step, live, session, *args)
             if not isinstance(stepped, Session):
-                raise TypeError(
+                raise PayloadTypeError(
                     f"SessionPool.map: {_name(step)} must return (session, out); got {type(stepped).__name__}."
                 )
             _require_same(session, stepped, f"SessionPool.map: {_name(step)} returned a session that")
@@ -354,7 +354,7 @@ class SessionPool(struct.PyTreeNode):
         """``slot`` as an int32 index clamped into range, and whether it was in range."""
         if isinstance(slot, (bool, np.bool_)) or not jnp.issubdtype(jnp.result_type(slot), jnp.integer) \
                 or jnp.ndim(slot) != 0:
-            raise TypeError(f"SessionPool.{operation}: slot must be an integer scalar; got {slot!r}.")
+            raise PayloadTypeError(f"SessionPool.{operation}: slot must be an integer scalar; got {slot!r}.")
         if _concrete(slot) and not 0 <= int(slot) < self.slots:
             raise IndexError(f"SessionPool.{operation}: slot {int(slot)} is out of range [0, {self.slots}).")
         slot = jnp.asarray(slot, jnp.int32)
@@ -364,10 +364,10 @@ class SessionPool(struct.PyTreeNode):
     def _require_like(self, session: Session, operation: str) -> None:
         """Raises naming what differs between ``session`` and one slot of the pool."""
         if not isinstance(session, Session):
-            raise TypeError(f"SessionPool.{operation}: expected a Session; got {type(session).__name__}.")
+            raise PayloadTypeError(f"SessionPool.{operation}: expected a Session; got {type(session).__name__}.")
         ours, theirs = self.sessions.objects, session.objects
         if set(ours) != set(theirs):
-            raise ValueError(
+            raise PayloadError(
                 f"SessionPool.{operation}: the session holds objects {sorted(theirs)}; the pool's sessions "
                 f"hold {sorted(ours)} (missing: {sorted(set(ours) - set(theirs))}, "
                 f"extra: {sorted(set(theirs) - set(ours))})."
@@ -380,12 +380,12 @@ class SessionPool(struct.PyTreeNode):
                     "restore it (manager.checkout does) before it enters a pool."
                 )
             if type(obj) is not type(slot_obj) or obj.describe() != slot_obj.describe():
-                raise ValueError(
+                raise PayloadError(
                     f"SessionPool.{operation}: object {name!r} is {obj.describe()}; the pool's sessions "
                     f"hold {slot_obj.describe()}."
                 )
         if set(self.sessions.attrs) != set(session.attrs):
-            raise ValueError(
+            raise PayloadError(
                 f"SessionPool.{operation}: the session carries attrs {sorted(session.attrs)}; the pool's "
                 f"sessions carry {sorted(self.sessions.attrs)}."
             )
@@ -410,11 +410,11 @@ def _require_same(expected: Session, got: Session, subject: str) -> None:
             or jax.tree_util.tree_structure(_part(expected, name)) != jax.tree_util.tree_structure(_part(got, name))
         ]
         where = f"in {differing}" if differing else f"in its static fields: expected {expected_tree}, got {got_tree}"
-        raise ValueError(f"{subject} differs in structure {where}.")
+        raise PayloadError(f"{subject} differs in structure {where}.")
     for (path, want), (_, leaf) in zip(expected_leaves, got_leaves):
         shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
         if shape != tuple(want.shape) or dtype != want.dtype:
-            raise ValueError(
+            raise PayloadError(
                 f"{subject} has {jax.tree_util.keystr(path)} of shape {shape} and dtype {dtype}; "
                 f"expected shape {tuple(want.shape)} and dtype {want.dtype}."
             )

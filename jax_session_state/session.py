@@ -12,7 +12,7 @@ from flax import struct
 
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
-from jax_session_state.errors import RecomputeGraphError
+from jax_session_state.errors import PayloadTypeError, RecomputeGraphError
 
 if TYPE_CHECKING:
     from jax_session_state.branches import Branches
@@ -60,12 +60,12 @@ class Session(struct.PyTreeNode):
 
     def __post_init__(self) -> None:
         if not isinstance(self.objects, Mapping) or not isinstance(self.attrs, Mapping):
-            raise TypeError("Session(objects=..., attrs=...) takes two mappings from names.")
+            raise PayloadTypeError("Session(objects=..., attrs=...) takes two mappings from names.")
         object.__setattr__(self, "objects", dict(self.objects))
         object.__setattr__(self, "attrs", dict(self.attrs))
         for name in self.objects:
             if not isinstance(name, str) or not name:
-                raise TypeError(f"Session object names must be non-empty strings; got {name!r}.")
+                raise PayloadTypeError(f"Session object names must be non-empty strings; got {name!r}.")
         _validate_recompute_graph(
             tuple((name, getattr(obj, "recompute_source", ())) for name, obj in self.objects.items())
         )
@@ -209,7 +209,7 @@ class Session(struct.PyTreeNode):
           The :class:`~jax_session_state.branches.Branches`.
 
         Raises:
-          ValueError: the session holds staged data, or ``lanes`` < 1.
+          PayloadError: the session holds staged data, or ``lanes`` < 1.
 
         Example:
           >>> import jax.numpy as jnp

@@ -50,6 +50,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_session_state.base import StateObject, is_state_object
+from jax_session_state.errors import PayloadError, PayloadTypeError
 
 __all__ = ["LogicalAxes", "ShardingRules", "shard"]
 
@@ -104,33 +105,35 @@ class ShardingRules:
             not divide the mesh axes, instead of raising.
 
         Raises:
-          TypeError: ``mesh`` is not a Mesh, or a name is not a string.
-          ValueError: a mesh axis is not in the mesh, or an axis is not Auto.
+          PayloadTypeError: ``mesh`` is not a Mesh, or a name is not a string.
+          PayloadError: a mesh axis is not in the mesh, or an axis is not Auto.
         """
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"ShardingRules: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
+            raise PayloadTypeError(f"ShardingRules: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
         not_auto = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Auto]
         if not_auto:
-            raise ValueError(
+            raise PayloadError(
                 f"ShardingRules: mesh axes {not_auto} are not AxisType.Auto (jax.make_mesh makes Explicit "
                 "axes by default). Session state relies on XLA's sharding propagation; build the mesh "
                 f"with jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * {len(mesh.axis_names)})."
             )
         if not isinstance(axes, Mapping):
-            raise TypeError(f"ShardingRules: axes must map logical names to mesh axes; got {type(axes).__name__}.")
+            raise PayloadTypeError(
+                f"ShardingRules: axes must map logical names to mesh axes; got {type(axes).__name__}."
+            )
         normalised = []
         for name, target in axes.items():
             if not isinstance(name, str) or not name:
-                raise TypeError(f"ShardingRules: logical axis names must be non-empty strings; got {name!r}.")
+                raise PayloadTypeError(f"ShardingRules: logical axis names must be non-empty strings; got {name!r}.")
             mesh_axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
             for axis in mesh_axes:
                 if axis not in mesh.axis_names:
-                    raise ValueError(
+                    raise PayloadError(
                         f"ShardingRules: logical axis {name!r} maps to mesh axis {axis!r}, which is not "
                         f"in the mesh; it has {list(mesh.axis_names)}."
                     )
             if len(set(mesh_axes)) != len(mesh_axes):
-                raise ValueError(f"ShardingRules: logical axis {name!r} names a mesh axis twice: {mesh_axes}.")
+                raise PayloadError(f"ShardingRules: logical axis {name!r} names a mesh axis twice: {mesh_axes}.")
             normalised.append((name, mesh_axes))
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "axes", tuple(sorted(normalised)))
@@ -155,12 +158,12 @@ class ShardingRules:
           owner: names the array in messages.
 
         Raises:
-          ValueError: an axis does not divide its mesh axes (unless
+          PayloadError: an axis does not divide its mesh axes (unless
             ``replicate_indivisible``), two axes use one mesh axis, or the
             names do not match the shape's rank.
         """
         if len(names) != len(shape):
-            raise ValueError(f"{owner}: {len(names)} logical axis names {names} for shape {list(shape)}.")
+            raise PayloadError(f"{owner}: {len(names)} logical axis names {names} for shape {list(shape)}.")
         spec: list[str | tuple[str, ...] | None] = []
         used: dict[str, str] = {}
         for name, size in zip(names, shape):
@@ -168,7 +171,7 @@ class ShardingRules:
             ways = math.prod(self.mesh.shape[axis] for axis in mesh_axes)
             if size % ways:
                 if not self.replicate_indivisible:
-                    raise ValueError(
+                    raise PayloadError(
                         f"{owner}: axis {name!r} of size {size} does not divide over mesh axes "
                         f"{mesh_axes} of size {ways}. Choose a size that is a multiple of {ways}, "
                         f"map {name!r} elsewhere, or pass replicate_indivisible=True to keep it whole."
@@ -176,7 +179,7 @@ class ShardingRules:
                 mesh_axes = ()
             for axis in mesh_axes:
                 if axis in used:
-                    raise ValueError(
+                    raise PayloadError(
                         f"{owner}: axes {used[axis]!r} and {name!r} both map to mesh axis {axis!r}; "
                         "an array can use each mesh axis once."
                     )
@@ -199,7 +202,7 @@ class ShardingRules:
         try:
             names = treedef.flatten_up_to(axes)
         except (TypeError, ValueError) as error:
-            raise TypeError(
+            raise PayloadTypeError(
                 f"{owner}: its storage_axes() do not name every storage leaf ({error}); a kind must give "
                 "each storage array a tuple of logical axis names."
             ) from None
@@ -250,7 +253,7 @@ def shard(tree: T, rules: ShardingRules) -> T:
       ``tree``, placed.
 
     Raises:
-      ValueError: an axis does not divide its mesh axes (see
+      PayloadError: an axis does not divide its mesh axes (see
         :meth:`ShardingRules.partition_spec`).
 
     Example:
@@ -267,7 +270,7 @@ def shard(tree: T, rules: ShardingRules) -> T:
       (P(None, 'model'), P(None, 'model'))
     """
     if not isinstance(rules, ShardingRules):
-        raise TypeError(f"shard() takes ShardingRules; got {type(rules).__name__}.")
+        raise PayloadTypeError(f"shard() takes ShardingRules; got {type(rules).__name__}.")
 
     def place(x: Any) -> Any:
         if isinstance(x, StateObject):

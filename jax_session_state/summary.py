@@ -24,6 +24,7 @@ import numpy as np
 
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import StateObject
+from jax_session_state.errors import PayloadTypeError
 from jax_session_state.manager import Held, SessionStateManager
 from jax_session_state.session import Session
 
@@ -211,10 +212,12 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
             elif isinstance(item, StateObject):
                 rows.append(object_row(str(key), item, seen))
             else:
-                raise TypeError(f"summary() shows sessions and state objects; {key!r} is a {type(item).__name__}.")
+                raise PayloadTypeError(
+                    f"summary() shows sessions and state objects; {key!r} is a {type(item).__name__}."
+                )
         columns = (["session"] if any("session" in r for r in rows) else []) + list(_FIXED_COLUMNS)
     else:
-        raise TypeError(
+        raise PayloadTypeError(
             f"summary() takes a state object, a Session, a SessionStateManager or a mapping of them; "
             f"got {type(tree).__name__}."
         )

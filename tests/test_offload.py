@@ -60,7 +60,7 @@ def test_park_refuses_what_it_cannot_park():
     donated = cache.empty()
     jax.jit(lambda c: c.discard(), donate_argnums=0)(donated)
     assert offload.is_donated(donated) and not offload.is_donated(cache)
-    with pytest.raises(RuntimeError, match="arrays were deleted"):
+    with pytest.raises(jss.DonatedError, match="arrays were deleted"):
         offload.park(donated)
 
 
