@@ -10,8 +10,11 @@ them directly instead.
 import os
 
 import chex
+import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+from jax_session_state import _native
 
 settings.register_profile(
     "ci",
@@ -32,3 +35,19 @@ collect_ignore = (
 def _fresh_trace_counts():
     """``chex.assert_max_traces`` counts per definition site for the whole process: each test counts its own."""
     chex.clear_trace_counter()
+
+
+@pytest.fixture
+def kernel_takes_every_step(monkeypatch):
+    """The native kernel takes every float32 step, whichever path runs: for tests of how a step reaches it.
+
+    A path declines steps of many query rows where the pure loop was
+    measured faster (``_native.DECLINED_ROWS``: ``JSS_NATIVE_ISA=baseline``
+    from 6 rows per kv head), a choice of speed that
+    ``test_native_attention.py`` tests on its own.  Compiled programs are
+    cleared before and after, so none traced with the other choice is reused.
+    """
+    jax.clear_caches()
+    monkeypatch.setattr(_native, "DECLINED_ROWS", {})
+    yield
+    jax.clear_caches()

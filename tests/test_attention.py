@@ -336,6 +336,7 @@ def test_append_step_does_no_work_over_the_whole_capacity():
     assert not re.search(rf"(s32|pred)\[2,{capacity}\]", hlo)
 
 
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_branch_lanes_read_the_prefix_once():
     """Under vmap over lanes, the shared prefix is read once for all lanes: in place by one native call
     with every lane's queries as rows, or (pure) in unbatched blocks (no per-lane gather)."""

@@ -81,6 +81,7 @@ def test_the_cost_model_reads_ragged_slots_one_by_one_even_ones_together_and_ful
 
 
 @pytest.mark.parametrize("implementation", ["loop", "native"])
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_append_mode_under_vmap_over_independent_caches_matches_float64(implementation):
     if implementation == "native" and not _native.enabled():
         pytest.skip(f"the native kernel is not in use here: {_native.status()}")
@@ -217,6 +218,7 @@ def test_paged_views_under_vmap_fold_their_pools(page_size):
 
 
 @pytest.mark.skipif(not _native.AVAILABLE, reason="the native kernel is not built here")
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_native_kernel_folds_independent_caches_into_one_call_with_every_slot_in_its_batch():
     q, k, v = inputs(7)
     with _native.use(True):

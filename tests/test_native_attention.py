@@ -94,6 +94,7 @@ def lane_inputs(rng, lanes=3, T=4):
 
 
 @needs_native
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_vmap_over_lanes_sharing_a_cache_is_one_call_with_every_lane_as_rows():
     rng = np.random.default_rng(12)
     q, k, v, lengths, q_positions = lane_inputs(rng)
@@ -147,6 +148,7 @@ def pure_grad(*args):
 
 
 @needs_native
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_grad_through_native_attend_equals_the_pure_kernels_autodiff_even_jitted():
     args = grad_inputs(14)
     expected = pure_grad(*args)
@@ -157,6 +159,7 @@ def test_grad_through_native_attend_equals_the_pure_kernels_autodiff_even_jitted
 
 
 @needs_native
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_grad_and_vmap_compose_both_ways():
     q, k, v, lengths, q_positions, weights = grad_inputs(15, T=3)
     lanes = np.stack([q, -q, 0.5 * q])
@@ -181,6 +184,7 @@ def test_grad_and_vmap_compose_both_ways():
 
 
 @needs_native
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_default_positions_reach_the_kernel_as_offsets_from_each_rows_length():
     """Without q_positions the kernel takes the constant offsets -T..-1 and adds each row's length.
 
@@ -227,6 +231,7 @@ def rollout_step(cache, q, rows):
 
 
 @needs_native
+@pytest.mark.usefixtures("kernel_takes_every_step")
 def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once():
     traces = []
 
