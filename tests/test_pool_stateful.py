@@ -100,7 +100,7 @@ class PoolManagerMachine(RuleBasedStateMachine):
     @rule(sid=IDS)
     def create(self, sid):
         if sid in self.alone:
-            with pytest.raises((ValueError, jss.errors.SessionCheckedOutError)):
+            with pytest.raises((ValueError, jss.SessionCheckedOutError)):
                 self.manager.create(sid, make_session(self.seed, capacity=CAPACITY))
             return
         session = make_session(self.seed, capacity=CAPACITY)
@@ -183,7 +183,7 @@ class PoolManagerMachine(RuleBasedStateMachine):
     @rule(sid=IDS)
     def step_in_the_manager(self, sid):
         if sid in self.slot_of:
-            with pytest.raises(jss.errors.SessionCheckedOutError, match=f"slot {self.slot_of[sid]}"):
+            with pytest.raises(jss.SessionCheckedOutError, match=f"slot {self.slot_of[sid]}"):
                 self.manager.update(sid, step_held)
             return
         if sid not in self.alone:
@@ -204,9 +204,9 @@ class PoolManagerMachine(RuleBasedStateMachine):
     @rule(sid=IDS)
     def look_up(self, sid):
         if sid in self.slot_of:
-            with pytest.raises(jss.errors.SessionCheckedOutError):
+            with pytest.raises(jss.SessionCheckedOutError):
                 self.manager.get(sid)
-            with pytest.raises(jss.errors.SessionCheckedOutError):
+            with pytest.raises(jss.SessionCheckedOutError):
                 self.manager.release(sid)
             assert close(self.pool.extract(self.slot_of[sid]), self.alone[sid])
         elif sid in self.alone:
@@ -268,7 +268,7 @@ def test_checkout_restores_dropped_and_parked_objects_first(tmp_path):
     pool = manager.checkout("a", pool, 1)
     assert close(pool.extract(1), make_session(1, capacity=CAPACITY))
     assert pool.nbytes_by_device()[DEVICE] <= manager.nbytes_by_device()[DEVICE] <= budget
-    with pytest.raises(jss.errors.SessionCheckedOutError, match="checkin"):
+    with pytest.raises(jss.SessionCheckedOutError, match="checkin"):
         manager.create("a", make_session(1, capacity=CAPACITY))
     with pytest.raises(ValueError, match="holds a live session"):
         manager.checkout("b", pool, 1)
