@@ -20,7 +20,13 @@ from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
 from jax_session_state import _native
-from tests.support.attention_reference import append_view, assert_close, randn, reference
+from tests.support.attention_reference import (
+    append_view,
+    assert_close,
+    assert_directional_derivatives,
+    randn,
+    reference,
+)
 
 needs_native = pytest.mark.skipif(
     not _native.AVAILABLE or jax.default_backend() != "cpu",
@@ -132,6 +138,14 @@ def loss(q, k, v, lengths, q_positions, weights):
     return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), 0.3 * lse, 0.0))
 
 
+def reference_loss(q, k, v, lengths, q_positions, weights):
+    """``loss`` in float64 through the naive reference."""
+    capacity = np.shape(k)[2]
+    positions = np.where(np.arange(capacity) < np.asarray(lengths)[:, None], np.arange(capacity), -1)
+    out, lse = reference(q, k, v, lengths, positions, q_positions=q_positions)
+    return np.sum(out * weights) + np.sum(np.where(np.isfinite(lse), 0.3 * lse, 0.0))
+
+
 def grad_inputs(seed, T=5):
     rng = np.random.default_rng(seed)
     q = randn(rng, 2, T, 4, 8)
@@ -153,7 +167,11 @@ def test_grad_through_native_attend_equals_the_pure_kernels_autodiff_even_jitted
     args = grad_inputs(14)
     expected = pure_grad(*args)
     native_grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))  # lengths traced: the pure kernel could not
-    for got, want in zip(_traced_with(True, native_grad, *args), expected):
+    native = _traced_with(True, native_grad, *args)
+    q, k, v, lengths, q_positions, weights = args
+    f = lambda x: reference_loss(*x, lengths, q_positions, weights)  # noqa: E731
+    assert_directional_derivatives(native, (q, k, v), f, np.random.default_rng(140))
+    for got, want in zip(native, expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert float(jnp.max(jnp.abs(expected[1]))) > 0  # the comparison is not of zeros
 
@@ -173,12 +191,18 @@ def test_grad_and_vmap_compose_both_ways():
     native = _traced_with(True, jax.jit(jax.grad(lanes_loss, argnums=(0, 1))), k, lanes, lane_positions)
     with _native.use(False):
         expected = jax.grad(lanes_loss, argnums=(0, 1))(*map(jnp.asarray, (k, lanes, lane_positions)))
+    rng = np.random.default_rng(150)
+    f = lambda x: sum(reference_loss(x[1][lane], x[0], v, lengths, lane_positions[lane], weights)  # noqa: E731
+                      for lane in range(3))
+    assert_directional_derivatives(native, (k, lanes), f, rng)
     for got, want in zip(native, expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # vmap of a grad: per-lane gradients of the queries
     per_lane = jax.vmap(jax.grad(loss), in_axes=(0, None, None, None, 0, None))
     native = _traced_with(True, jax.jit(per_lane), lanes, k, v, lengths, lane_positions, weights)
     for lane in range(3):
+        f = lambda x, lane=lane: reference_loss(x[0], k, v, lengths, lane_positions[lane], weights)  # noqa: E731
+        assert_directional_derivatives([native[lane]], [lanes[lane]], f, rng)
         want = pure_grad(lanes[lane], k, v, lengths, lane_positions[lane], weights)[0]
         np.testing.assert_allclose(native[lane], want, rtol=1e-4, atol=1e-5)
 
@@ -215,6 +239,8 @@ def test_default_positions_reach_the_kernel_as_offsets_from_each_rows_length():
     with _native.use(False):
         expected = jax.grad(loss, argnums=(0, 1, 2))(*map(jnp.asarray, (q1, k1, v1, lengths1)), None, weights)
     native = _traced_with(True, jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q1, k1, v1, lengths1, None, weights)
+    f = lambda x: reference_loss(*x, lengths1, None, weights)  # noqa: E731  (default positions: the last T)
+    assert_directional_derivatives(native, (q1, k1, v1), f, np.random.default_rng(180))
     for got, want in zip(native, expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert float(jnp.max(jnp.abs(expected[1]))) > 0
@@ -225,8 +251,8 @@ def append_view_of(k, v, lengths):
     return jss.KVView(k=k, v=v, lengths=lengths, positions=jnp.zeros(lengths.shape + (1,), jnp.int32))
 
 
-def rollout_step(cache, q, rows):
-    cache = cache.append((rows, rows))
+def rollout_step(cache, q, keys, values):
+    cache = cache.append((keys, values))
     return cache, jss.attend(q, cache.view())
 
 
@@ -235,27 +261,27 @@ def rollout_step(cache, q, rows):
 def test_compiled_step_calls_the_kernel_on_the_cache_in_place_and_compiles_once():
     traces = []
 
-    def step(cache, q, rows):
+    def step(cache, q, keys, values):
         traces.append(None)
-        return rollout_step(cache, q, rows)
+        return rollout_step(cache, q, keys, values)
 
     capacity = 4093  # a size no other array of the step has
     cache = jss.KVCache.allocate(batch=2, kv_heads=2, head_dim=8, capacity=capacity)
     jitted = jax.jit(step, donate_argnums=0)
     hlo = _traced_with(
-        True, lambda: jitted.lower(cache, jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))).compile().as_text()
+        True, lambda: jitted.lower(cache, jnp.ones((2, 3, 4, 8)), *[jnp.ones((2, 3, 2, 8))] * 2).compile().as_text()
     )
     assert calls_native(hlo) == 1 and " while(" not in hlo  # no pure loop left on CPU
     assert not re.search(rf"copy\S*\(f32\[2,2,{capacity},8\]", hlo) and f"f32[2,2,{capacity},8]" in hlo
     rng = np.random.default_rng(16)
-    history = []
+    history_k, history_v = [], []
     for T in (3, 3, 3, 3):
-        q, rows = randn(rng, 2, T, 4, 8), randn(rng, 2, T, 2, 8)
-        cache, out = _traced_with(True, jitted, cache, jnp.asarray(q), jnp.asarray(rows))
-        history.append(rows)
-        keys = np.concatenate(history, 1).transpose(0, 2, 1, 3)
+        q, k, v = randn(rng, 2, T, 4, 8), randn(rng, 2, T, 2, 8), randn(rng, 2, T, 2, 8)
+        cache, out = _traced_with(True, jitted, cache, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        history_k.append(k), history_v.append(v)
+        keys, values = (np.concatenate(h, 1).transpose(0, 2, 1, 3) for h in (history_k, history_v))
         n = keys.shape[2]
-        ref_out, _ = reference(q, keys, keys, [n, n], np.broadcast_to(np.arange(n), (2, n)))
+        ref_out, _ = reference(q, keys, values, [n, n], np.broadcast_to(np.arange(n), (2, n)))
         np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     assert len(traces) == 1
 
@@ -287,7 +313,7 @@ def test_ring_views_stay_on_the_pure_path():
     ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_staged=4)
     rows = jnp.ones((1, 3, 2, 8))
     hlo = _traced_with(
-        True, lambda: jax.jit(rollout_step).lower(ring, jnp.ones((1, 3, 4, 8)), rows).compile().as_text()
+        True, lambda: jax.jit(rollout_step).lower(ring, jnp.ones((1, 3, 4, 8)), rows, rows).compile().as_text()
     )
     assert calls_native(hlo) == 0
 

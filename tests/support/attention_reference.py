@@ -61,3 +61,36 @@ def append_view(k, v, lengths):
     positions = np.where(np.arange(capacity) < np.asarray(lengths)[:, None], np.arange(capacity), -1)
     return jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32),
                       positions=jnp.asarray(positions, jnp.int32))
+
+
+def assert_directional_derivatives(grads, point, f, rng, *, eps=1e-5, rtol=1e-4):
+    """``grads`` (float32, of a scalar loss at ``point``) against float64 central differences of ``f``.
+
+    ``f`` is the loss in float64 (through :func:`reference`), taking a list
+    like ``point``.  Checked along one random direction per input, the
+    others held still (an error in one input's gradient is not drowned by
+    the others), then along one direction of all of them at once.
+
+    Tolerance: in float64 the central difference errs by O(eps^2) (times
+    the third derivative) plus O(1e-16 |f| / eps), about 1e-10.  The
+    float32 gradient (a softmax over at most a few hundred keys) is good to
+    about 1e-6 relative along a random direction (these tests measure 1e-9
+    to 9e-7), so ``rtol`` = 1e-4 of ``max(1, |derivative|)`` leaves a
+    margin of 100 or more, while a wrong gradient (a mask off by one, a
+    dropped term, a swapped operand) moves the derivative by order one.
+    Each derivative must be well above that tolerance, so a gradient of
+    zeros fails too.
+    """
+    point = [np.asarray(x, np.float64) for x in point]
+    grads = [np.asarray(g, np.float64) for g in grads]
+    assert len(grads) == len(point) and all(g.shape == x.shape for g, x in zip(grads, point))
+    directions = []
+    for i in range(len(point)):
+        directions.append([rng.standard_normal(y.shape) if j == i else np.zeros_like(y) for j, y in enumerate(point)])
+    directions.append([rng.standard_normal(x.shape) for x in point])
+    for direction in directions:
+        numeric = (f([x + eps * d for x, d in zip(point, direction)])
+                   - f([x - eps * d for x, d in zip(point, direction)])) / (2 * eps)
+        analytic = sum(np.sum(g * d) for g, d in zip(grads, direction))
+        assert abs(numeric) > 100 * rtol, "a direction too flat to tell a wrong gradient from a right one"
+        assert abs(analytic - numeric) <= rtol * max(1.0, abs(numeric)), (analytic, numeric)
