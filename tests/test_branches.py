@@ -32,7 +32,8 @@ def make_session(*, ring=False):
 
 def lane_data(rng, lanes, chunks, T=3):
     return {
-        "kv": jnp.asarray(rng.normal(size=(lanes, chunks, B, T, H, D)), jnp.float32),
+        "k": jnp.asarray(rng.normal(size=(lanes, chunks, B, T, H, D)), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(lanes, chunks, B, T, H, D)), jnp.float32),
         "frames": jnp.asarray(rng.normal(size=(lanes, chunks, 2)), jnp.float32),
         "carry": jnp.asarray(rng.normal(size=(lanes, chunks, B, 3)), jnp.float32),
     }
@@ -40,18 +41,17 @@ def lane_data(rng, lanes, chunks, T=3):
 
 def roll(lane, data):
     """One lane's rollout: several chunks staged one after another."""
-    for c in range(data["kv"].shape[0]):
-        rows = data["kv"][c]
-        lane = lane.stage(kv=(rows, rows), frames=data["frames"][c], carry=data["carry"][c])
+    for c in range(data["k"].shape[0]):
+        lane = lane.stage(kv=(data["k"][c], data["v"][c]), frames=data["frames"][c], carry=data["carry"][c])
     key, _ = jax.random.split(lane.attrs["rng"])
     return lane.with_attrs(rng=key, step=lane.attrs["step"] + 1), data["carry"][-1].sum()
 
 
 def sequential(session, data, lane):
     """What adopting ``lane`` must equal: its writes appended to the session one by one."""
-    for c in range(data["kv"].shape[1]):
-        rows = data["kv"][lane, c]
-        session = session.append(kv=(rows, rows), frames=data["frames"][lane, c], carry=data["carry"][lane, c])
+    for c in range(data["k"].shape[1]):
+        kv = (data["k"][lane, c], data["v"][lane, c])
+        session = session.append(kv=kv, frames=data["frames"][lane, c], carry=data["carry"][lane, c])
     return session
 
 
@@ -60,7 +60,7 @@ def branch_and_roll(session, data):
     return session.branch(4, window={"kv": 6, "frames": 2}).map(roll, data)[0]
 
 
-append_prefix = jax.jit(lambda s, rows, frame: s.append(kv=(rows, rows), frames=frame))
+append_prefix = jax.jit(lambda s, k, v, frame: s.append(kv=(k, v), frames=frame))
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["append", "ring"])
@@ -70,8 +70,8 @@ def test_adopt_equals_appending_the_lane(ring, seed, prefix_chunks, lane):
     rng = np.random.default_rng(seed)
     session = make_session(ring=ring)
     for c in range(prefix_chunks):
-        rows = jnp.asarray(rng.normal(size=(B, 3, H, D)), jnp.float32)
-        session = append_prefix(session, rows, jnp.full((2,), float(c)))
+        k, v = (jnp.asarray(rng.normal(size=(B, 3, H, D)), jnp.float32) for _ in "kv")
+        session = append_prefix(session, k, v, jnp.full((2,), float(c)))
     data = lane_data(rng, 4, 2)
     branches = branch_and_roll(session, data)
     adopted = branches.adopt(lane)
@@ -84,6 +84,7 @@ def test_adopt_equals_appending_the_lane(ring, seed, prefix_chunks, lane):
     shown = np.isin(seen_kv["positions"], kept_kv["positions"])
     assert shown.sum() == len(kept_kv["positions"])
     np.testing.assert_array_equal(seen_kv["k"][shown], kept_kv["k"])
+    np.testing.assert_array_equal(seen_kv["v"][shown], kept_kv["v"])
     if not ring:
         np.testing.assert_array_equal(seen_kv["positions"], kept_kv["positions"])
 
@@ -138,6 +139,12 @@ def test_memory_grows_with_lanes_times_window_not_prefix():
     assert branches.nbytes <= session.nbytes + 1.1 * lanes * window_bytes
     forks = [session.fork() for _ in range(lanes)]
     assert sum(f.nbytes for f in forks) > 10 * branches.nbytes
+
+
+@pytest.mark.parametrize("lanes", [0, -2])
+def test_branch_needs_at_least_one_lane(lanes):
+    with pytest.raises(jss.PayloadError, match=rf"branch\(\) needs at least one lane; got {lanes}\."):
+        make_session().branch(lanes, window=4)
 
 
 def test_branching_staged_data_is_refused():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
+from jax_session_state import _manager_core
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import (
     TRACES,
@@ -128,9 +129,44 @@ def test_a_hundred_create_drop_cycles_leak_nothing():
         assert m.release(i % 7) and m.release("other")
     assert len(m) == 0 and m.nbytes_by_device() == {} and m.stats()["bytes"] == {}
     assert m.nbytes_by_device() == {} and m.stats()["bytes"] == {} and len(m) == 0 and m.held() == {}
-    assert len(m._lost) == 8  # one reason per id, bounded by LOST_REASONS_KEPT
+    for sid in [*range(7), "other"]:  # each released id still says why it is gone
+        with pytest.raises(jss.SessionStateLostError, match=rf"{sid!r} is gone: it was released with release\(\)"):
+            m.get(sid)
     gc.collect()
     assert len(jax.live_arrays()) == live
+
+
+def test_only_the_last_losses_keep_their_reason(monkeypatch):
+    monkeypatch.setattr(_manager_core, "LOST_REASONS_KEPT", 3)
+    m, _ = manager(max_sessions=1)
+    for i in range(4):
+        m.create(i, make_session(i))
+        assert m.release(i)
+    m.create("p", make_session(4))
+    m.create("q", make_session(5))  # over the count cap: preempts "p", the fifth loss
+
+    def forgotten(sid):
+        return pytest.raises(
+            jss.SessionStateLostError,
+            match=rf"session {sid!r} is unknown to this manager: it was never created \(or was lost longer ago "
+            r"than the last 3 losses\)\. Nothing was created",
+        )
+
+    released = r"is gone: it was released with release\(\)"
+    for sid in (0, 1):  # the oldest two of five losses
+        with forgotten(sid):
+            m.get(sid)
+    for sid in (2, 3):
+        with pytest.raises(jss.SessionStateLostError, match=rf"session {sid} {released}"):
+            m.get(sid)
+    with pytest.raises(jss.SessionStateLostError, match=r"session 'p' is gone: preempted at the count cap"):
+        m.get("p")
+    assert m.release("q")  # a sixth loss: 2 is forgotten, the newest three stay
+    with forgotten(2):
+        m.get(2)
+    for sid, reason in ((3, released), ("p", "is gone: preempted at the count cap"), ("q", released)):
+        with pytest.raises(jss.SessionStateLostError, match=rf"session {sid!r} {reason}"):
+            m.get(sid)
 
 
 def test_create_of_a_held_id_and_puts_of_other_things_are_refused():

@@ -235,7 +235,8 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
     assert_within_half_a_step(demoted, written["a"])  # nothing lost
     for sid in "bc":
         for got, want in zip(m.get(sid)["kv"].view().materialize(), written[sid]):
-            np.testing.assert_array_equal(got["k"], want["k"])
+            for name in ("positions", "k", "v"):  # not demoted: exactly the rows written
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{sid} {name}")
 
     # Two sessions sharing buffers: the first demoted gets new buffers (the other still holds the old ones),
     # the second, then their only holder, is demoted in place.

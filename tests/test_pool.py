@@ -246,6 +246,13 @@ def test_bad_slots_raise_eagerly_and_are_refused_under_jit():
         np.testing.assert_array_equal(np.asarray(refused.active), before.active)
 
 
+def test_check_under_jit_is_refused():
+    pool = jss.SessionPool.allocate(new_session(0), slots=2)
+    with pytest.raises(jss.PayloadTypeError, match=r"SessionPool\.check\(\) reads flags; call it outside jit"):
+        jax.jit(lambda p: p.check())(pool)
+    pool.check()  # outside jit, nothing refused: no error
+
+
 def test_map_refuses_arguments_without_a_slot_axis_and_steps_that_change_the_session():
     pool = jss.SessionPool.allocate(new_session(0), slots=2)
     with pytest.raises(ValueError, match="leading axis of 2 slots"):

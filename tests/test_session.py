@@ -1,5 +1,7 @@
 """Session: fan-out of the lifecycle, the recompute graph, accounting, forks, check."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,17 @@ def test_errors_name_the_object():
         session.stage(kv=(jnp.ones((1, 2, 2, 5)), jnp.ones((1, 2, 2, 5))))
     with pytest.raises(KeyError, match="no object 'nope'"):
         session.stage(nope=1)
+
+
+def test_objects_and_attrs_must_be_mappings_from_names():
+    kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=3, capacity=4)
+    for objects, attrs in (([("kv", kv)], {}), ({"kv": kv}, [("step", jnp.int32(0))])):  # pairs, not mappings
+        with pytest.raises(jss.PayloadTypeError, match=r"Session\(objects=\.\.\., attrs=\.\.\.\) takes two mappings"):
+            jss.Session(objects=objects, attrs=attrs)
+    for name in (1, "", ("kv",)):
+        match = rf"object names must be non-empty strings; got {re.escape(repr(name))}\."
+        with pytest.raises(jss.PayloadTypeError, match=match):
+            jss.Session(objects={"ok": kv, name: kv})
 
 
 def test_missing_recompute_source():

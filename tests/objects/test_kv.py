@@ -115,11 +115,16 @@ def test_one_row_append_is_one_in_place_slice_update_per_array():
 def test_view_layout_and_positions():
     rng = np.random.default_rng(0)
     cache = jss.KVCache.allocate(batch=2, kv_heads=H, head_dim=D, capacity=8)
-    k = jnp.asarray(rng.normal(size=(2, 4, H, D)), jnp.float32)
-    cache = cache.append(jss.KVChunk(k, k, jnp.array([4, 2], jnp.int32)))
+    k, v = (jnp.asarray(rng.normal(size=(2, 4, H, D)), jnp.float32) for _ in "kv")
+    cache = cache.append(jss.KVChunk(k, v, jnp.array([4, 2], jnp.int32)))
     view = cache.view()
-    assert view.k.shape == (2, H, 8, D)  # head-major
-    np.testing.assert_array_equal(view.k[0, :, :4], np.asarray(k[0]).transpose(1, 0, 2))
+    assert view.k.shape == view.v.shape == (2, H, 8, D)  # head-major
+    for name, rows in (("k", k), ("v", v)):
+        got, want = np.asarray(getattr(view, name)), np.asarray(rows)
+        for b, n in enumerate([4, 2]):  # [slot, head, :] holds row ``slot``'s head ``head``
+            for t in range(n):
+                for h in range(H):
+                    np.testing.assert_array_equal(got[b, h, t], want[b, t, h], err_msg=f"{name}[{b}] row {t} head {h}")
     np.testing.assert_array_equal(view.positions, [[0, 1, 2, 3, -1, -1, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1]])
     np.testing.assert_array_equal(view.lengths, [4, 2])
 
@@ -128,13 +133,15 @@ def test_ring_keeps_sinks_and_window_after_wraparound():
     cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, window=3, sink=2, max_staged=2)
     for t in range(10):
         x = jnp.full((1, 1, 1, 1), float(t))
-        cache = cache.append((x, x))
+        cache = cache.append((x, -x - 100))
     (row,) = cache.view(include_staged=False).materialize()  # the committed window
     np.testing.assert_array_equal(row["positions"], [0, 1, 7, 8, 9])
     np.testing.assert_array_equal(row["k"].ravel(), [0, 1, 7, 8, 9])
+    np.testing.assert_array_equal(row["v"].ravel(), -np.array([0, 1, 7, 8, 9]) - 100)
     (row,) = cache.view().materialize()  # all the ring holds: a whole chunk's windows
     np.testing.assert_array_equal(row["positions"], [0, 1, 5, 6, 7, 8, 9])
     np.testing.assert_array_equal(row["k"].ravel(), [0, 1, 5, 6, 7, 8, 9])
+    np.testing.assert_array_equal(row["v"].ravel(), -np.array([0, 1, 5, 6, 7, 8, 9]) - 100)
 
 
 def test_overflow_eager_raises_and_writes_nothing():

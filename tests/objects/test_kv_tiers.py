@@ -51,14 +51,17 @@ def test_int8_bytes_are_under_a_third_of_float32():
 def test_fp8_ring_keeps_its_window_and_stays_within_fp8_precision():
     rng = np.random.default_rng(1)
     cache = jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=4, quantize="fp8")
-    chunks = [rows(rng, 4) for _ in range(5)]
-    for chunk in chunks:
-        cache = cache.append((chunk, chunk))
-    keys = np.concatenate([np.asarray(c) for c in chunks], axis=1)
-    row = cache.view(include_staged=False).materialize()[0]
-    assert row["positions"].tolist() == [0, 1, *range(14, 20)]
-    want = keys[0][row["positions"]]
-    assert np.all(np.abs(row["k"] - want) <= np.abs(want).max(axis=-1, keepdims=True) * 2.0**-4 + 1e-6)
+    chunks = [(rows(rng, 4), rows(rng, 4)) for _ in range(5)]
+    for k, v in chunks:
+        cache = cache.append((k, v))
+    written = {name: np.concatenate([np.asarray(c[i]) for c in chunks], axis=1) for i, name in enumerate("kv")}
+    for b, row in enumerate(cache.view(include_staged=False).materialize()):
+        assert row["positions"].tolist() == [0, 1, *range(14, 20)]
+        for name in ("k", "v"):
+            want = written[name][b][row["positions"]]
+            assert np.all(np.abs(row[name] - want) <= np.abs(want).max(axis=-1, keepdims=True) * 2.0**-4 + 1e-6), (
+                f"batch row {b} {name}"
+            )
 
 
 @pytest.mark.parametrize("jit", [False, True])

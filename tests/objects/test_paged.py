@@ -15,7 +15,7 @@ import jax_session_state as jss
 from jax_session_state.testing import logical
 from tests.support.devices import DEVICE
 
-H, D = 1, 2
+H, D = 2, 3  # two kv heads: a head-major / token-major mix-up moves rows between heads
 
 
 # --------------------------------------------------------------------- model
@@ -486,7 +486,7 @@ def test_summary_reports_rows_per_slot():
     (row,) = jss.summary(cache).rows
     assert row["committed"] == [5, 0, 0] and row["staged"] == [0, 2, 0]
     assert row["capacity"] == cache.capacity == 32 and row["margin"] == 0 and row[DEVICE] == cache.nbytes
-    assert row["shapes"] == "[8, 4, 1, 2]"  # the pools (K and V)
+    assert row["shapes"] == f"[8, 4, {H}, {D}]"  # the pools (K and V)
     assert jss.summary(cache.reset()).rows[0]["capacity"] == 32  # 8 pages of 4 rows per slot at most
 
 

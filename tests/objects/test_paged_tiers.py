@@ -86,8 +86,12 @@ def test_fp8_stays_within_its_relative_precision():
     rng = np.random.default_rng(1)
     cache, written = written_rows(rng, paged(quantize="fp8"))
     assert cache.k_pages.dtype == jnp.float8_e4m3fn
-    for (want, _), row in zip(written, cache.view().materialize()):
-        assert np.all(np.abs(row["k"] - want) <= np.abs(want).max(axis=-1, keepdims=True) * 2.0**-4 + 1e-6)
+    for slot, (wanted, row) in enumerate(zip(written, cache.view().materialize())):
+        for name, want in zip("kv", wanted):
+            assert row[name].shape == want.shape, f"slot {slot} {name}"
+            assert np.all(np.abs(row[name] - want) <= np.abs(want).max(axis=-1, keepdims=True) * 2.0**-4 + 1e-6), (
+                f"slot {slot} {name}"
+            )
 
 
 def test_fork_copies_the_partial_page_with_its_scales_and_free_returns_pages():
