@@ -1,8 +1,8 @@
 """Lending a manager's sessions to pool slots: ``checkout`` and ``checkin``.
 
 A session lives in exactly one place: held by the manager (resident, parked
-or partly dropped) or checked out into a slot of a :class:`SessionPool`.
-``checkout`` brings back what was dropped or parked, writes the session into
+or partly evicted) or checked out into a slot of a :class:`SessionPool`.
+``checkout`` brings back what was evicted or parked, writes the session into
 the slot and lets go of the manager's copy; ``checkin`` reads the slot back,
 admits the session again (making room like ``create``) and empties the slot.
 While a session is checked out the planner cannot see it (it is in no
@@ -77,7 +77,7 @@ class PoolCheckouts:
     def checkout(self, session_id: Hashable, pool: SessionPool, slot: int) -> SessionPool:
         """Moves the session into ``pool``'s empty ``slot``; returns the new pool (``pool`` is donated).
 
-        What was dropped or parked is brought back first, within budget.
+        What was evicted or parked is brought back first, within budget.
         From now until :meth:`checkin` the manager does not hold the session:
         lookups raise :class:`SessionCheckedOutError` and the planner never
         touches it; the budgets count ``pool``'s bytes.
@@ -95,7 +95,7 @@ class PoolCheckouts:
           (True, [])
 
         Raises:
-          SessionStateLostError: the id is unknown, dropped or preempted.
+          SessionStateLostError: the id is unknown, released or preempted.
           SessionCheckedOutError: it is checked out already.
           BudgetExceededError: restoring it or counting the pool does not fit.
           ValueError / TypeError / IndexError: the slot is live or out of

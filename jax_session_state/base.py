@@ -375,7 +375,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
           freed.
 
         Raises:
-          NotEvictableError: this object may never be dropped.
+          NotEvictableError: this object may never be evicted.
         """
         if not self.evictable:
             raise NotEvictableError(

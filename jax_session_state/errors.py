@@ -153,7 +153,7 @@ class PayloadTypeError(SessionStateError, TypeError):
 
 
 class NotEvictableError(SessionStateError, RuntimeError):
-    """``evict()`` was called on an object that may never be dropped.
+    """``evict()`` was called on an object that may never be evicted.
 
     Example:
       >>> import jax_session_state as jss
@@ -211,7 +211,7 @@ class BudgetExceededError(SessionStateError, RuntimeError):
       ...                                   evict_when_full=False)
       >>> manager.create("a", new_session())
       >>> try:
-      ...     manager.create("b", new_session())  # nothing to drop or park, no preemption
+      ...     manager.create("b", new_session())  # nothing to evict or park, no preemption
       ... except jss.BudgetExceededError as error:
       ...     print(error)
       creating session 'b' does not fit the byte budget (cpu:0 over its budget of 100 bytes by 60
@@ -241,7 +241,7 @@ class SessionAdmissionError(SessionStateError, RuntimeError):
 
 
 class SessionStateLostError(SessionStateError, LookupError):
-    """The session is unknown, was dropped, or was preempted.
+    """The session is unknown, was released, or was preempted.
 
     Raised instead of silently handing back an empty session.
 
