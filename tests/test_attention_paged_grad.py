@@ -8,7 +8,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state import _native
-from tests.support.attention_reference import reference
+from tests.support.attention_reference import central_difference, reference
 
 SLOTS, KV_HEADS, GROUPS, D, PAGE = 3, 2, 2, 8, 4
 
@@ -66,9 +66,7 @@ def test_grad_through_paged_attention_matches_float64_finite_differences(impleme
     f = lambda x: reference_loss(*x, table, lengths, q_positions, weights)  # noqa: E731
     for _ in range(4):  # directional derivatives along random directions of every input
         direction = [rng.standard_normal(x.shape) for x in point]
-        eps = 1e-5
-        numeric = (f([x + eps * d for x, d in zip(point, direction)])
-                   - f([x - eps * d for x, d in zip(point, direction)])) / (2 * eps)
+        numeric = central_difference(f, point, direction)
         analytic = sum(np.sum(np.asarray(g, np.float64) * d) for g, d in zip(got, direction))
         assert abs(analytic - numeric) <= 1e-4 * max(1.0, abs(numeric)), (analytic, numeric)
     # A shared page sums both slots' gradients; pages no slot reads get none.

@@ -63,6 +63,12 @@ def append_view(k, v, lengths):
                       positions=jnp.asarray(positions, jnp.int32))
 
 
+def central_difference(f, point, direction, eps=1e-5):
+    """The derivative of ``f`` at ``point`` (a list of float64 arrays) along ``direction``, by central differences."""
+    return (f([x + eps * d for x, d in zip(point, direction)])
+            - f([x - eps * d for x, d in zip(point, direction)])) / (2 * eps)
+
+
 def assert_directional_derivatives(grads, point, f, rng, *, eps=1e-5, rtol=1e-4):
     """``grads`` (float32, of a scalar loss at ``point``) against float64 central differences of ``f``.
 
@@ -89,8 +95,7 @@ def assert_directional_derivatives(grads, point, f, rng, *, eps=1e-5, rtol=1e-4)
         directions.append([rng.standard_normal(y.shape) if j == i else np.zeros_like(y) for j, y in enumerate(point)])
     directions.append([rng.standard_normal(x.shape) for x in point])
     for direction in directions:
-        numeric = (f([x + eps * d for x, d in zip(point, direction)])
-                   - f([x - eps * d for x, d in zip(point, direction)])) / (2 * eps)
+        numeric = central_difference(f, point, direction, eps)
         analytic = sum(np.sum(g * d) for g, d in zip(grads, direction))
         assert abs(numeric) > 100 * rtol, "a direction too flat to tell a wrong gradient from a right one"
         assert abs(analytic - numeric) <= rtol * max(1.0, abs(numeric)), (analytic, numeric)
