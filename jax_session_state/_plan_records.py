@@ -10,9 +10,9 @@ import dataclasses
 import types
 import warnings
 from collections.abc import Hashable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
-from jax_session_state.errors import PayloadError
+from jax_session_state.errors import PayloadError, PayloadTypeError
 
 __all__ = [
     "Action",
@@ -30,9 +30,37 @@ __all__ = [
 ObjectState = Literal["resident", "evicted", "parked"]
 
 
-def _frozen_bytes(bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
-    if any(count < 0 for count in bytes_by_device.values()):
-        raise PayloadError(f"negative byte count in {dict(bytes_by_device)}")
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` compares with 0 as a number (Python, numpy or 0-d jax scalar); duck-typed: no jax here."""
+    try:
+        bool(value >= 0)
+    except (TypeError, ValueError):  # not comparable (a str, None), or not a scalar (an array of several)
+        return False
+    return True
+
+
+def non_negative(owner: str, name: str, value: Any) -> Any:
+    """``value`` when it is a number >= 0 (NaN is not), else raises naming the argument.
+
+    Raises:
+      PayloadTypeError: ``value`` is not a number.
+      PayloadError: ``value`` is below 0, or NaN.
+    """
+    if not _is_number(value):
+        raise PayloadTypeError(f"{owner}: {name} must be a number >= 0; got {value!r}.")
+    if not value >= 0:
+        raise PayloadError(f"{owner}: {name} must be >= 0; got {value!r}.")
+    return value
+
+
+def _frozen_bytes(owner: str, field: str, bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
+    # A byte count is an int count, so a bool is not one.
+    wrong = {key: count for key, count in bytes_by_device.items() if isinstance(count, bool) or not _is_number(count)}
+    if wrong:
+        raise PayloadTypeError(f"{owner}: {field} must map device keys to byte counts (ints >= 0); got {wrong}.")
+    negative = {key: count for key, count in bytes_by_device.items() if count < 0}
+    if negative:
+        raise PayloadError(f"{owner}: {field} must map device keys to byte counts >= 0; got {negative}.")
     return types.MappingProxyType({k: b for k, b in bytes_by_device.items() if b})
 
 
@@ -51,6 +79,12 @@ class ObjectUsage:
       rebuildable: whether a rebuild function is registered for the object.
       demoted_bytes_by_device: bytes per device key the object would hold
         once demoted to its next lower tier; None when it has none.
+
+    Raises:
+      PayloadTypeError: a byte count is not a number, or is a bool, or
+        ``recompute_cost`` is not a number.
+      PayloadError: a byte count or ``recompute_cost`` is below 0, or
+        ``state`` is not one of the three.
 
     Example:
       >>> from jax_session_state.planner import ObjectUsage
@@ -72,15 +106,16 @@ class ObjectUsage:
             warnings.warn('ObjectUsage state "dropped" is deprecated; use "evicted".', DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "state", "evicted")
         if self.state not in ("resident", "evicted", "parked"):
-            raise PayloadError(f"ObjectUsage {self.name!r}: unknown state {self.state!r}")
-        if not self.recompute_cost >= 0:
             raise PayloadError(
-                f"ObjectUsage {self.name!r}: recompute_cost must be >= 0, got {self.recompute_cost}"
+                f"ObjectUsage {self.name!r}: state must be 'resident', 'evicted' or 'parked'; got {self.state!r}."
             )
-        object.__setattr__(self, "bytes_by_device", _frozen_bytes(self.bytes_by_device))
+        owner = f"ObjectUsage {self.name!r}"
+        non_negative(owner, "recompute_cost", self.recompute_cost)
+        object.__setattr__(self, "bytes_by_device", _frozen_bytes(owner, "bytes_by_device", self.bytes_by_device))
         object.__setattr__(self, "sources", tuple(self.sources))
         if self.demoted_bytes_by_device is not None:
-            object.__setattr__(self, "demoted_bytes_by_device", _frozen_bytes(self.demoted_bytes_by_device))
+            demoted = _frozen_bytes(owner, "demoted_bytes_by_device", self.demoted_bytes_by_device)
+            object.__setattr__(self, "demoted_bytes_by_device", demoted)
 
     @property
     def demotion_frees(self) -> dict[str, int]:
@@ -104,6 +139,10 @@ class SessionUsage:
       attrs_bytes_by_device: bytes of carried values that are never evicted
         or parked individually.
 
+    Raises:
+      PayloadTypeError: an attrs byte count is not a number, or is a bool.
+      PayloadError: an attrs byte count is below 0.
+
     Example:
       >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
       >>> old = SessionUsage("old", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=1)
@@ -120,7 +159,8 @@ class SessionUsage:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objects", tuple(self.objects))
-        object.__setattr__(self, "attrs_bytes_by_device", _frozen_bytes(self.attrs_bytes_by_device))
+        attrs = _frozen_bytes(f"SessionUsage {self.session_id!r}", "attrs_bytes_by_device", self.attrs_bytes_by_device)
+        object.__setattr__(self, "attrs_bytes_by_device", attrs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

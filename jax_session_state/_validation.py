@@ -123,11 +123,21 @@ def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
 
 
 def source_names(owner: str, recompute_source: Any) -> tuple[str, ...]:
-    """Normalises a recompute source (a name or names) to a tuple of names."""
-    names = (recompute_source,) if isinstance(recompute_source, str) else tuple(recompute_source)
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise PayloadTypeError(f"{owner}: recompute_source must be object names; got {recompute_source!r}.")
+    """Normalises a recompute source (a name or names) to a tuple of names.
+
+    Raises:
+      PayloadTypeError: it is not a str or an iterable of them.
+      PayloadError: a name is the empty string.
+    """
+    message = f"{owner}: recompute_source must be object names; got {recompute_source!r}."
+    try:
+        names = (recompute_source,) if isinstance(recompute_source, str) else tuple(recompute_source)
+    except TypeError:  # not iterable
+        raise PayloadTypeError(message) from None
+    if not all(isinstance(name, str) for name in names):
+        raise PayloadTypeError(message)
+    if not all(names):
+        raise PayloadError(message)
     return names
 
 
@@ -162,16 +172,24 @@ def leaf_specs(
 
 
 def axis_names(owner: str, what: str, names: Any, rank: int) -> tuple[str | None, ...]:
-    """Normalises the logical axis names of one array (None: all unnamed)."""
+    """Normalises the logical axis names of one array (None: all unnamed).
+
+    Raises:
+      PayloadTypeError: ``names`` is not a sequence, or a name is neither a
+        str nor None.
+      PayloadError: it names another number of axes than ``rank``, or a name
+        is the empty string.
+    """
     if names is None:
         return (None,) * rank
     if isinstance(names, str) or not isinstance(names, Sequence):
         raise PayloadTypeError(f"{owner}: {what} must be a tuple of axis names (str or None); got {names!r}.")
     names = tuple(names)
-    if len(names) != rank or not all(n is None or (isinstance(n, str) and n) for n in names):
-        raise PayloadError(
-            f"{owner}: {what} must name each of the {rank} axes (a str, or None for unnamed); got {names!r}."
-        )
+    message = f"{owner}: {what} must name each of the {rank} axes (a str, or None for unnamed); got {names!r}."
+    if not all(n is None or isinstance(n, str) for n in names):
+        raise PayloadTypeError(message)
+    if len(names) != rank or not all(n is None or n for n in names):
+        raise PayloadError(message)
     return names
 
 

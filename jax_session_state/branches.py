@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._validation import positive_int
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError, PayloadTypeError
@@ -148,8 +149,13 @@ class Branches(struct.PyTreeNode):
         return (branches, aux) if has_aux[0] else branches
 
     def lane(self, index: int) -> Lane:
-        """Lane ``index`` on its own (its windows and attrs sliced out)."""
-        self._check_index(index)
+        """Lane ``index`` on its own (its windows and attrs sliced out).
+
+        Raises:
+          PayloadTypeError: ``index`` is not an integer scalar (a bool is not one).
+          IndexError: a concrete ``index`` outside ``[0, lanes)``.
+        """
+        self._check_index(index, "lane")
         pick = lambda tree: jax.tree_util.tree_map(lambda x: x[index], tree)  # noqa: E731
         return Lane(prefix=self.prefix, windows=pick(self.windows), attrs=pick(self.attrs))
 
@@ -160,9 +166,10 @@ class Branches(struct.PyTreeNode):
         adopts nothing (the prefix comes back unchanged).
 
         Raises:
+          PayloadTypeError: ``index`` is not an integer scalar (a bool is not one).
           IndexError: a concrete ``index`` outside ``[0, lanes)``.
         """
-        self._check_index(index)
+        self._check_index(index, "adopt")
         in_range = (index >= 0) & (index < self.lanes)
         lane = self.lane(jnp.clip(index, 0, self.lanes - 1))
         session = self.prefix.discard()
@@ -194,7 +201,14 @@ class Branches(struct.PyTreeNode):
         """Total bytes, all devices together (for reporting only)."""
         return sum(self.nbytes_by_device().values())
 
-    def _check_index(self, index: Any) -> None:
+    def _check_index(self, index: Any, operation: str) -> None:
+        try:
+            integer = jnp.issubdtype(jnp.result_type(index), jnp.integer) and jnp.ndim(index) == 0
+        except TypeError:  # not array-like at all (a str, None)
+            integer = False
+        # A bool is not an int: x[True] would add an axis, not pick lane 1.
+        if isinstance(index, (bool, np.bool_)) or not integer:
+            raise PayloadTypeError(f"Branches.{operation}: index must be an integer scalar; got {index!r}.")
         if isinstance(index, jax.core.Tracer):
             return
         if not 0 <= int(index) < self.lanes:
@@ -225,6 +239,7 @@ def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | No
       The :class:`Branches`.
 
     Raises:
+      PayloadTypeError: ``lanes`` is not an int (a bool is not one).
       PayloadError: the session holds staged data, or ``lanes`` < 1.
 
     Example:
@@ -241,8 +256,7 @@ def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | No
       cannot branch a session with staged data in ['kv']: lanes share only committed data. Commit
       or discard it first.
     """
-    if lanes < 1:
-        raise PayloadError(f"branch() needs at least one lane; got {lanes}.")
+    lanes = positive_int("branch()", "lanes", lanes)
     staged = session.staged_names()
     if staged:
         raise PayloadError(

@@ -50,7 +50,9 @@ from jax_session_state._manager_snapshot import (
     ManagerSnapshots,
     SnapshotSession,
 )
+from jax_session_state._plan_records import non_negative
 from jax_session_state._table import Entry, Rebuild
+from jax_session_state._validation import positive_int
 from jax_session_state.base import StateObject
 from jax_session_state.errors import BudgetExceededError, PayloadError, PayloadTypeError, SessionStateLostError
 from jax_session_state.session import Session
@@ -96,6 +98,12 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         when the operation itself failed, logged and noted on the
         operation's error.
 
+    Raises:
+      PayloadTypeError: ``max_sessions``, a ``byte_budget`` value or
+        ``host_budget`` is not an int, or a ``byte_budget`` key not a str.
+      PayloadError: ``max_sessions`` is below 1, a budget below 0, or
+        ``park_memory_kind`` neither ``"pinned_host"`` nor None.
+
     A manager is always truthy (so ``manager or default`` never replaces an
     empty one); ``len(manager)`` is the number of sessions held.
 
@@ -127,23 +135,21 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         lock_factory: Callable[[], Any] = threading.RLock,
         on_event: Callable[[ManagerEvent], None] | None = None,
     ):
-        if not isinstance(max_sessions, int) or max_sessions < 1:
-            raise PayloadError(f"SessionStateManager: max_sessions must be an int >= 1; got {max_sessions!r}.")
-        budgets = dict(byte_budget or {})
-        for key, nbytes in budgets.items():
-            if not isinstance(key, str) or not isinstance(nbytes, int) or nbytes < 0:
-                raise PayloadError(
-                    "SessionStateManager: byte_budget maps device keys ('cpu:0', 'cuda:0', "
-                    f"'cuda:0/pinned_host') to bytes >= 0; got {key!r}: {nbytes!r}."
+        max_sessions = positive_int("SessionStateManager", "max_sessions", max_sessions)
+        budgets = {}
+        for key, nbytes in dict(byte_budget or {}).items():
+            if not isinstance(key, str):
+                raise PayloadTypeError(
+                    "SessionStateManager: byte_budget is keyed by device keys ('cpu:0', 'cuda:0', "
+                    f"'cuda:0/pinned_host'); got the key {key!r}."
                 )
+            budgets[key] = positive_int("SessionStateManager", f"byte_budget[{key!r}]", nbytes, minimum=0)
         if park_memory_kind not in ("pinned_host", None):
             raise PayloadError(
                 f"SessionStateManager: park_memory_kind is 'pinned_host' or None; got {park_memory_kind!r}."
             )
-        if host_budget is not None and (not isinstance(host_budget, int) or host_budget < 0):
-            raise PayloadError(
-                f"SessionStateManager: host_budget must be bytes >= 0 or None; got {host_budget!r}."
-            )
+        if host_budget is not None:
+            host_budget = positive_int("SessionStateManager", "host_budget", host_budget, minimum=0)
         ManagerCore.__init__(
             self,
             max_sessions=max_sessions,
@@ -460,6 +466,11 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
           cost: the rebuild's cost for the planner (cheapest per byte is
             evicted first); None uses the object's ``recompute_cost``.
 
+        Raises:
+          PayloadTypeError: ``fn`` is not callable, or ``cost`` is neither a
+            number nor None.
+          PayloadError: ``cost`` is below 0 (or NaN).
+
         Example:
           >>> import jax.numpy as jnp
           >>> import jax_session_state as jss
@@ -477,8 +488,8 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         """
         if not callable(fn):
             raise PayloadTypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
-        if cost is not None and not cost >= 0:
-            raise PayloadError(f"register_rebuild({name!r}): cost must be >= 0 or None; got {cost!r}.")
+        if cost is not None:
+            non_negative(f"register_rebuild({name!r})", "cost", cost)
         with self._lock:
             self._rebuilds[name] = Rebuild(fn, cost)
             self._rebuilds_version += 1

@@ -53,6 +53,7 @@ import numpy as np
 from flax import struct
 
 from jax_session_state._masked_step import run_masked
+from jax_session_state._validation import positive_int
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
 from jax_session_state.errors import NotResidentError, PayloadError, PayloadTypeError
@@ -104,14 +105,15 @@ class SessionPool(struct.PyTreeNode):
           slots: how many sessions the pool holds at once.
 
         Raises:
-          PayloadTypeError: ``template`` is not a Session, or ``slots`` not an int >= 1.
+          PayloadTypeError: ``template`` is not a Session, or ``slots`` is not an int
+            (a bool is not one).
           NotResidentError: an object of ``template`` is not resident.
-          PayloadError: an object of ``template`` is placed on a mesh.
+          PayloadError: ``slots`` is an int below 1, or an object of ``template``
+            is placed on a mesh.
         """
         if not isinstance(template, Session):
             raise PayloadTypeError(f"SessionPool.allocate: template must be a Session; got {type(template).__name__}.")
-        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
-            raise PayloadTypeError(f"SessionPool.allocate: slots must be an int >= 1; got {slots!r}.")
+        slots = positive_int("SessionPool.allocate", "slots", slots)
         for name, obj in template.objects.items():
             if not obj.resident:
                 raise NotResidentError(
@@ -123,7 +125,6 @@ class SessionPool(struct.PyTreeNode):
                     f"SessionPool.allocate: template object {name!r} ({obj.describe()}) is placed on a mesh; "
                     "a pool stacks sessions on the default device. Allocate the template without sharding."
                 )
-        slots = int(slots)
         leaves = [x for x in jax.tree_util.tree_leaves(template) if isinstance(x, jax.Array) and _concrete(x)]
         device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
         # Committed to one device from the start: a step whose inputs are committed (a session brought

@@ -12,7 +12,7 @@ from flax import struct
 
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
-from jax_session_state.errors import PayloadTypeError, RecomputeGraphError
+from jax_session_state.errors import PayloadError, PayloadTypeError, RecomputeGraphError
 
 if TYPE_CHECKING:
     from jax_session_state.branches import Branches
@@ -39,6 +39,13 @@ class Session(struct.PyTreeNode):
       attrs: carried values by name, any pytrees (counted in byte figures,
         never acted on); empty by default.
 
+    Raises:
+      PayloadTypeError: ``objects`` or ``attrs`` is not a mapping, or an
+        object name is not a str.
+      PayloadError: an object name is the empty string.
+      RecomputeGraphError: a recompute source is missing, or the sources
+        form a cycle.
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import jax_session_state as jss
@@ -64,8 +71,10 @@ class Session(struct.PyTreeNode):
         object.__setattr__(self, "objects", dict(self.objects))
         object.__setattr__(self, "attrs", dict(self.attrs))
         for name in self.objects:
-            if not isinstance(name, str) or not name:
+            if not isinstance(name, str):
                 raise PayloadTypeError(f"Session object names must be non-empty strings; got {name!r}.")
+            if not name:
+                raise PayloadError(f"Session object names must be non-empty strings; got {name!r}.")
         _validate_recompute_graph(
             tuple((name, getattr(obj, "recompute_source", ())) for name, obj in self.objects.items())
         )
@@ -209,6 +218,7 @@ class Session(struct.PyTreeNode):
           The :class:`~jax_session_state.branches.Branches`.
 
         Raises:
+          PayloadTypeError: ``lanes`` is not an int (a bool is not one).
           PayloadError: the session holds staged data, or ``lanes`` < 1.
 
         Example:

@@ -105,8 +105,10 @@ class ShardingRules:
             not divide the mesh axes, instead of raising.
 
         Raises:
-          PayloadTypeError: ``mesh`` is not a Mesh, or a name is not a string.
-          PayloadError: a mesh axis is not in the mesh, or an axis is not Auto.
+          PayloadTypeError: ``mesh`` is not a Mesh, ``axes`` not a mapping, or
+            a logical name is not a string.
+          PayloadError: a logical name is empty, a mesh axis is not in the
+            mesh or named twice for one logical axis, or an axis is not Auto.
         """
         if not isinstance(mesh, Mesh):
             raise PayloadTypeError(f"ShardingRules: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
@@ -123,8 +125,10 @@ class ShardingRules:
             )
         normalised = []
         for name, target in axes.items():
-            if not isinstance(name, str) or not name:
+            if not isinstance(name, str):
                 raise PayloadTypeError(f"ShardingRules: logical axis names must be non-empty strings; got {name!r}.")
+            if not name:
+                raise PayloadError(f"ShardingRules: logical axis names must be non-empty strings; got {name!r}.")
             mesh_axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
             for axis in mesh_axes:
                 if axis not in mesh.axis_names:

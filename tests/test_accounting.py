@@ -46,7 +46,7 @@ def test_scalars_and_deleted_arrays_hold_nothing():
 
 
 def test_tracers_are_refused():
-    with pytest.raises(TypeError, match="traced value"):
+    with pytest.raises(jss.PayloadTypeError, match="traced value"):
         jax.jit(lambda a: device_bytes(a))(jnp.ones(2))
 
 

@@ -248,7 +248,7 @@ def test_bucketed_implementation_is_a_switch_over_static_prefixes_and_compiles_o
 
 def test_unknown_or_unavailable_implementations_are_named():
     view = append_view(np.ones((1, 1, 8, 4), np.float32), np.ones((1, 1, 8, 4), np.float32), [3])
-    with pytest.raises(ValueError, match=r"implementation must be one of .*'fused'"):
+    with pytest.raises(jss.PayloadError, match=r"implementation must be one of .*'fused'"):
         jss.attend(jnp.ones((1, 1, 1, 4)), view, implementation="fused")
     if not _native.enabled():
         with pytest.raises(RuntimeError, match="the native kernel is not in use"):
@@ -312,15 +312,15 @@ def test_bfloat16_cache_accumulates_in_float32():
 )
 def test_bad_queries_are_named(q_shape, match):
     view = append_view_jnp(jnp.zeros((1, 2, 16, 8)), jnp.zeros((1, 2, 16, 8)), jnp.asarray([4], jnp.int32))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(jss.PayloadError, match=match):
         jss.attend(jnp.ones(q_shape), view)
 
 
 def test_bad_positions_and_views_are_named():
     view = append_view_jnp(jnp.zeros((1, 2, 16, 8)), jnp.zeros((1, 2, 16, 8)), jnp.asarray([4], jnp.int32))
-    with pytest.raises(ValueError, match=r"q_positions must have shape \[1, 4\]"):
+    with pytest.raises(jss.PayloadError, match=r"q_positions must have shape \[1, 4\]"):
         jss.attend(jnp.ones((1, 4, 2, 8)), view, q_positions=jnp.zeros((4,), jnp.int32))
-    with pytest.raises(TypeError, match="got LatentView"):
+    with pytest.raises(jss.PayloadTypeError, match="got LatentView"):
         jss.attend(jnp.ones((1, 4, 2, 8)), jss.LatentBuffer.allocate(capacity=2, item_shape=(1,)).view())
 
 

@@ -1,5 +1,7 @@
 """The spine every kind shares: one allocate path, one vocabulary, checked writes, clear errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ def test_unknown_keyword_is_a_type_error_naming_it(kind):
     make, _ = KINDS[kind]
     obj = make()
     message = rf"{type(obj).__name__}\.allocate\(\) got unexpected keyword argument\(s\): sizee"
-    with pytest.raises(TypeError, match=message):
+    with pytest.raises(PayloadTypeError, match=message):
         type(obj).allocate(sizee=3)
 
 
@@ -39,7 +41,7 @@ def test_deprecated_keywords_warn_and_mean_the_same(old, new):
 
 
 def test_deprecated_and_new_keyword_together_is_an_error():
-    with pytest.raises(TypeError, match="maxlen= is the deprecated name of capacity="):
+    with pytest.raises(PayloadTypeError, match="maxlen= is the deprecated name of capacity="):
         jss.LatentBuffer.allocate(maxlen=4, capacity=4, item_shape=(2,))
 
 
@@ -64,6 +66,22 @@ def test_recompute_source_given_as_one_name_is_one_name():
     prompt = jss.FixedState.allocate(shapes=(2,))
     session = jss.Session(objects={"prompt": prompt, "kv": kv.replace(recompute_source="prompt")})
     assert session.recomputable("kv")
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        (3, PayloadTypeError),  # neither a name nor names
+        (("prompt", 3), PayloadTypeError),
+        ("", PayloadError),  # a str, but no object can have the empty name
+        (("prompt", ""), PayloadError),
+    ],
+)
+def test_recompute_source_tells_a_non_name_from_an_empty_name(source, error):
+    message = rf"^FixedState\.allocate: recompute_source must be object names; got {re.escape(repr(source))}\.$"
+    with pytest.raises(error, match=message) as raised:
+        jss.FixedState.allocate(shapes=(2,), recompute_source=source)
+    assert not isinstance(raised.value, TypeError if error is PayloadError else ValueError)
 
 
 def test_nbytes_by_device_accepts_a_plain_set_and_dedups_through_it():
@@ -107,6 +125,6 @@ def test_a_write_that_changes_a_storage_spec_is_refused_at_trace_time(jit):
         return obj.with_storage(v=jnp.concatenate([obj.v, obj.v], axis=2))
 
     for write, change in ((widen, "bfloat16"), (grow, r"\[1, 1, 8, 2\]")):
-        with pytest.raises(TypeError, match=rf"KVCache\(.*a write changed storage '[kv]' from .*{change}"):
+        with pytest.raises(PayloadTypeError, match=rf"KVCache\(.*a write changed storage '[kv]' from .*{change}"):
             (jax.jit(write) if jit else write)(kv)
     np.testing.assert_array_equal(kv.k, np.zeros((1, 1, 4, 2)))  # nothing changed

@@ -141,15 +141,30 @@ def test_memory_grows_with_lanes_times_window_not_prefix():
     assert sum(f.nbytes for f in forks) > 10 * branches.nbytes
 
 
-@pytest.mark.parametrize("lanes", [0, -2])
-def test_branch_needs_at_least_one_lane(lanes):
-    with pytest.raises(jss.PayloadError, match=rf"branch\(\) needs at least one lane; got {lanes}\."):
+@pytest.mark.parametrize(
+    ("lanes", "error", "message"),
+    [
+        (0, jss.PayloadError, r"^branch\(\): lanes must be >= 1; got 0\.$"),
+        (-2, jss.PayloadError, r"^branch\(\): lanes must be >= 1; got -2\.$"),
+        (True, jss.PayloadTypeError, r"^branch\(\): lanes must be an int >= 1; got True\.$"),
+        (2.0, jss.PayloadTypeError, r"^branch\(\): lanes must be an int >= 1; got 2\.0\.$"),
+        ("2", jss.PayloadTypeError, r"^branch\(\): lanes must be an int >= 1; got '2'\.$"),
+    ],
+)
+def test_branch_tells_lanes_of_the_wrong_type_from_too_few(lanes, error, message):
+    with pytest.raises(error, match=message) as raised:
         make_session().branch(lanes, window=4)
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
+
+
+def test_branch_takes_a_numpy_integer_lanes():
+    branches = make_session().branch(np.int64(3), window=4)
+    assert branches.lanes == 3 and type(branches.lanes) is int
 
 
 def test_branching_staged_data_is_refused():
     session = make_session().stage(carry=jnp.ones((B, 3)))
-    with pytest.raises(ValueError, match=r"staged data in \['carry'\].*Commit or discard"):
+    with pytest.raises(jss.PayloadError, match=r"staged data in \['carry'\].*Commit or discard"):
         session.branch(2, window=4)
 
 
@@ -165,10 +180,31 @@ def test_adopt_out_of_range():
     assert_logically_equal(kept.view(), session.view(), "out-of-range traced adopt")
 
 
+@pytest.mark.parametrize("operation", ["adopt", "lane"])
+@pytest.mark.parametrize(
+    ("index", "shown"),
+    [
+        (True, "True"),  # a bool is not a lane number: x[True] would add an axis, not pick lane 1
+        (np.bool_(True), "np.True_"),
+        (1.0, "1.0"),
+        ("1", "'1'"),
+        (jnp.array([1]), r"Array\(\[1\], dtype=int32\)"),
+    ],
+)
+def test_a_lane_index_of_the_wrong_type_is_a_type_error(operation, index, shown):
+    branches = make_session().branch(2, window=4)
+    with pytest.raises(
+        jss.PayloadTypeError, match=rf"^Branches\.{operation}: index must be an integer scalar; got {shown}\.$"
+    ):
+        getattr(branches, operation)(index)
+    for index in (np.int64(1), jnp.int32(1)):  # numpy and jax integers are lane numbers
+        assert getattr(branches, operation)(index) is not None
+
+
 def test_lanes_cannot_write_shared_objects():
     branches = make_session().branch(2, window=4)
     rows = jnp.ones((B, 2, H, D))
-    with pytest.raises(TypeError, match=r"lanes cannot write 'cond' \(EncodeOnceKV"):
+    with pytest.raises(jss.PayloadTypeError, match=r"lanes cannot write 'cond' \(EncodeOnceKV"):
         branches.lane(0).stage(cond=(rows, rows))
 
 

@@ -432,7 +432,7 @@ class Opaque:
             jss.CheckpointError,
             "cannot record a pytree node of type LatentView",
         ),
-        ({"not": "a session"}, TypeError, "saves a Session"),
+        ({"not": "a session"}, jss.PayloadTypeError, "saves a Session"),
     ],
 )
 def test_what_cannot_be_saved_is_refused_before_anything_is_written(tmp_path, session, error, match):
@@ -452,9 +452,9 @@ def test_a_kind_defined_inside_a_function_cannot_be_saved(tmp_path):
 
 def test_restore_arguments_are_checked(tmp_path):
     checkpoint.save(tmp_path, random_session(seed=8))
-    with pytest.raises(TypeError, match=r"target=\.\.\.\) takes a Session"):
+    with pytest.raises(jss.PayloadTypeError, match=r"target=\.\.\.\) takes a Session"):
         checkpoint.restore(tmp_path, target={"kv": 1})
-    with pytest.raises(TypeError, match=r"shardings=\.\.\.\) takes ShardingRules"):
+    with pytest.raises(jss.PayloadTypeError, match=r"shardings=\.\.\.\) takes ShardingRules"):
         checkpoint.restore(tmp_path, shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 

@@ -64,6 +64,34 @@ def assert_frozen(before, m):
 
 
 # ----------------------------------------------------------- reference design's scenarios
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_sessions": 0}, jss.PayloadError, r"max_sessions must be >= 1; got 0\."),
+        ({"max_sessions": True}, jss.PayloadTypeError, r"max_sessions must be an int >= 1; got True\."),
+        ({"max_sessions": 2.0}, jss.PayloadTypeError, r"max_sessions must be an int >= 1; got 2\.0\."),
+        ({"byte_budget": {"cpu:0": -1}}, jss.PayloadError, r"byte_budget\['cpu:0'\] must be >= 0; got -1\."),
+        ({"byte_budget": {"cpu:0": "1GB"}}, jss.PayloadTypeError, r"byte_budget\['cpu:0'\] must be an int"),
+        ({"byte_budget": {0: 100}}, jss.PayloadTypeError, r"byte_budget is keyed by device keys.*got the key 0\."),
+        ({"host_budget": -5}, jss.PayloadError, r"host_budget must be >= 0; got -5\."),
+        ({"host_budget": 1.5}, jss.PayloadTypeError, r"host_budget must be an int >= 0; got 1\.5\."),
+        ({"park_memory_kind": "device"}, jss.PayloadError, r"park_memory_kind is 'pinned_host' or None; got 'device'"),
+    ],
+)
+def test_constructor_arguments_are_checked_and_named(kwargs, error, message):
+    with pytest.raises(error, match=r"^SessionStateManager: " + message):
+        jss.SessionStateManager(**kwargs)
+
+
+def test_numpy_integer_limits_are_taken_as_ints():
+    manager = jss.SessionStateManager(max_sessions=np.int64(2), evict_when_full=False, host_budget=np.int64(0))
+    manager.create("a", make_session(0))
+    manager.create("b", make_session(1))
+    with pytest.raises(jss.SessionAdmissionError, match=r"max_sessions=2\b"):
+        manager.create("c", make_session(2))
+    assert sorted(manager.held()) == ["a", "b"]
+
+
 def test_count_cap_of_three_with_five_sessions():
     m, events = manager(max_sessions=3)
     sessions = {f"s{i}": make_session(i) for i in range(5)}
@@ -172,14 +200,14 @@ def test_only_the_last_losses_keep_their_reason(monkeypatch):
 def test_create_of_a_held_id_and_puts_of_other_things_are_refused():
     m, _ = manager()
     m.create("a", make_session(0))
-    with pytest.raises(ValueError, match=r"create\('a'\): that session exists already"):
+    with pytest.raises(jss.PayloadError, match=r"create\('a'\): that session exists already"):
         m.create("a", make_session(1))
-    with pytest.raises(TypeError, match=r"expected a jss\.Session; got dict"):
+    with pytest.raises(jss.PayloadTypeError, match=r"expected a jss\.Session; got dict"):
         m.put("a", {"kv": 1})
     dead = make_session(2)
     step(dead)
     for call in (lambda: m.put("a", dead), lambda: m.create("b", dead)):
-        with pytest.raises(ValueError, match=r"arrays were deleted.*Pass the step's output instead"):
+        with pytest.raises(jss.PayloadError, match=r"arrays were deleted.*Pass the step's output instead"):
             call()
     assert "b" not in m and m.nbytes_by_device() == {DEVICE: ONE}
 
@@ -323,7 +351,7 @@ def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorab
     m.release("b")
     m.register_rebuild("cond", lambda session: session["kv"])
     with pytest.raises(
-        ValueError,
+        jss.PayloadError,
         match=r"rebuilding 'cond' of session 'a'.*must return a resident EncodeOnceKV.*returned KVCache",
     ):
         m.get("a")
@@ -351,18 +379,34 @@ def test_objects_without_a_rebuild_or_a_recompute_source_are_never_evicted():
 
 def test_register_rebuild_checks_its_arguments():
     m, _ = manager()
-    with pytest.raises(TypeError, match="fn must be callable"):
+    with pytest.raises(jss.PayloadTypeError, match="fn must be callable"):
         m.register_rebuild("cond", 3)
-    with pytest.raises(ValueError, match="cost must be >= 0"):
-        m.register_rebuild("cond", rebuild_cond, cost=-1)
     for bad in (
         dict(max_sessions=0),
         dict(byte_budget={DEVICE: -1}),
         dict(park_memory_kind="device"),
         dict(host_budget=-5),
     ):
-        with pytest.raises(ValueError, match="SessionStateManager"):
+        with pytest.raises(jss.PayloadError, match="SessionStateManager"):
             jss.SessionStateManager(**bad)
+
+
+@pytest.mark.parametrize(
+    ("cost", "error", "message"),
+    [
+        (-1, jss.PayloadError, r"^register_rebuild\('cond'\): cost must be >= 0; got -1\.$"),
+        (float("nan"), jss.PayloadError, r"^register_rebuild\('cond'\): cost must be >= 0; got nan\.$"),
+        ("1", jss.PayloadTypeError, r"^register_rebuild\('cond'\): cost must be a number >= 0; got '1'\.$"),
+        ((1,), jss.PayloadTypeError, r"^register_rebuild\('cond'\): cost must be a number >= 0; got \(1,\)\.$"),
+    ],
+)
+def test_register_rebuild_tells_a_cost_of_the_wrong_type_from_a_negative_one(cost, error, message):
+    m, _ = manager()
+    with pytest.raises(error, match=message) as raised:
+        m.register_rebuild("cond", rebuild_cond, cost=cost)
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
+    for cost in (None, 0, 2.5, np.float32(1.0)):  # None: the object's own recompute_cost
+        m.register_rebuild("cond", rebuild_cond, cost=cost)
 
 
 def test_an_empty_manager_is_truthy_and_contains_nothing():

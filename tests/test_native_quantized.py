@@ -159,7 +159,7 @@ def test_mismatched_scales_are_a_clear_error():
     with pytest.raises(Exception, match="k_scale, v_scale \\[B, Hk, C, 1\\] float32 do not match"):
         _native.quantized_kernel(q, k, k, k_scale, k_scale[:, :, :31], lengths, offsets, causal=True, scale=0.25,
                                  relative=True)
-    with pytest.raises(ValueError, match="both k_scale and v_scale, or neither"):
+    with pytest.raises(jss.PayloadError, match="both k_scale and v_scale, or neither"):
         _native.paged_kernel(k, k, jnp.zeros((1, 1), jnp.int32), q, lengths, offsets, causal=True, scale=0.25,
                              relative=True, k_scale_pages=k_scale)
 

@@ -5,8 +5,10 @@ import itertools
 
 import hypothesis
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 
+from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.planner import (
     DemoteObject,
     EvictObject,
@@ -495,13 +497,87 @@ def test_search_giving_up_still_plans_by_preemption():
 
 
 def test_inputs_are_validated_and_frozen():
-    with pytest.raises(ValueError):
-        obj("x", {"cuda:0": -1})
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        PayloadError,
+        match=r"^ObjectUsage 'x': bytes_by_device must map device keys to byte counts >= 0; got \{'cuda:0': -1\}\.$",
+    ):
+        obj("x", {"cuda:0": -1, "cpu:0": 4})
+    with pytest.raises(
+        PayloadError,
+        match=r"^ObjectUsage 'x': demoted_bytes_by_device must map device keys to byte counts >= 0; "
+        r"got \{'cpu:0': -2\}\.$",
+    ):
+        obj("x", {"cpu:0": 4}, demoted_bytes_by_device={"cpu:0": -2})
+    with pytest.raises(
+        PayloadError,
+        match=r"^SessionUsage 's0': attrs_bytes_by_device must map device keys to byte counts >= 0; "
+        r"got \{'cpu:0': -3\}\.$",
+    ):
+        sess("s0", obj("x", {"cpu:0": 4}), attrs_bytes_by_device={"cpu:0": -3})
+    with pytest.raises(
+        PayloadError, match=r"^ObjectUsage 'x': state must be 'resident', 'evicted' or 'parked'; got 'gone'\.$"
+    ):
         obj("x", {"cuda:0": 1}, state="gone")
+    with pytest.raises(PayloadError, match=r"^ObjectUsage 'x': recompute_cost must be >= 0; got -1\.0\.$"):
+        obj("x", {"cuda:0": 1}, recompute_cost=-1.0)
     o = obj("x", {"cuda:0": 1})
-    with pytest.raises(TypeError):
+    # Python's own TypeError: bytes_by_device is a read-only mappingproxy.
+    with pytest.raises(TypeError, match="'mappingproxy' object does not support item assignment"):
         o.bytes_by_device["cuda:0"] = 2
+
+
+_COUNTS = r"must map device keys to byte counts \(ints >= 0\); got "
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (  # a byte count is an int count: a bool is not one
+            lambda: obj("x", {"cuda:0": True, "cpu:0": 4}),
+            PayloadTypeError,
+            rf"^ObjectUsage 'x': bytes_by_device {_COUNTS}\{{'cuda:0': True\}}\.$",
+        ),
+        (
+            lambda: obj("x", {"cuda:0": "4"}),
+            PayloadTypeError,
+            rf"^ObjectUsage 'x': bytes_by_device {_COUNTS}\{{'cuda:0': '4'\}}\.$",
+        ),
+        (
+            lambda: obj("x", {"cpu:0": 4}, demoted_bytes_by_device={"cpu:0": None}),
+            PayloadTypeError,
+            rf"^ObjectUsage 'x': demoted_bytes_by_device {_COUNTS}\{{'cpu:0': None\}}\.$",
+        ),
+        (
+            lambda: sess("s0", obj("x", {"cpu:0": 4}), attrs_bytes_by_device={"cpu:0": False}),
+            PayloadTypeError,
+            rf"^SessionUsage 's0': attrs_bytes_by_device {_COUNTS}\{{'cpu:0': False\}}\.$",
+        ),
+        (
+            lambda: obj("x", {"cuda:0": 1}, recompute_cost="1"),
+            PayloadTypeError,
+            r"^ObjectUsage 'x': recompute_cost must be a number >= 0; got '1'\.$",
+        ),
+        (
+            lambda: obj("x", {"cuda:0": 1}, recompute_cost=None),
+            PayloadTypeError,
+            r"^ObjectUsage 'x': recompute_cost must be a number >= 0; got None\.$",
+        ),
+        (
+            lambda: obj("x", {"cuda:0": 1}, recompute_cost=float("nan")),
+            PayloadError,
+            r"^ObjectUsage 'x': recompute_cost must be >= 0; got nan\.$",
+        ),
+    ],
+)
+def test_inputs_tell_a_figure_of_the_wrong_type_from_a_negative_one(make, error, message):
+    with pytest.raises(error, match=message) as raised:
+        make()
+    assert not isinstance(raised.value, TypeError if error is PayloadError else ValueError)
+
+
+def test_numpy_figures_are_numbers():
+    o = obj("x", {"cuda:0": np.int64(4)}, recompute_cost=np.float32(2.0))
+    assert dict(o.bytes_by_device) == {"cuda:0": 4} and o.recompute_cost == 2.0
 
 
 # ----------------------------------------------------------------------------- properties

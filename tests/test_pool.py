@@ -206,16 +206,16 @@ def test_mismatched_session_is_refused_naming_the_object():
     pool = jss.SessionPool.allocate(new_session(0), slots=2)
     wrong_capacity = new_session(1).with_objects(
         kv=jss.KVCache.allocate(batch=1, kv_heads=KV_HEADS, head_dim=DIM, capacity=CAPACITY * 2))
-    with pytest.raises(ValueError, match=r"object 'kv' is KVCache\(.*capacity=96.*capacity=48"):
+    with pytest.raises(jss.PayloadError, match=r"object 'kv' is KVCache\(.*capacity=96.*capacity=48"):
         pool.insert(0, wrong_capacity)
-    with pytest.raises(ValueError, match=r"missing: \['frames'\]"):
+    with pytest.raises(jss.PayloadError, match=r"missing: \['frames'\]"):
         pool.insert(0, jss.Session(objects={k: v for k, v in new_session(1).objects.items() if k != "frames"},
                                    attrs=new_session(1).attrs))
-    with pytest.raises(ValueError, match=r"attrs\['steps'\] of shape \(\) and dtype float32"):
+    with pytest.raises(jss.PayloadError, match=r"attrs\['steps'\] of shape \(\) and dtype float32"):
         pool.insert(0, new_session(1).with_attrs(steps=jnp.float32(0)))
     with pytest.raises(jss.NotResidentError, match="'carry'"):
         pool.insert(0, new_session(1).with_objects(carry=new_session(1)["carry"].reset()))
-    with pytest.raises(TypeError, match="expected a Session"):
+    with pytest.raises(jss.PayloadTypeError, match="expected a Session"):
         pool.insert(0, {"kv": 1})
     assert pool.active_slots() == []
 
@@ -224,13 +224,13 @@ def test_bad_slots_raise_eagerly_and_are_refused_under_jit():
     pool = jss.SessionPool.allocate(new_session(0), slots=2).insert(1, new_session(1))
     with pytest.raises(IndexError, match=r"slot 2 is out of range \[0, 2\)"):
         pool.insert(2, new_session(2))
-    with pytest.raises(ValueError, match="slot 1 holds a live session"):
+    with pytest.raises(jss.PayloadError, match="slot 1 holds a live session"):
         pool.insert(1, new_session(2))
-    with pytest.raises(ValueError, match="slot 0 is empty"):
+    with pytest.raises(jss.PayloadError, match="slot 0 is empty"):
         pool.extract(0)
-    with pytest.raises(ValueError, match="slot 0 is already empty"):
+    with pytest.raises(jss.PayloadError, match="slot 0 is already empty"):
         pool.release(0)
-    with pytest.raises(TypeError, match="integer scalar"):
+    with pytest.raises(jss.PayloadTypeError, match="integer scalar"):
         pool.insert(0.5, new_session(2))
     before = jax.tree_util.tree_map(lambda x: x.copy(), pool)
     for operation, args in [
@@ -240,7 +240,7 @@ def test_bad_slots_raise_eagerly_and_are_refused_under_jit():
         (jss.SessionPool.release, (-1,)),
     ]:
         refused = jax.jit(operation)(pool, *args)
-        with pytest.raises(ValueError, match="refused and wrote nothing"):
+        with pytest.raises(jss.PayloadError, match="refused and wrote nothing"):
             refused.check()
         assert_same_session(refused.sessions, before.sessions)
         np.testing.assert_array_equal(np.asarray(refused.active), before.active)
@@ -255,11 +255,11 @@ def test_check_under_jit_is_refused():
 
 def test_map_refuses_arguments_without_a_slot_axis_and_steps_that_change_the_session():
     pool = jss.SessionPool.allocate(new_session(0), slots=2)
-    with pytest.raises(ValueError, match="leading axis of 2 slots"):
+    with pytest.raises(jss.PayloadError, match="leading axis of 2 slots"):
         pool.map(step, jnp.ones(3))
-    with pytest.raises(ValueError, match=r"returned a session that differs in structure in \['extra'\]"):
+    with pytest.raises(jss.PayloadError, match=r"returned a session that differs in structure in \['extra'\]"):
         pool.map(lambda s, x: (s.with_attrs(extra=x), x), jnp.ones(2))
-    with pytest.raises(ValueError, match=r"\.attrs\['steps'\] of shape \(3,\)"):
+    with pytest.raises(jss.PayloadError, match=r"\.attrs\['steps'\] of shape \(3,\)"):
         pool.map(lambda s, x: (s.with_attrs(steps=jnp.zeros(3, jnp.int32)), x), jnp.ones(2))
 
 
@@ -267,8 +267,28 @@ def test_allocate_refuses_a_template_with_dropped_objects():
     template = new_session(0).with_objects(carry=new_session(0)["carry"].reset())
     with pytest.raises(jss.NotResidentError, match="template object 'carry'"):
         jss.SessionPool.allocate(template, slots=2)
-    with pytest.raises(TypeError, match="slots must be an int >= 1"):
-        jss.SessionPool.allocate(new_session(0), slots=0)
+
+
+@pytest.mark.parametrize(
+    ("slots", "error", "message"),
+    [
+        (0, jss.PayloadError, r"SessionPool\.allocate: slots must be >= 1; got 0\."),
+        (-2, jss.PayloadError, r"SessionPool\.allocate: slots must be >= 1; got -2\."),
+        (2.0, jss.PayloadTypeError, r"SessionPool\.allocate: slots must be an int >= 1; got 2\.0\."),
+        ("2", jss.PayloadTypeError, r"SessionPool\.allocate: slots must be an int >= 1; got '2'\."),
+        (True, jss.PayloadTypeError, r"SessionPool\.allocate: slots must be an int >= 1; got True\."),
+    ],
+)
+def test_allocate_tells_a_slots_of_the_wrong_type_from_one_out_of_range(slots, error, message):
+    with pytest.raises(error, match=message) as raised:
+        jss.SessionPool.allocate(new_session(0), slots=slots)
+    # PayloadError and PayloadTypeError are siblings: the value case is not a TypeError, nor the type case a ValueError.
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
+
+
+def test_allocate_takes_a_numpy_integer_slots():
+    pool = jss.SessionPool.allocate(new_session(0), slots=np.int64(3))
+    assert pool.slots == 3 and type(pool.slots) is int
 
 
 def test_pool_bytes_count_every_slot():

@@ -100,7 +100,9 @@ class PoolManagerMachine(RuleBasedStateMachine):
     @rule(sid=IDS)
     def create(self, sid):
         if sid in self.alone:
-            with pytest.raises((ValueError, jss.SessionCheckedOutError)):
+            with pytest.raises(
+                (jss.PayloadError, jss.SessionCheckedOutError), match=rf"'{sid}'.*(exists already|is checked out)"
+            ):
                 self.manager.create(sid, make_session(self.seed, capacity=CAPACITY))
             return
         session = make_session(self.seed, capacity=CAPACITY)
@@ -135,7 +137,7 @@ class PoolManagerMachine(RuleBasedStateMachine):
             return
         sid = data.draw(st.sampled_from(sorted(self.slot_of)))
         wrong = [s for s in range(SLOTS) if s != self.slot_of[sid]]
-        with pytest.raises(ValueError, match="checked out into slot"):
+        with pytest.raises(jss.PayloadError, match="checked out into slot"):
             self.manager.checkin(sid, self.pool, wrong[0])
         try:
             self.pool = self.manager.checkin(sid, self.pool, self.slot_of[sid])
@@ -270,10 +272,10 @@ def test_checkout_restores_dropped_and_parked_objects_first(tmp_path):
     assert pool.nbytes_by_device()[DEVICE] <= manager.nbytes_by_device()[DEVICE] <= budget
     with pytest.raises(jss.SessionCheckedOutError, match="checkin"):
         manager.create("a", make_session(1, capacity=CAPACITY))
-    with pytest.raises(ValueError, match="holds a live session"):
+    with pytest.raises(jss.PayloadError, match="holds a live session"):
         manager.checkout("b", pool, 1)
     manager.create("d", make_session(4, capacity=8))
-    with pytest.raises(ValueError, match=r"object 'kv' is KVCache\(.*capacity=8"):
+    with pytest.raises(jss.PayloadError, match=r"object 'kv' is KVCache\(.*capacity=8"):
         manager.checkout("d", pool, 0)
     assert "d" in manager and manager.checked_out().keys() == {"a"}
     with pytest.raises(jss.CheckpointError, match="checked out"):

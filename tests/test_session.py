@@ -72,7 +72,7 @@ def test_jitted_donated_step_compiles_once_and_keeps_buffers():
 
 def test_errors_name_the_object():
     session = make_session()
-    with pytest.raises(ValueError, match=r"session object 'kv': KVCache\(.*\)\.stage: k must have shape"):
+    with pytest.raises(jss.PayloadError, match=r"session object 'kv': KVCache\(.*\)\.stage: k must have shape"):
         session.stage(kv=(jnp.ones((1, 2, 2, 5)), jnp.ones((1, 2, 2, 5))))
     with pytest.raises(KeyError, match="no object 'nope'"):
         session.stage(nope=1)
@@ -83,10 +83,17 @@ def test_objects_and_attrs_must_be_mappings_from_names():
     for objects, attrs in (([("kv", kv)], {}), ({"kv": kv}, [("step", jnp.int32(0))])):  # pairs, not mappings
         with pytest.raises(jss.PayloadTypeError, match=r"Session\(objects=\.\.\., attrs=\.\.\.\) takes two mappings"):
             jss.Session(objects=objects, attrs=attrs)
-    for name in (1, "", ("kv",)):
-        match = rf"object names must be non-empty strings; got {re.escape(repr(name))}\."
-        with pytest.raises(jss.PayloadTypeError, match=match):
-            jss.Session(objects={"ok": kv, name: kv})
+
+
+@pytest.mark.parametrize(
+    ("name", "error"), [(1, jss.PayloadTypeError), (("kv",), jss.PayloadTypeError), ("", jss.PayloadError)]
+)
+def test_object_names_tell_a_non_string_from_an_empty_one(name, error):
+    kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=3, capacity=4)
+    match = rf"^Session object names must be non-empty strings; got {re.escape(repr(name))}\.$"
+    with pytest.raises(error, match=match) as raised:
+        jss.Session(objects={"ok": kv, name: kv})
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
 
 
 def test_missing_recompute_source():

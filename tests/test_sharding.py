@@ -40,12 +40,29 @@ def test_equal_rules_do_not_retrace_a_jitted_step():
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda: jss.ShardingRules(np.array(jax.devices()), {}), TypeError, "jax.sharding.Mesh"),
-        (lambda: jss.ShardingRules(jax.make_mesh((1,), ("model",)), {}), ValueError, r"AxisType.Auto"),
-        (lambda: jss.ShardingRules(MESH, {"kv_heads": "tensor"}), ValueError, r"'tensor', which is not in the mesh"),
-        (lambda: jss.ShardingRules(MESH, {"kv_heads": ("model", "model")}), ValueError, "names a mesh axis twice"),
-        (lambda: jss.ShardingRules(MESH, {0: "model"}), TypeError, "non-empty strings"),
-        (lambda: jss.ShardingRules(MESH, [("kv_heads", "model")]), TypeError, "must map logical names"),
+        (lambda: jss.ShardingRules(np.array(jax.devices()), {}), jss.PayloadTypeError, "jax.sharding.Mesh"),
+        (lambda: jss.ShardingRules(jax.make_mesh((1,), ("model",)), {}), jss.PayloadError, r"AxisType.Auto"),
+        (
+            lambda: jss.ShardingRules(MESH, {"kv_heads": "tensor"}),
+            jss.PayloadError,
+            r"'tensor', which is not in the mesh",
+        ),
+        (
+            lambda: jss.ShardingRules(MESH, {"kv_heads": ("model", "model")}),
+            jss.PayloadError,
+            "names a mesh axis twice",
+        ),
+        (
+            lambda: jss.ShardingRules(MESH, {0: "model"}),
+            jss.PayloadTypeError,
+            r"^ShardingRules: logical axis names must be non-empty strings; got 0\.$",
+        ),
+        (  # the right type, a value no axis can have
+            lambda: jss.ShardingRules(MESH, {"": "model"}),
+            jss.PayloadError,
+            r"^ShardingRules: logical axis names must be non-empty strings; got ''\.$",
+        ),
+        (lambda: jss.ShardingRules(MESH, [("kv_heads", "model")]), jss.PayloadTypeError, "must map logical names"),
     ],
 )
 def test_bad_rules_are_refused_clearly(make, error, match):
@@ -54,13 +71,13 @@ def test_bad_rules_are_refused_clearly(make, error, match):
 
 
 def test_partition_spec_rejects_names_that_do_not_fit_the_shape():
-    with pytest.raises(ValueError, match=r"2 logical axis names .* for shape \[2, 3, 4\]"):
+    with pytest.raises(jss.PayloadError, match=r"2 logical axis names .* for shape \[2, 3, 4\]"):
         RULES.partition_spec(("batch", "kv_heads"), (2, 3, 4))
 
 
 def test_one_mesh_axis_for_two_axes_of_one_array_is_refused():
     rules = jss.ShardingRules(MESH, {"batch": "model", "kv_heads": "model"})
-    with pytest.raises(ValueError, match=r"KVCache.*'k'.*'batch' and 'kv_heads' both map to mesh axis 'model'"):
+    with pytest.raises(jss.PayloadError, match=r"KVCache.*'k'.*'batch' and 'kv_heads' both map to mesh axis 'model'"):
         jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8, sharding=rules)
 
 
@@ -106,8 +123,25 @@ def test_kinds_name_their_axes_after_their_sizing_arguments():
     ],
 )
 def test_bad_axis_names_and_shardings_at_allocate_are_refused(allocate, match):
-    with pytest.raises((TypeError, ValueError), match=match):
+    with pytest.raises((jss.PayloadTypeError, jss.PayloadError), match=match):
         allocate()
+
+
+@pytest.mark.parametrize(
+    ("axes", "error", "got"),
+    [
+        ((3,), jss.PayloadTypeError, r"\(3,\)"),  # a name that is not a str (nor None)
+        ((3, "b"), jss.PayloadTypeError, r"\(3, 'b'\)"),  # the type is told first, before the count
+        (("a", "b"), jss.PayloadError, r"\('a', 'b'\)"),  # names for 2 axes of a 1-axis item
+        (("",), jss.PayloadError, r"\('',\)"),  # a str, but empty
+    ],
+)
+def test_axis_names_tell_a_name_of_the_wrong_type_from_a_wrong_count_or_an_empty_name(axes, error, got):
+    expected = r"axes must name each of the 1 axes \(a str, or None for unnamed\)"
+    message = rf"^LatentBuffer\.allocate: {expected}; got {got}\.$"
+    with pytest.raises(error, match=message) as raised:
+        jss.LatentBuffer.allocate(capacity=2, item_shape=(3,), axes=axes)
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
 
 
 def test_a_kind_without_axis_names_is_replicated():
@@ -149,6 +183,6 @@ def test_shard_places_objects_and_replicates_jax_attrs_only():
     assert placed["kv"].sharding == RULES
     assert placed.attrs["rng"].sharding == RULES.replicated()
     assert isinstance(placed.attrs["table"], np.ndarray) and placed.attrs["step"] == 3
-    with pytest.raises(TypeError, match="shard\\(\\) takes ShardingRules"):
+    with pytest.raises(jss.PayloadTypeError, match="shard\\(\\) takes ShardingRules"):
         jss.shard(session, MESH)
 

@@ -72,5 +72,5 @@ def test_rich_and_html():
 
 
 def test_rejects_other_things():
-    with pytest.raises(TypeError, match="takes a state object"):
+    with pytest.raises(jss.PayloadTypeError, match="takes a state object"):
         jss.summary(3)

@@ -212,9 +212,15 @@ class LatentBuffer(ItemBuffer, kw_only=True):
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> LatentBuffer:
-        """A bounded buffer of ``size`` items for one lane's frames."""
+        """A bounded buffer of ``size`` items for one lane's frames.
+
+        Raises:
+          PayloadTypeError: ``size`` is None or not an int (a bool is not one).
+          PayloadError: ``size`` is below 1, or exceeds a ring's slots.
+        """
         if size is None:
             raise PayloadTypeError(f"{self.describe()}: lanes need a window size (items per lane).")
+        size = v.positive_int(f"{self.describe()}.branch_window", "size", size)
         if self.ring and size > self.slots:
             raise PayloadError(
                 f"{self.describe()}: a lane window of {size} items exceeds the ring's {self.slots} slots."

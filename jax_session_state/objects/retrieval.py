@@ -207,10 +207,16 @@ class RetrievalStore(ItemBuffer, kw_only=True):
           :class:`Retrieved`, best first.  Invalid slots are never returned
           while valid ones remain; when fewer than ``k`` entries exist the
           tail has ``valid=False`` and ``scores=-inf``.
+
+        Raises:
+          PayloadTypeError: ``k`` is not an int (a bool is not one).
+          PayloadError: ``k`` is outside ``[1, capacity + max_staged]`` (the slots), or ``query`` does
+            not end in ``key_dim``.
         """
         view = self.view(include_staged=include_staged)
         owner = f"{self.describe()}.retrieve"
-        if not 1 <= k <= self.slots:
+        k = v.positive_int(owner, "k", k)
+        if k > self.slots:
             raise PayloadError(f"{owner}: k must lie in [1, {self.slots}]; got {k}.")
         if query.shape[-1:] != (self.key_dim,):
             raise PayloadError(f"{owner}: query must end in key_dim={self.key_dim}; got shape {list(query.shape)}.")

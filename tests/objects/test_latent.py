@@ -63,3 +63,28 @@ def test_wrong_item_shape_names_the_object():
     buffer = jss.LatentBuffer.allocate(capacity=3, item_shape=(2,))
     with pytest.raises(ValueError, match=r"LatentBuffer\(.*items leaf 0 must have shape \[n, 2\]"):
         buffer.append(jnp.ones((3, 3)))
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "append"])
+@pytest.mark.parametrize(
+    ("size", "error", "tail"),
+    [
+        (0, jss.PayloadError, r"size must be >= 1; got 0\."),
+        (True, jss.PayloadTypeError, r"size must be an int >= 1; got True\."),  # a bool is not a count of items
+        (2.0, jss.PayloadTypeError, r"size must be an int >= 1; got 2\.0\."),
+        ("2", jss.PayloadTypeError, r"size must be an int >= 1; got '2'\."),  # told before the ring's bound
+    ],
+)
+def test_branch_window_tells_a_size_of_the_wrong_type_from_one_out_of_range(ring, size, error, tail):
+    buffer = jss.LatentBuffer.allocate(capacity=3, item_shape=(1,), ring=ring, max_staged=1 if ring else 0)
+    with pytest.raises(error, match=rf"^LatentBuffer\(.*\)\.branch_window: {tail}$") as raised:
+        buffer.branch_window(size)
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
+
+
+def test_branch_window_takes_a_numpy_integer_size_and_bounds_a_ring():
+    ring = jss.LatentBuffer.allocate(capacity=3, item_shape=(1,), ring=True, max_staged=1)
+    assert ring.branch_window(np.int64(2)).capacity == 2
+    message = r"^LatentBuffer\(.*\): a lane window of 5 items exceeds the ring's 4 slots\.$"
+    with pytest.raises(jss.PayloadError, match=message):
+        ring.branch_window(5)

@@ -92,3 +92,25 @@ def test_view_age_and_validity():
 def test_retrieve_rejects_bad_query():
     with pytest.raises(ValueError, match=r"RetrievalStore\(.*key_dim=3"):
         make().retrieve(jnp.ones((4,)), 1)
+
+
+@pytest.mark.parametrize(
+    ("k", "error", "tail"),
+    [
+        (0, jss.PayloadError, r"k must be >= 1; got 0\."),
+        (7, jss.PayloadError, r"k must lie in \[1, 6\]; got 7\."),  # the bank has CAPACITY + MARGIN = 6 slots
+        (True, jss.PayloadTypeError, r"k must be an int >= 1; got True\."),  # a bool is not a count of matches
+        (2.0, jss.PayloadTypeError, r"k must be an int >= 1; got 2\.0\."),
+        ("2", jss.PayloadTypeError, r"k must be an int >= 1; got '2'\."),
+    ],
+)
+def test_retrieve_tells_a_k_of_the_wrong_type_from_one_out_of_range(k, error, tail):
+    with pytest.raises(error, match=rf"^RetrievalStore\(.*\)\.retrieve: {tail}$") as raised:
+        make().retrieve(jnp.ones((KEY_DIM,)), k)
+    assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
+
+
+def test_retrieve_takes_a_numpy_integer_k():
+    bank = make().append(entries(np.random.default_rng(0), 3))
+    hit = bank.retrieve(jnp.ones((KEY_DIM,)), np.int64(2))
+    assert hit.scores.shape == (2,) and bool(hit.valid.all())
