@@ -126,12 +126,26 @@ def test_restored_session_continues_a_jitted_rollout_bit_for_bit(tmp_path):
         original = step(original)
     checkpoint.save(tmp_path, original)
     restored = checkpoint.restore(tmp_path, target=original)
+    key = jnp.copy(restored.attrs["rng"])  # copies: a reference to the restored session would stop donation
+    want = {name: np.array(jnp.copy(getattr(restored["kv"], name))) for name in ("k", "v")}
+    start = [int(n) + int(s) for n, s in zip(restored["kv"].lengths, restored["kv"].staged)]  # commit() promotes
     for _ in range(5):
         buffers = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(restored.objects)]
         original, restored = step(original), donated(restored)
         assert [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(restored.objects)] == buffers
     assert_same(restored, original)
     assert len(traces) == 1  # the restored session reuses the original's trace: same structure, shapes, dtypes
+    for i in range(5):  # numpy: the row each step draws from its key, at its offset; the rows before kept
+        key, k_key, v_key, _ = jax.random.split(key, 4)
+        for name, name_key in (("k", k_key), ("v", v_key)):
+            drawn = np.asarray(jax.random.normal(name_key, (B, 1, H, D)))
+            for b in range(B):
+                want[name][b, :, start[b] + i] = drawn[b, 0]
+    assert restored["kv"].lengths.tolist() == [s + 5 for s in start] and restored["kv"].staged.tolist() == [0] * B
+    for name in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(getattr(restored["kv"], name)), want[name], rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
+    np.testing.assert_array_equal(jax.random.key_data(restored.attrs["rng"]), jax.random.key_data(key))
 
 
 BACKEND_COMPILES = []

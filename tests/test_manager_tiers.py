@@ -224,6 +224,7 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
         name for name in old.storage_fields() if name not in old.data_fields and getattr(old, name) is not None
     ]
     pointers = {name: getattr(old, name).unsafe_buffer_pointer() for name in bookkeeping}
+    kept = {name: np.asarray(jnp.copy(getattr(old, name))) for name in bookkeeping}  # copies: `old` stays donatable
     m, events = manager(3 * size - saved // 2, rebuild=False)
     for sid in "abc":
         m.create(sid, sessions[sid])
@@ -233,6 +234,10 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
     assert {name: getattr(demoted, name).unsafe_buffer_pointer() for name in bookkeeping} == pointers  # in place
     assert demoted.quantize == "int8" and m.stats()["bytes"][DEVICE] == 3 * size - saved
     assert_within_half_a_step(demoted, written["a"])  # nothing lost
+    for name in bookkeeping:  # written in place, and holding what it held: demotion requantizes only the K/V
+        np.testing.assert_array_equal(np.asarray(jnp.copy(getattr(demoted, name))), kept[name], err_msg=name)
+    for got, want in zip(demoted.view().materialize(), written["a"]):
+        np.testing.assert_array_equal(got["positions"], want["positions"])
     for sid in "bc":
         for got, want in zip(m.get(sid)["kv"].view().materialize(), written[sid]):
             for name in ("positions", "k", "v"):  # not demoted: exactly the rows written
@@ -243,6 +248,7 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
     shared = make(3)
     written = host_rows(shared["kv"])
     pointers = {name: getattr(shared["kv"], name).unsafe_buffer_pointer() for name in bookkeeping}
+    kept = {name: np.asarray(jnp.copy(getattr(shared["kv"], name))) for name in bookkeeping}
     m, events = manager(3 * size - saved // 2, rebuild=False)
     m.create("a", shared)
     m.create("twin", shared)
@@ -254,3 +260,7 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
     assert {name: getattr(in_place, name).unsafe_buffer_pointer() for name in bookkeeping} == pointers
     for kv in (copied, in_place):
         assert_within_half_a_step(kv, written)
+        for name in bookkeeping:
+            np.testing.assert_array_equal(np.asarray(jnp.copy(getattr(kv, name))), kept[name], err_msg=name)
+        for got, want in zip(kv.view().materialize(), written):
+            np.testing.assert_array_equal(got["positions"], want["positions"])

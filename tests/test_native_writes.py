@@ -209,6 +209,10 @@ def test_a_donated_bfloat16_append_writes_its_rows_in_place_and_compiles_once():
     want = np.concatenate([as_f32(c.k) for c in chunks], axis=1)
     np.testing.assert_array_equal(as_f32(cache.k[:, :, :64]), want.transpose(0, 2, 1, 3))
     assert not np.any(as_f32(cache.k[:, :, 64:]))
+    want_v = np.concatenate([as_f32(c.v) for c in chunks], axis=1)  # V too: each chunk at its offset
+    np.testing.assert_array_equal(as_f32(cache.v[:, :, :64]), want_v.transpose(0, 2, 1, 3))
+    assert not np.any(as_f32(cache.v[:, :, 64:]))
+    assert cache.lengths.tolist() == [64] and cache.staged.tolist() == [0]
 
 
 @needs_native
@@ -282,6 +286,17 @@ def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
 
     assert_same_leaves(slot(results[0], 1), slot(pool, 1))  # an empty slot: untouched
     assert int(results[0].extract(2).objects["kv"].lengths[0]) == 3 + 3 + 2
+    assert_same_leaves(slot(results[0], 3), slot(pool, 3))
+    written = as_f32(per_slot)  # numpy: each live slot's two rows at its length, the rows before unchanged
+    for live_slot in (0, 2):
+        old, new = pool.extract(live_slot).objects, results[0].extract(live_slot).objects
+        length = int(old["kv"].lengths[0])
+        assert new["kv"].lengths.tolist() == [length + 2]
+        for name in ("k", "v"):
+            want = as_f32(getattr(old["kv"], name)).copy()
+            want[:, :, length:length + 2] = written[live_slot].transpose(0, 2, 1, 3)
+            np.testing.assert_array_equal(as_f32(getattr(new["kv"], name)), want, err_msg=f"slot {live_slot} {name}")
+        np.testing.assert_array_equal(as_f32(new["frames"].view().materialize()), written[live_slot, :1, 0, 0])
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])

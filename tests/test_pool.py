@@ -173,17 +173,26 @@ def test_two_hundred_random_slot_operations_and_steps_compile_once():
 
 def test_insert_writes_one_slot_in_place_and_extract_reads_one_slot():
     pool = jss.SessionPool.allocate(new_session(0), slots=64)
+    for neighbour in (2, 4):  # random sessions either side of the slot written: they must stay as they are
+        pool = pool.insert(neighbour, stepped(new_session(10 + neighbour), 1 + neighbour))
     session = stepped(new_session(1), 2)
     insert = jax.jit(jss.SessionPool.insert, donate_argnums=0)
     text = insert.lower(pool, 3, session).compile().as_text()
     assert "dynamic-update-slice" in text
     assert "f32[64,1,2,48,8]{4,3,2,1,0} copy(" not in text  # no copy of a whole K/V leaf of the pool
+    held = jax.tree_util.tree_map(jnp.copy, pool.sessions)  # copies: a reference to the pool would stop donation
     before = pool.sessions["kv"].k.unsafe_buffer_pointer()
     pool = insert(pool, 3, session)
     assert pool.sessions["kv"].k.unsafe_buffer_pointer() == before  # donated: written where it was
     extract_text = jax.jit(jss.SessionPool.extract).lower(pool, 3).compile().as_text()
     assert "f32[64,1,2,48,8]" not in extract_text.split("ENTRY")[-1].split("ROOT")[-1]
     assert_same_session(pool.extract(3), session)
+    assert pool.active_slots() == [2, 3, 4]
+    others = np.flatnonzero(np.arange(64) != 3)  # every other slot, leaf for leaf, bit for bit as before the insert
+    assert_same_session(*(jax.tree_util.tree_map(lambda x: x[others], s) for s in (pool.sessions, held)))
+    assert_same_session(jax.tree_util.tree_map(lambda x: x[3], pool.sessions), session)  # read by index, not extract
+    assert int(pool.sessions["kv"].lengths[3, 0]) == 2 * CHUNK
+    assert [int(pool.sessions["kv"].lengths[s, 0]) for s in (2, 4)] == [3 * CHUNK, 5 * CHUNK]
 
 
 @pytest.mark.parametrize("native", [True, False] if _native.AVAILABLE else [False])
@@ -192,6 +201,7 @@ def test_a_donated_pool_step_writes_every_leaf_in_place(native):
     pool = jss.SessionPool.allocate(new_session(0), slots=SLOTS)
     for slot in range(SLOTS - 1):  # one empty slot; the others at different lengths
         pool = pool.insert(slot, stepped(new_session(slot), slot % 3))
+    held = jax.tree_util.tree_map(jnp.copy, pool.sessions)  # copies: a reference to the pool would stop donation
     with _native.use(native):
         map_step = jax.jit(lambda pool, scales: pool.map(step, scales), donate_argnums=0)
         pool, _ = map_step(pool, jnp.ones(SLOTS))
@@ -200,6 +210,21 @@ def test_a_donated_pool_step_writes_every_leaf_in_place(native):
             pool, out = map_step(pool, jnp.ones(SLOTS))
     assert [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(pool)] == before
     assert np.all(np.asarray(out[SLOTS - 1]) == 0) and np.any(np.asarray(out[0]) != 0)
+    kv = pool.sessions["kv"]
+    for slot in range(SLOTS - 1):  # each slot's 4 chunks, drawn here from its key as `step` draws them
+        start, rng = (slot % 3) * CHUNK, held.attrs["rng"][slot]
+        assert kv.lengths[slot].tolist() == [start + 4 * CHUNK]
+        want = {name: np.array(getattr(held["kv"], name)[slot]) for name in ("k", "v")}
+        for i in range(4):
+            rng, k_rows, _ = jax.random.split(rng, 3)
+            rows = dict(zip("kv", np.asarray(jax.random.normal(k_rows, (2, 1, CHUNK, KV_HEADS, DIM)))))
+            for name in ("k", "v"):  # at its offset; the rows before and after as they were
+                want[name][:, :, start + i * CHUNK:start + (i + 1) * CHUNK] = rows[name].transpose(0, 2, 1, 3)
+        for name in ("k", "v"):
+            np.testing.assert_allclose(np.asarray(getattr(kv, name)[slot]), want[name], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"slot {slot} {name}")
+        assert_same_session(pool.extract(slot), stepped(new_session(slot), slot % 3 + 4), rtol=1e-5)
+    assert_same_session(*(jax.tree_util.tree_map(lambda x: x[SLOTS - 1], s) for s in (pool.sessions, held)))
 
 
 def test_mismatched_session_is_refused_naming_the_object():

@@ -64,10 +64,21 @@ def test_jitted_donated_step_compiles_once_and_keeps_buffers():
     jitted = jax.jit(step, donate_argnums=0)
     session = make_session()
     pointer = session["kv"].k.unsafe_buffer_pointer()
+    chunks, key = [], jax.random.key(0)  # host copies of what each step writes; the key make_session starts from
     for _ in range(5):
-        session = jitted(session, rows(rng, 2))
+        chunk = rows(rng, 2)  # the chunks are not donated: numpy copies of them hold nothing that is
+        chunks.append({name: np.array(getattr(chunk, name)) for name in ("k", "v")})
+        session = jitted(session, chunk)
+        key = jax.random.split(key)[0]
     assert session["kv"].k.unsafe_buffer_pointer() == pointer
     assert int(session.attrs["step"]) == 5
+    assert session["kv"].lengths.tolist() == [10] and session["kv"].staged.tolist() == [0]
+    for name in ("k", "v"):  # numpy: the five chunks in order from row 0, the rows after them never written
+        got = np.asarray(getattr(session["kv"], name))
+        want = np.concatenate([c[name] for c in chunks], axis=1).transpose(0, 2, 1, 3)
+        np.testing.assert_array_equal(got[:, :, :10], want, err_msg=name)
+        assert not np.any(got[:, :, 10:]), name
+    np.testing.assert_array_equal(jax.random.key_data(session.attrs["rng"]), jax.random.key_data(key))
 
 
 def test_errors_name_the_object():
@@ -133,13 +144,22 @@ def test_nbytes_deduplicates_aliases_across_objects_and_attrs():
 
 def test_fork_is_independent_and_donation_safe():
     rng = np.random.default_rng(3)
-    session = make_session().append(kv=rows(rng, 2))
+    first = rows(rng, 2)
+    session = make_session().append(kv=first)
     fork = session.fork()
     assert fork["kv"].k.unsafe_buffer_pointer() != session["kv"].k.unsafe_buffer_pointer()
     step = jax.jit(lambda s, c: s.append(kv=c), donate_argnums=0)
-    advanced = step(fork, rows(rng, 3))  # deletes the fork's buffers, not the original's
+    second = rows(rng, 3)
+    advanced = step(fork, second)  # deletes the fork's buffers, not the original's
     assert session["kv"].k.is_deleted() is False
     assert int(session.view()["kv"].lengths[0]) == 2 and int(advanced.view()["kv"].lengths[0]) == 5
+    for name in ("k", "v"):  # numpy: the original holds its 2 rows only, the advanced fork those and then 3 more
+        rows_of = [np.asarray(getattr(c, name)).transpose(0, 2, 1, 3) for c in (first, second)]
+        original, forked = (np.asarray(getattr(s["kv"], name)) for s in (session, advanced))
+        np.testing.assert_array_equal(original[:, :, :2], rows_of[0], err_msg=name)
+        assert not np.any(original[:, :, 2:]), name
+        np.testing.assert_array_equal(forked[:, :, :5], np.concatenate(rows_of, axis=2), err_msg=name)
+        assert not np.any(forked[:, :, 5:]), name
     np.testing.assert_array_equal(jax.random.key_data(session.attrs["rng"]), jax.random.key_data(advanced.attrs["rng"]))
 
 

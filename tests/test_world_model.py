@@ -70,12 +70,29 @@ def test_donated_rollout_compiles_once_and_writes_in_place():
     def run(params, session, actions):
         return rollout(nnx.merge(graphdef, params), session, actions)
 
+    reference = session.fork()  # its own buffers: rolled without donation below
+    length, end = int(session["kv_0"].lengths[0]), (1 + 8) * CONFIG.tokens  # rows [length, end) written below
+    held = {name: np.asarray(jnp.copy(getattr(session["kv_0"], name))) for name in ("k", "v")}  # host copies
     before = session["kv_0"].k.unsafe_buffer_pointer()
     session, _ = run(params, session, actions)
     session, frames = run(params, session, actions)
     assert session["kv_0"].k.unsafe_buffer_pointer() == before  # the donated buffer was reused
     assert session["kv_0"].lengths.tolist() == [(1 + 8) * CONFIG.tokens] and frames.shape == (4, 1, 8, 8, 4)
     jss.check(session)
+    # The same rollout, not donated: what it must have written.
+    roll = jax.jit(lambda params, session, actions: rollout(nnx.merge(graphdef, params), session, actions))
+    reference, _ = roll(params, reference, actions)
+    reference, want_frames = roll(params, reference, actions)
+    np.testing.assert_allclose(np.asarray(frames), np.asarray(want_frames), rtol=1e-6, atol=1e-6)
+    for name in ("k", "v"):
+        got = np.asarray(getattr(session["kv_0"], name))
+        np.testing.assert_array_equal(got[:, :, :length], held[name][:, :, :length], err_msg=name)  # kept
+        np.testing.assert_allclose(got, np.asarray(getattr(reference["kv_0"], name)), rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+        assert np.all(np.any(got[:, :, length:end] != 0, axis=-1)), name  # every row written holds data
+        assert not np.any(got[:, :, end:]), name  # nothing past the 8 steps' rows
+    np.testing.assert_allclose(np.asarray(session.view()["carry"]["h"]), np.asarray(reference.view()["carry"]["h"]),
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("capacity", [None, 256], ids=["ring", "append"])
