@@ -59,16 +59,29 @@ def make_session(seed: int, *, capacity: int = 16, tokens: int = 3) -> jss.Sessi
     )
 
 
+def _visible_mean(view: jss.KVView) -> tuple[jax.Array, jax.Array]:
+    """Per head and dim, the mean K and V ``[B, H * D]`` over the positions ``view`` shows."""
+    shown = (view.positions >= 0)[:, None, :, None]
+    count = jnp.maximum(shown.sum(axis=2), 1)
+    k, v = ((jnp.where(shown, x, 0).sum(axis=2) / count).reshape(B, H * D) for x in (view.k, view.v))
+    return k, v
+
+
 def _step(session: jss.Session) -> jss.Session:
+    # Every head and dim gets its own value, and V is not K, so a write, park, restore or rebuild
+    # that permutes heads or dims or swaps K and V changes what the rollout computes.
     TRACES[session["kv"].capacity] += 1
-    h = jnp.tanh(session["carry"].view()["h"] + session["cond"].view().k.mean())
-    row = jnp.broadcast_to(h[:, None, :1, None], (B, 1, H, D)) + session["kv"].view().k[:, :1].mean()
-    session = session.append(kv=(row, row), carry={"h": h})
+    cond_k, cond_v = _visible_mean(session["cond"].view())
+    kv_k, kv_v = _visible_mean(session["kv"].view())
+    h = jnp.tanh(session["carry"].view()["h"] + cond_k + 0.5 * cond_v)
+    k = (h + 0.5 * kv_k - 0.25 * kv_v).reshape(B, 1, H, D)
+    v = 1.5 * jnp.tanh(k) - 0.5 * kv_v.reshape(B, 1, H, D)
+    session = session.append(kv=(k, v), carry={"h": h})
     return session.with_attrs(step=session.attrs["step"] + 1)
 
 
 step = jax.jit(_step, donate_argnums=0)
-"""One rollout step: a K/V row and a new carry; donates the session it is given."""
+"""One rollout step: a K/V row (its own value per head and dim, V not K) and a new carry; donates the session."""
 
 
 def contents(tree: object) -> dict[str, np.ndarray]:
