@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._plan_records import non_negative
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.errors import (
     CapacityError,
@@ -69,8 +70,8 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     Attributes:
       recompute_source: names of sibling objects in the same session this
         object can be rebuilt from (empty when it cannot be rebuilt).
-      recompute_cost: estimated work to rebuild it (any unit, compared across
-        objects by the eviction planner).
+      recompute_cost: estimated work to rebuild it, a number >= 0 (any
+        unit, compared across objects by the eviction planner).
       sharding: where the storage lives on a mesh
         (:class:`~jax_session_state.ShardingRules` over the logical axes of
         :meth:`storage_axes`), or None for the default device.  Kept when
@@ -119,7 +120,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         spec_object = cls(
             **spec,
             recompute_source=v.source_names(owner, options.get("recompute_source", ())),
-            recompute_cost=float(options.get("recompute_cost", 0.0)),
+            recompute_cost=float(non_negative(owner, "recompute_cost", options.get("recompute_cost", 0.0))),
             sharding=v.sharding_rules(owner, options.get("sharding")),
         )
         return spec_object.empty()

@@ -22,6 +22,24 @@ def test_unknown_keyword_is_a_type_error_naming_it(kind):
 
 
 @pytest.mark.parametrize(
+    ("cost", "error", "shown"),
+    [("2.5", PayloadTypeError, "'2.5'"), (None, PayloadTypeError, "None"), (-1, PayloadError, "-1"),
+     (float("nan"), PayloadError, "nan")],
+)
+@pytest.mark.parametrize(
+    "allocate",
+    [lambda **kw: jss.FixedState.allocate(shapes=(1, 2), **kw),
+     lambda **kw: jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4, **kw)],
+    ids=["FixedState", "KVCache"],
+)
+def test_recompute_cost_is_a_number_at_least_zero(allocate, cost, error, shown):
+    with pytest.raises(error, match=rf"^\w+\.allocate: recompute_cost must be (a number )?>= 0; got {shown}\.$"):
+        allocate(recompute_cost=cost)
+    assert allocate(recompute_cost=np.float32(2.5)).recompute_cost == 2.5
+    assert type(allocate(recompute_cost=3).recompute_cost) is float
+
+
+@pytest.mark.parametrize(
     "old, new",
     [
         (lambda: jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), item_axes=("x",)),

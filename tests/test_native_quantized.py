@@ -156,7 +156,7 @@ def test_mismatched_scales_are_a_clear_error():
     k, k_scale, _ = quantized_rows(rng, (1, 2, 32, 16), "int8")
     q = jnp.asarray(randn(rng, 1, 1, 2, 16))
     lengths, offsets = jnp.asarray([5], jnp.int32), jnp.asarray([[-1]], jnp.int32)
-    with pytest.raises(Exception, match="k_scale, v_scale \\[B, Hk, C, 1\\] float32 do not match"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="k_scale, v_scale \\[B, Hk, C, 1\\] float32 do not match"):
         _native.quantized_kernel(q, k, k, k_scale, k_scale[:, :, :31], lengths, offsets, causal=True, scale=0.25,
                                  relative=True)
     with pytest.raises(jss.PayloadError, match="both k_scale and v_scale, or neither"):
