@@ -113,6 +113,19 @@ def check_tree(
     return x_leaves
 
 
+def is_integer_scalar(value: Any) -> bool:
+    """Whether ``value`` is an integer scalar: a Python, numpy or jax int, or a 0-d integer array (traced or not).
+
+    A bool is not one (an index of True adds an axis), nor is anything that is not array-like (a str, None).
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return bool(np.issubdtype(jax.numpy.result_type(value), np.integer)) and np.ndim(value) == 0
+    except TypeError:  # not array-like at all
+        return False
+
+
 def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
     """Returns ``value`` as an int, or raises naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_session_state._validation import positive_int
+from jax_session_state._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError, PayloadTypeError
@@ -202,12 +202,7 @@ class Branches(struct.PyTreeNode):
         return sum(self.nbytes_by_device().values())
 
     def _check_index(self, index: Any, operation: str) -> None:
-        try:
-            integer = jnp.issubdtype(jnp.result_type(index), jnp.integer) and jnp.ndim(index) == 0
-        except TypeError:  # not array-like at all (a str, None)
-            integer = False
-        # A bool is not an int: x[True] would add an axis, not pick lane 1.
-        if isinstance(index, (bool, np.bool_)) or not integer:
+        if not is_integer_scalar(index):  # a bool is not one: x[True] would add an axis, not pick lane 1
             raise PayloadTypeError(f"Branches.{operation}: index must be an integer scalar; got {index!r}.")
         if isinstance(index, jax.core.Tracer):
             return

@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 
 from jax_session_state._masked_step import run_masked
-from jax_session_state._validation import positive_int
+from jax_session_state._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
 from jax_session_state.errors import NotResidentError, PayloadError, PayloadTypeError
@@ -353,8 +353,7 @@ class SessionPool(struct.PyTreeNode):
     # ------------------------------------------------------------- helpers
     def _slot_index(self, slot: Any, operation: str) -> tuple[jax.Array, jax.Array]:
         """``slot`` as an int32 index clamped into range, and whether it was in range."""
-        if isinstance(slot, (bool, np.bool_)) or not jnp.issubdtype(jnp.result_type(slot), jnp.integer) \
-                or jnp.ndim(slot) != 0:
+        if not is_integer_scalar(slot):
             raise PayloadTypeError(f"SessionPool.{operation}: slot must be an integer scalar; got {slot!r}.")
         if _concrete(slot) and not 0 <= int(slot) < self.slots:
             raise IndexError(f"SessionPool.{operation}: slot {int(slot)} is out of range [0, {self.slots}).")

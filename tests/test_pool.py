@@ -1,6 +1,7 @@
 """SessionPool: slot operations, stepping every slot in one call, errors, compile count."""
 
 import functools
+import re
 
 import chex
 import jax
@@ -255,8 +256,10 @@ def test_bad_slots_raise_eagerly_and_are_refused_under_jit():
         pool.extract(0)
     with pytest.raises(jss.PayloadError, match="slot 0 is already empty"):
         pool.release(0)
-    with pytest.raises(jss.PayloadTypeError, match="integer scalar"):
-        pool.insert(0.5, new_session(2))
+    for slot in (0.5, True, "1", None):  # a bool is no slot; a str or None is not array-like at all
+        with pytest.raises(jss.PayloadTypeError, match=rf"^SessionPool\.insert: slot must be an integer scalar; got "
+                                                        rf"{re.escape(repr(slot))}\.$"):
+            pool.insert(slot, new_session(2))
     before = jax.tree_util.tree_map(lambda x: x.copy(), pool)
     for operation, args in [
         (jss.SessionPool.insert, (1, new_session(2))),

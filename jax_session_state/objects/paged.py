@@ -443,12 +443,10 @@ class PagedKVCache(StateObject, kw_only=True):
 
     def _slot(self, operation: str, name: str, index: int | Array) -> tuple[Array, Array]:
         """``index`` clipped into range, and whether it was out of range (raised at once eagerly)."""
+        if not v.is_integer_scalar(index):
+            got = f"shape {list(np.shape(index))} and dtype {index.dtype}" if hasattr(index, "dtype") else repr(index)
+            raise PayloadTypeError(f"{self.describe()}.{operation}: {name} must be an integer scalar; got {got}.")
         index = jnp.asarray(index)
-        if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
-            raise PayloadTypeError(
-                f"{self.describe()}.{operation}: {name} must be an integer scalar; got shape "
-                f"{list(index.shape)} and dtype {index.dtype}."
-            )
         bad = (index < 0) | (index >= self.max_slots)
         refuse_now_if(
             bad,

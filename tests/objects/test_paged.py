@@ -365,9 +365,12 @@ def test_bad_slot_operations_raise_eagerly_and_change_nothing_under_jit(case):
     _assert_unchanged_but_flagged(before, JITTED[method](cache, *args))
 
 
-@pytest.mark.parametrize("slot", [1.0, jnp.array([0, 1]), True])
-def test_slot_must_be_an_integer_scalar(slot):
-    with pytest.raises(TypeError, match="src must be an integer scalar"):
+@pytest.mark.parametrize(
+    ("slot", "shown"),
+    [(1.0, "1.0"), (jnp.array([0, 1]), r"shape \[2\] and dtype int32"), (True, "True"), ("1", "'1'"), (None, "None")],
+)
+def test_slot_must_be_an_integer_scalar(slot, shown):
+    with pytest.raises(jss.PayloadTypeError, match=rf"\.fork: src must be an integer scalar; got {shown}\.$"):
         _occupied_cache().fork(slot, 2)
 
 
