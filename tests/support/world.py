@@ -41,7 +41,7 @@ def make_session(seed: int, *, capacity: int = 16, tokens: int = 3) -> jss.Sessi
     """A session holding random data (never zeros), ``tokens`` rows in a K/V of ``capacity``."""
     rng = np.random.default_rng(seed)
     prompt = jnp.asarray(rng.normal(size=(B, PROMPT, H * D)), jnp.float32)
-    rows = jnp.asarray(rng.normal(size=(B, tokens, H, D)), jnp.float32)
+    k_rows, v_rows = (jnp.asarray(rng.normal(size=(B, tokens, H, D)), jnp.float32) for _ in range(2))
     return jss.Session(
         objects={
             "prompt": jss.FixedState.allocate(shapes=(B, PROMPT, H * D)).commit(prompt),
@@ -51,9 +51,7 @@ def make_session(seed: int, *, capacity: int = 16, tokens: int = 3) -> jss.Sessi
             "carry": jss.FixedState.allocate(shapes={"h": (B, 8)}).commit(
                 {"h": jnp.asarray(rng.normal(size=(B, 8)), jnp.float32)}
             ),
-            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=capacity).append(
-                (rows, rows * 2)
-            ),
+            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=capacity).append((k_rows, v_rows)),
         },
         attrs={"step": jnp.asarray(seed, jnp.int32)},
     )
