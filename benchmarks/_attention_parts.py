@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 import jax_session_state as jss
-from benchmarks._common import interleaved, with_lengths
+from benchmarks._common import cpu_info, cpu_name, interleaved, with_lengths
 from jax_session_state import _native
 
 torch: Any = None  # imported by load_torch(), not by the memory child
@@ -44,20 +44,11 @@ def load_torch() -> None:
 
 
 def cpu_description() -> str:
-    """The CPU's model name and whether it has AVX-512, as ``lscpu`` would say."""
-    model, flags = "unknown CPU", ""
-    try:
-        with open("/proc/cpuinfo") as lines:
-            for line in lines:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1]
-    except OSError:
-        pass
+    """The CPU as ``lscpu`` names it (model name, family, model) and whether it has AVX2 and AVX-512."""
+    flags = cpu_info().get("flags", "")
     avx512 = "yes" if re.search(r"\bavx512f\b", flags) else "no"
     avx2 = "yes" if re.search(r"\bavx2\b", flags) else "no"
-    return f"{model} ({os.cpu_count()} cores; AVX2: {avx2}, AVX-512: {avx512})"
+    return f"{cpu_name()} ({os.cpu_count()} cores; AVX2: {avx2}, AVX-512: {avx512})"
 
 
 def randn(*shape: int) -> np.ndarray:

@@ -123,11 +123,39 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or "unknown",
-        "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU",
+        "cpu": cpu_name(),
         "cores": str(os.cpu_count()),
         "memory": _memory(),
         "system": platform.system(),
     }
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's ``key: value`` fields of /proc/cpuinfo ({} where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as lines:
+            for line in lines:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_name() -> str:
+    """The CPU as ``lscpu`` names it: its model name, then its family and model where the kernel reports them.
+
+    Two generations of one vendor can share a model name (a virtual machine
+    shows "AMD EPYC" for Zen 4 and Zen 5 alike); family and model tell them apart.
+    """
+    info = cpu_info()
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in info and "model" in info:
+        name += f", family {info['cpu family']} model {info['model']}"
+    return name
 
 
 def _proc_field(path: str, field: str) -> str | None:
