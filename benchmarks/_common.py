@@ -132,17 +132,7 @@ def environment() -> dict[str, str]:
 
 def cpu_info() -> dict[str, str]:
     """The first processor's ``key: value`` fields of /proc/cpuinfo ({} where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as lines:
-            for line in lines:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
+    return _proc_fields("/proc/cpuinfo")
 
 
 def cpu_name() -> str:
@@ -158,20 +148,23 @@ def cpu_name() -> str:
     return name
 
 
-def _proc_field(path: str, field: str) -> str | None:
-    """The first ``field: value`` of a /proc file, or None where there is none."""
+def _proc_fields(path: str) -> dict[str, str]:
+    """The ``key: value`` fields of a /proc file up to its first blank line ({} where it cannot be read)."""
+    fields: dict[str, str] = {}
     try:
         with open(path) as lines:
             for line in lines:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return None
+    return fields
 
 
 def _memory() -> str:
-    total = _proc_field("/proc/meminfo", "MemTotal")  # "24576000 kB"
+    total = _proc_fields("/proc/meminfo").get("MemTotal")  # "24576000 kB"
     return f"{int(total.split()[0]) / 2**20:.0f} GiB RAM" if total else "unknown RAM"
 
 
