@@ -145,7 +145,9 @@ using ChunkFn = void (*)(const ChunkInput* ins, const Chunk* chunks, int64_t cou
 // valid: float32 12-18% and bfloat16 3-10% faster than tiles of 64 and 256;
 // 2048 gained 2% more), and SSE2's bfloat16 too (3% at 4k); SSE2's float32
 // keeps 64 (1024 lost 3-8%).  Elsewhere the tiles stay as they were.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// JSS_PORTABLE (-DJSS_PORTABLE) builds the generic path alone, as every non-x86 target gets it, so
+// that x86 machines can check it compiles (tests/test_native_build.py).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(JSS_PORTABLE)
 #define JSS_X86 1
 #include <immintrin.h>
 namespace baseline {  // x86-64: SSE2, 16 registers
