@@ -23,30 +23,27 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = [CSRC / "decode_attention.cc", CSRC / "write_rows.cc"]
 
 
-def compiler() -> list[str] | None:
+@pytest.fixture(scope="module")
+def cxx() -> list[str]:
     """The C++ compiler a build would use: ``$CXX``, else the first of c++, g++ and clang++ on the PATH."""
     if os.environ.get("CXX"):
         return shlex.split(os.environ["CXX"])
     found = next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
-    return [found] if found else None
+    if found is None:
+        pytest.skip("no C++ compiler on this machine, so the native kernel is not built here either")
+    return [found]
 
 
 @pytest.mark.parametrize("defines", [[], ["-DJSS_PORTABLE"]], ids=["this-machine", "portable"])
-def test_kernel_sources_compile_without_warnings(defines):
-    cxx = compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler on this machine, so the native kernel is not built here either")
+def test_kernel_sources_compile_without_warnings(cxx, defines):
     command = [*cxx, "-std=c++17", "-fsyntax-only", "-fopenmp-simd", "-Wall", "-Wextra", "-Werror",
                "-isystem", jax.ffi.include_dir(), *defines, *map(str, SOURCES)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"{shlex.join(command)}\n{done.stderr[-4000:]}"
 
 
-def test_portable_build_holds_the_generic_path_alone():
+def test_portable_build_holds_the_generic_path_alone(cxx):
     """With JSS_PORTABLE the preprocessed kernel has the generic path and none of the x86 ones or intrinsics."""
-    cxx = compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler on this machine, so the native kernel is not built here either")
     preprocessed = {}
     for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"])):
         command = [*cxx, "-std=c++17", "-E", "-P", "-isystem", jax.ffi.include_dir(), *defines, str(SOURCES[0])]
