@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _report
-from benchmarks._common import RESULTS, cpu_info, environment, table
+from benchmarks._common import RESULTS, environment, table, vector_isas
 
 MODULES = [
     "append",
@@ -60,8 +60,7 @@ def run_module(name: str, *, full: bool) -> dict[str, Any]:
 def _machine() -> str:
     """The CPU this run measures on, with the vector ISAs it has (every native path it can run)."""
     env = environment()
-    flags = cpu_info().get("flags", "").split()
-    isas = [name for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f")) if flag in flags]
+    isas = [name for name, present in vector_isas().items() if present]
     return f"{env['cpu']}, {env['cores']} cores" + (f", {' and '.join(isas)}" if isas else "")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import time
 from typing import Any
 
@@ -19,7 +18,7 @@ import numpy as np
 from jax import lax
 
 import jax_session_state as jss
-from benchmarks._common import cpu_info, cpu_name, interleaved, with_lengths
+from benchmarks._common import cpu_name, interleaved, vector_isas, with_lengths
 from jax_session_state import _native
 
 torch: Any = None  # imported by load_torch(), not by the memory child
@@ -45,10 +44,8 @@ def load_torch() -> None:
 
 def cpu_description() -> str:
     """The CPU as ``lscpu`` names it (model name, family, model) and whether it has AVX2 and AVX-512."""
-    flags = cpu_info().get("flags", "")
-    avx512 = "yes" if re.search(r"\bavx512f\b", flags) else "no"
-    avx2 = "yes" if re.search(r"\bavx2\b", flags) else "no"
-    return f"{cpu_name()} ({os.cpu_count()} cores; AVX2: {avx2}, AVX-512: {avx512})"
+    isas = ", ".join(f"{name}: {'yes' if present else 'no'}" for name, present in vector_isas().items())
+    return f"{cpu_name()} ({os.cpu_count()} cores; {isas})"
 
 
 def randn(*shape: int) -> np.ndarray:

@@ -148,6 +148,12 @@ def cpu_name() -> str:
     return name
 
 
+def vector_isas() -> dict[str, bool]:
+    """Whether the CPU has AVX2 and AVX-512 (``avx512f``), by its /proc/cpuinfo flags."""
+    flags = cpu_info().get("flags", "").split()
+    return {"AVX2": "avx2" in flags, "AVX-512": "avx512f" in flags}
+
+
 def _proc_fields(path: str) -> dict[str, str]:
     """The ``key: value`` fields of a /proc file up to its first blank line ({} where it cannot be read)."""
     fields: dict[str, str] = {}

@@ -34,10 +34,15 @@ def cxx() -> list[str]:
     return [found]
 
 
+def compile_command(cxx: list[str], *options: str) -> list[str]:
+    """A C++17 compile of the kernel with jaxlib's FFI headers as system headers, then ``options``."""
+    return [*cxx, "-std=c++17", "-isystem", jax.ffi.include_dir(), *options]
+
+
 @pytest.mark.parametrize("defines", [[], ["-DJSS_PORTABLE"]], ids=["this-machine", "portable"])
 def test_kernel_sources_compile_without_warnings(cxx, defines):
-    command = [*cxx, "-std=c++17", "-fsyntax-only", "-fopenmp-simd", "-Wall", "-Wextra", "-Werror",
-               "-isystem", jax.ffi.include_dir(), *defines, *map(str, SOURCES)]
+    command = compile_command(cxx, "-fsyntax-only", "-fopenmp-simd", "-Wall", "-Wextra", "-Werror", *defines,
+                              *map(str, SOURCES))
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"{shlex.join(command)}\n{done.stderr[-4000:]}"
 
@@ -46,7 +51,7 @@ def test_portable_build_holds_the_generic_path_alone(cxx):
     """With JSS_PORTABLE the preprocessed kernel has the generic path and none of the x86 ones or intrinsics."""
     preprocessed = {}
     for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"])):
-        command = [*cxx, "-std=c++17", "-E", "-P", "-isystem", jax.ffi.include_dir(), *defines, str(SOURCES[0])]
+        command = compile_command(cxx, "-E", "-P", *defines, str(SOURCES[0]))
         preprocessed[name] = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     portable = preprocessed["portable"]
     assert "namespace generic" in portable
