@@ -14,7 +14,12 @@ cache's bytes and the peak (``VmHWM``) as JSON.
 The tiers benchmark runs it with ``MALLOC_ARENA_MAX=1``: glibc's per-thread
 arenas otherwise keep up to 32 MiB more resident depending on which XLA
 worker thread allocates the outputs (measured on the paged cache: 1.45x
-without, 1.26x with; XLA's own figure is 1.26x either way).
+without, 1.26x with; XLA's own figure is 1.26x either way).  And with
+``MALLOC_MMAP_THRESHOLD_=1048576``: glibc raises its mmap threshold (up to
+32 MiB) after freeing a large block, so in some runs a freed temporary
+stays in the heap, resident, while the outputs are written (paged cache,
+one arena: 1.32x in 2 of 5 runs and 1.26x in the rest; with the threshold
+fixed, 1.25-1.26x in 8 of 8).
 
 ``KIND``: ``dense`` (a ``KVCache``) or ``paged`` (a ``PagedKVCache`` of one
 slot whose pages lie in a random order in the pool).

@@ -179,7 +179,7 @@ def run(*, full: bool) -> list[dict]:
     capacities = (1024, 4096, 16384, 32768, 131072) if full else (1024, 4096, 16384, 32768)
     appends = append_timings(capacities, rounds=15 if full else 7)
     bf16 = bf16_timings(capacities, rounds=15 if full else 7)
-    rollout = rollout_timings(256, rounds=5 if full else 3)
+    rollout = rollout_timings(256, rounds=15 if full else 9)
     rows = [
         {"measure": f"append 16 tokens, cap {capacity // 1024}k, {mode} (us)", "value": appends[mode, capacity] * 1e6,
          "figure": "append", "capacity": capacity, "donated": mode == "donated"}

@@ -16,7 +16,7 @@ Measures, in one run:
     which reads the int8 values in place and applies their row scales);
 (d) the peak resident memory of a jitted, donated ``demote()`` of a 32k
     float32 cache (batch 1, 8 heads x 128), in a fresh process (one malloc
-    arena), resident set minus the baseline before the cache existed, over
+    arena, a fixed mmap threshold), resident set minus the baseline before the cache existed, over
     the float32 cache's bytes (bar <= 1.3); XLA's own figure beside it.
 
 Each part measures a ``KVCache`` ("dense") and a ``PagedKVCache`` of one
@@ -101,6 +101,10 @@ def error_rows(draws: int, capacity: int, valids: tuple[int, ...]) -> list[dict[
     return rows
 
 
+# One malloc arena and a fixed mmap threshold for the peak's child (benchmarks._tiers_child says why).
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
+
 def _child(mode: str, capacity: int, kind: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     command = f"exec {shlex.quote(sys.executable)} -m benchmarks._tiers_child {mode} {capacity} {kind}"
     done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, cwd=ROOT,
@@ -127,7 +131,7 @@ def time_rows(capacity: int, cpu: str) -> list[dict[str, Any]]:
 def memory_rows(capacity: int) -> list[dict[str, Any]]:
     rows, mib = [], 2**20
     for kind in MAKERS:
-        memory = _child("memory", capacity, kind, {**os.environ, "MALLOC_ARENA_MAX": "1"})
+        memory = _child("memory", capacity, kind, {**os.environ, **MALLOC_ENV})
         rows += [
             {"measure": f"memory: [{kind}] baseline resident before the cache (MiB)",
              "value": memory["baseline"] / mib},
