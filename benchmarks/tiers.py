@@ -14,10 +14,18 @@ Measures, in one run:
     (``JSS_NATIVE_ISA``, a fresh process per path); each row says which
     kernel each cache's compiled step calls (both take the native kernel,
     which reads the int8 values in place and applies their row scales);
+    on the SSE2 path int8 is bound by its integer instructions rather than
+    memory: 0.43 dense and 0.49 paged on an AMD EPYC of family 26 (Zen 5),
+    0.65-0.83 and 0.52-0.73 in four runs on family 25 (Zen 4), where that
+    bar misses (``benchmarks/NOTES.md``); there the AVX2 and AVX-512 paged
+    rows missed once each in those runs (0.56 and 0.52), with the int8
+    rows, which just fill its 32 MiB of shared L3, read at up to twice
+    their time in another process;
 (d) the peak resident memory of a jitted, donated ``demote()`` of a 32k
     float32 cache (batch 1, 8 heads x 128), in a fresh process (one malloc
-    arena, a fixed mmap threshold), resident set minus the baseline before the cache existed, over
-    the float32 cache's bytes (bar <= 1.3); XLA's own figure beside it.
+    arena, a fixed mmap threshold), resident set minus the baseline before
+    the cache existed, over the float32 cache's bytes (bar <= 1.3); XLA's
+    own figure beside it.
 
 Each part measures a ``KVCache`` ("dense") and a ``PagedKVCache`` of one
 slot whose 16-row pages lie in a random order in the pool ("paged"; int8
