@@ -14,8 +14,9 @@ Measures, in one run:
     (``JSS_NATIVE_ISA``, a fresh process per path); each row says which
     kernel each cache's compiled step calls (both take the native kernel,
     which reads the int8 values in place and applies their row scales);
-    on the SSE2 path int8 is bound by its integer instructions rather than
-    memory: 0.43 dense and 0.49 paged on an AMD EPYC of family 26 (Zen 5),
+    on the SSE2 path int8 costs many integer instructions per byte, so
+    its read neither streams at memory speed nor stays in cache: 0.43
+    dense and 0.49 paged on an AMD EPYC of family 26 (Zen 5),
     0.65-0.83 and 0.52-0.73 in four runs on family 25 (Zen 4), where that
     bar misses (``benchmarks/NOTES.md``); there the AVX2 and AVX-512 paged
     rows missed once each in those runs (0.56 and 0.52), with the int8
