@@ -61,6 +61,8 @@ from jax_session_state import _native
 CAPACITY = 32768
 BARS = {"bytes": 0.3, "error": 2e-2, "time": 0.5, "memory": 1.3}
 ROOT = Path(__file__).parent.parent
+# One malloc arena and a fixed mmap threshold for the peak's child (benchmarks._tiers_child says why).
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 
 
 def _bar(measure: str, value: float, bar: float, **extra: Any) -> dict[str, Any]:
@@ -110,14 +112,10 @@ def error_rows(draws: int, capacity: int, valids: tuple[int, ...]) -> list[dict[
     return rows
 
 
-# One malloc arena and a fixed mmap threshold for the peak's child (benchmarks._tiers_child says why).
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
-
-
-def _child(mode: str, capacity: int, kind: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def _child(mode: str, capacity: int, kind: str, env: dict[str, str]) -> dict[str, Any]:
     command = f"exec {shlex.quote(sys.executable)} -m benchmarks._tiers_child {mode} {capacity} {kind}"
     done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True, cwd=ROOT,
-                          env=env or dict(os.environ))
+                          env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
