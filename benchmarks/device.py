@@ -21,14 +21,23 @@ caches of 8 kv-heads x 128 and 32 query heads (GQA 4), capacity 128k:
 Bars (GPU, when measured): 32k valid, batch 8, T = 1: >= 50% of peak HBM
 bandwidth and <= 1.2 x ``dot_product_attention`` on the valid tokens.
 
-Run:  python -m benchmarks.device [--tiny] [--out PATH]
+An accelerator is lent for minutes, so one run must bring back what it
+could measure: the bars' case goes first, a case that fails (out of memory,
+a kernel that does not lower) is recorded with its error and the run goes
+on, cases past ``--budget`` seconds are recorded as not measured, and the
+JSON is rewritten after every case, so a run killed from outside still
+leaves its finished rows.
+
+Run:  python -m benchmarks.device [--tiny] [--budget SECONDS] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_session_state as jss
-from benchmarks._common import report
+from benchmarks._common import RESULTS, report
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 PEAK_HBM = {  # bytes per second, by jax.Device.device_kind (the vendors' figures)
@@ -46,6 +55,8 @@ PEAK_HBM = {  # bytes per second, by jax.Device.device_kind (the vendors' figure
     "NVIDIA L4": 0.3e12, "TPU v4": 1.2e12, "TPU v5 lite": 0.819e12, "TPU v5": 2.765e12, "TPU v6 lite": 1.64e12,
 }
 BARS = {"peak_fraction": 0.5, "over_dot_product_attention": 1.2, "library_over_raw": 1.05}
+BAR_CASE = (8, 32768, 1)  # (batch, valid, T) the bars are read at
+BUDGET_S = 210.0  # seconds of cases, leaving the 4 minutes' rest for start-up and the world-model step
 
 
 def _seconds(fn: Any, *args: Any, calls: int) -> float:
@@ -88,36 +99,72 @@ def _reference(q: jax.Array, view: jss.KVView, valid: int) -> tuple[Any, tuple[j
     raise RuntimeError("jax.nn.dot_product_attention runs nowhere here")
 
 
+def _failure(error: Exception) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _cases(batches: list[int], valids: list[int]) -> list[tuple[int, int, int]]:
+    """Every (batch, valid, T), the bars' case first, then by batch so that a batch's cache is made once."""
+    cases = [(batch, valid, T) for batch in batches for valid in valids for T in (1, 16)]
+    return sorted(cases, key=lambda case: (case != BAR_CASE, case[0] != BAR_CASE[0]))
+
+
 def attention_rows(*, batches: list[int], valids: list[int], capacity: int, calls: int, peak: float | None,
-                   copy: float) -> list[dict]:
-    rows = []
+                   copy: float, deadline: float = float("inf"), implementations: list[str] | None = None,
+                   on_rows: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Decode attention rows, one per case and implementation.
+
+    A case started after ``deadline`` (``time.perf_counter()``), or whose
+    reference or implementation raises, gets a row saying why it was not
+    measured; ``on_rows`` sees the rows so far after every case.
+    """
+    rows: list[dict] = []
     key = jax.random.key(0)
-    implementations = ["loop", "bucketed"] + (["native"] if jss.attention._native.enabled() else [])
-    for batch in batches:
-        view = None
-        for valid in valids:
-            view = _view(batch, capacity, valid, key) if view is None else view.replace(
-                lengths=jnp.full((batch,), valid, jnp.int32))
-            for T in (1, 16):
-                q = jax.random.normal(key, (batch, T, Q_HEADS, HEAD_DIM), jnp.bfloat16)
-                reference, args = _reference(q, view, valid)
-                ref_s = _seconds(reference, *args, calls=calls)
-                expected = np.asarray(reference(*args), np.float32)
-                moved = 2 * batch * KV_HEADS * valid * HEAD_DIM * 2  # K and V bytes of the valid tokens
-                for implementation in implementations:
-                    fn = jax.jit(functools.partial(jss.attend, implementation=implementation))
-                    error = float(np.max(np.abs(np.asarray(fn(q, view), np.float32) - expected)))
-                    seconds = _seconds(fn, q, view, calls=calls)
-                    rate = moved / seconds
-                    row = {"measure": f"attend T={T} batch {batch} valid {valid}: {implementation}",
-                           "us": seconds * 1e6, "GB/s": rate / 1e9, "of peak": rate / peak if peak else None,
-                           "of copy": rate / (copy / 2), "over dot_product_attention": seconds / ref_s,
-                           "dot_product_attention us": ref_s * 1e6, "max abs error": error}
-                    if (batch, valid, T) == (8, 32768, 1) and peak:
-                        row["holds"] = (rate / peak >= BARS["peak_fraction"]
-                                        and seconds / ref_s <= BARS["over_dot_product_attention"])
-                        row["bar"] = f"≥ {BARS['peak_fraction']} of peak, ≤ {BARS['over_dot_product_attention']}x"
-                    rows.append(row)
+    if implementations is None:
+        implementations = ["loop", "bucketed"] + (["native"] if jss.attention._native.enabled() else [])
+    view = None
+    for batch, valid, T in _cases(batches, valids):
+        measures = [f"attend T={T} batch {batch} valid {valid}: {implementation}" for implementation in implementations]
+        if time.perf_counter() > deadline:
+            rows += [{"measure": measure, "not measured": "past the time budget"} for measure in measures]
+            continue
+        try:
+            if view is None or view.k.shape[0] != batch:
+                view = None  # the last batch's cache is freed before the next one is made
+                view = _view(batch, capacity, valid, key)
+            else:
+                view = view.replace(lengths=jnp.full((batch,), valid, jnp.int32))
+            q = jax.random.normal(key, (batch, T, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+            reference, args = _reference(q, view, valid)
+            ref_s = _seconds(reference, *args, calls=calls)
+            expected = np.asarray(reference(*args), np.float32)
+            del args
+        except Exception as error:  # out of memory on an accelerator: this case goes unmeasured
+            rows += [{"measure": measure, "not measured": f"reference: {_failure(error)}"} for measure in measures]
+            on_rows(rows)
+            continue
+        moved = 2 * batch * KV_HEADS * valid * HEAD_DIM * 2  # K and V bytes of the valid tokens
+        for implementation, measure in zip(implementations, measures):
+            try:
+                fn = jax.jit(functools.partial(jss.attend, implementation=implementation))
+                error = float(np.max(np.abs(np.asarray(fn(q, view), np.float32) - expected)))
+                seconds = _seconds(fn, q, view, calls=calls)
+            except Exception as failure:  # out of memory, or a kernel that does not lower: recorded, not fatal
+                rows.append({"measure": measure, "not measured": _failure(failure)})
+                continue
+            rate = moved / seconds
+            row = {"measure": measure, "us": seconds * 1e6, "GB/s": rate / 1e9,
+                   "of peak": rate / peak if peak else None, "of copy": rate / (copy / 2),
+                   "over dot_product_attention": seconds / ref_s,
+                   "dot_product_attention us": ref_s * 1e6, "max abs error": error}
+            if (batch, valid, T) == BAR_CASE and peak:
+                row["holds"] = (rate / peak >= BARS["peak_fraction"]
+                                and seconds / ref_s <= BARS["over_dot_product_attention"])
+                row["bar"] = f"≥ {BARS['peak_fraction']} of peak, ≤ {BARS['over_dot_product_attention']}x"
+            rows.append(row)
+        on_rows(rows)
     return rows
 
 
@@ -145,30 +192,53 @@ def world_model_rows(*, prefix: int, frames: int, calls: int) -> list[dict]:
              "bar": f"≤ {BARS['library_over_raw']}", "holds": ratio <= BARS["library_over_raw"]}]
 
 
-def run(*, tiny: bool) -> list[dict]:
+def partial_writer(out: Path) -> Callable[[list[dict]], None]:
+    """Writes the rows so far to ``out`` as JSON marked ``"partial"``: what a run killed from outside leaves."""
+    start, device_kind = time.perf_counter(), jax.devices()[0].device_kind
+
+    def write(rows: list[dict]) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"benchmark": "device", "rows": rows, "partial": True, "device_kind": device_kind,
+                                   "seconds": time.perf_counter() - start}, indent=2, default=str))
+
+    return write
+
+
+def run(*, tiny: bool, budget: float = BUDGET_S, on_rows: Callable[[list[dict]], None] = lambda rows: None
+        ) -> list[dict]:
+    """Every row; attention cases past ``budget`` seconds are recorded as not measured."""
+    deadline = time.perf_counter() + budget
     device = jax.devices()[0]
     peak = PEAK_HBM.get(device.device_kind)
     copy = copy_bandwidth(1 << 24 if tiny else 1 << 30)
     print(f"device: {device.device_kind} ({jax.default_backend()}); peak HBM "
           f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; copy {copy / 1e9:.0f} GB/s (r+w)")
     if tiny:
-        rows = attention_rows(batches=[2], valids=[300, 1024], capacity=1024, calls=2, peak=peak, copy=copy)
+        rows = attention_rows(batches=[2], valids=[300, 1024], capacity=1024, calls=2, peak=peak, copy=copy,
+                              deadline=deadline, on_rows=on_rows)
         return rows + world_model_rows(prefix=256, frames=2, calls=1)
     rows = attention_rows(batches=[1, 8, 32], valids=[4096, 32768, 131072], capacity=131072, calls=5, peak=peak,
-                          copy=copy)
-    return rows + world_model_rows(prefix=4096, frames=16, calls=5)
+                          copy=copy, deadline=deadline, on_rows=on_rows)
+    on_rows(rows)
+    try:
+        return rows + world_model_rows(prefix=4096, frames=16, calls=5)
+    except Exception as error:  # the attention rows are kept
+        return rows + [{"measure": "world-model step: library over raw JAX", "not measured": _failure(error)}]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="small sizes: a smoke run, on CPU too")
+    p.add_argument("--budget", type=float, default=BUDGET_S,
+                   help="seconds after which attention cases are recorded as not measured")
     p.add_argument("--out", type=Path, default=None, help="where to write the JSON results")
     args = p.parse_args()
+    out = args.out or RESULTS / "device.json"
     start = time.perf_counter()
-    rows = run(tiny=args.tiny)
+    rows = run(tiny=args.tiny, budget=args.budget, on_rows=partial_writer(out))
     columns = ["measure", "us", "GB/s", "of peak", "of copy", "over dot_product_attention", "over raw", "bar",
-               "holds"]
-    report("device", rows, columns, args.out, seconds=time.perf_counter() - start,
+               "holds", "not measured"]
+    report("device", rows, columns, out, seconds=time.perf_counter() - start,
            device_kind=jax.devices()[0].device_kind)
 
 
