@@ -84,8 +84,30 @@ def _online_update(state: Any, scores: Array, visible: Array, values: Array,
     weights = jnp.exp(scores - safe_top[..., None])
     decay = jnp.exp(top - safe_top)
     scaled = weights if value_scale is None else weights * value_scale
-    block = jnp.einsum("bhmn,bhnd->bhmd", scaled, values, preferred_element_type=_F32)
-    return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + block
+    return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + _weighted_sum(scaled, values)
+
+
+_SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _weighted_sum(weights: Array, values: Array) -> Array:
+    """``weights @ values`` in float32: ``[B, Hk, M, n] x [B, Hk, n, D] -> [B, Hk, M, D]``.
+
+    16-bit float ``values`` (a bucket of a bfloat16 or float16 cache) are
+    read as they are stored, never widened into a float32 copy: the float32
+    ``weights`` (softmax weights, at most 1) go in as two parts of the
+    values' dtype, the nearest one and the rest, stacked on the rows' axis,
+    so one dot reads the values once, its products are exact and summed in
+    float32, and the two halves' sum carries each weight to 2^-17 of itself
+    (bfloat16; float16: 2^-22).
+    """
+    if values.dtype not in _SIXTEEN_BIT:
+        return jnp.einsum("bhmn,bhnd->bhmd", weights, values, preferred_element_type=_F32)
+    high = weights.astype(values.dtype)
+    low = (weights - high.astype(_F32)).astype(values.dtype)
+    both = jnp.einsum("bhmn,bhnd->bhmd", jnp.concatenate([high, low], axis=2), values, preferred_element_type=_F32)
+    rows = weights.shape[2]
+    return both[:, :, :rows] + both[:, :, rows:]
 
 
 def _scores(keys: Array, qh: Array) -> Array:
@@ -422,13 +444,25 @@ def _buckets(capacity: int) -> list[int]:
     return [*sizes, capacity]
 
 
+def _bucket_scores(q_dtype: Any, qh: Array, keys: Array) -> Array:
+    """A bucket's unscaled float32 scores: keys of a 16-bit float cache meet queries of their own dtype as they
+    are stored (the products are exact, summed in float32); any other mix is widened to float32 first."""
+    if keys.dtype in _SIXTEEN_BIT and keys.dtype == q_dtype:
+        return jnp.einsum("bhmd,bhnd->bhmn", qh.astype(keys.dtype), keys, preferred_element_type=_F32)
+    return _scores(keys.astype(_F32), qh)
+
+
 def _bucketed(q: Array, lengths: Array, q_positions: Array, capacity: int, causal: bool, scale: float,
               prefix: Any) -> tuple[Array, Array]:
     """One dense masked pass over the smallest static bucket holding every row's valid keys.
 
-    ``prefix(n)`` gives the first ``n`` keys and values head-major; the
-    bucket is picked at run time by ``lax.switch``, so the work is at most
-    twice the valid length (and at least :data:`SMALLEST_BUCKET`).
+    ``prefix(n)`` gives the first ``n`` keys and values head-major (a
+    bfloat16 or float16 cache's as stored: :func:`_weighted_sum` reads the
+    values unwidened, :func:`_bucket_scores` the keys where the queries
+    share their dtype); the bucket is picked at
+    run time by ``lax.switch``, so the work is at most twice the valid
+    length (and at least :data:`SMALLEST_BUCKET`).  The scale multiplies
+    the ``[B, Hk, T*G, n]`` scores, not the bucket's keys.
     """
     sizes = _buckets(capacity)
     groups = q.shape[2] // prefix(1)[0].shape[1]
@@ -440,8 +474,8 @@ def _bucketed(q: Array, lengths: Array, q_positions: Array, capacity: int, causa
             keys, values = prefix(n)
             keys, values = keys[:, :, :n], values[:, :, :n]
             visible = lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
-            return _online_update(_empty_state(qh), _scores(keys.astype(_F32) * scale, qh), visible,
-                                  values.astype(_F32))
+            scores = _bucket_scores(q.dtype, qh, keys) * scale
+            return _online_update(_empty_state(qh), scores, visible, values)
 
         return attend_prefix
 

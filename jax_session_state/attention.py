@@ -33,7 +33,10 @@
 ``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
 dense pass over the valid prefix rounded up to a power of two, picked by
 ``lax.switch``: a handful of kernels, for accelerators; opt-in until
-measured there); :data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is
+measured there; its dots sum in float32 and read a bfloat16 or float16
+cache's values as stored, and its keys too where the queries have the
+cache's dtype, instead of a float32 copy of the bucket);
+:data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is
 the keys per block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
 ``"bucketed"`` compiles a pass for.
 
@@ -90,6 +93,7 @@ from jax_session_state._attention_blocks import (
     _empty_state,
     _finish,
     _gather_dequantized,
+    _gather_pages,
     _online_update,
     _paged_attention,
     _paged_blockwise,
@@ -336,9 +340,13 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
     _, scale = _checked_scale(q, view.k, scale)
     if implementation == "bucketed":
         positions = _default_positions(q, view.lengths, q_positions)
-        return _bucketed(q, view.lengths, positions, view.k.shape[2], causal, scale,
-                         lambda n: (_dequantize(view.k[:, :, :n], view.k_scale, n),
-                                    _dequantize(view.v[:, :, :n], view.v_scale, n)))
+
+        def prefix(n: int) -> tuple[Array, Array]:  # float caches as stored: a 16-bit one is not widened
+            if view.quantized:
+                return _dequantize(view.k[:, :, :n], view.k_scale, n), _dequantize(view.v[:, :, :n], view.v_scale, n)
+            return view.k[:, :, :n], view.v[:, :, :n]
+
+        return _bucketed(q, view.lengths, positions, view.k.shape[2], causal, scale, prefix)
     if view.quantized:  # row scales applied to scores and weights, in the kernel or block by block in the loop
         if _use_native(q, view.k, view.v, scale, implementation, quantized=True):
             return _quantized_native_or_blockwise(q, view, causal, float(scale), q_positions)
@@ -376,8 +384,9 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     _, scale = _checked(q, slots, kv_heads, dim, scale)
     if implementation == "bucketed":
         positions = _default_positions(q, view.lengths, q_positions)
+        gather = _gather_dequantized if view.quantized else _gather_pages  # float pages as stored
         return _bucketed(q, view.lengths, positions, table_pages * size, causal, scale,
-                         lambda n: _gather_dequantized(view, 0, -(-n // size)))
+                         lambda n: gather(view, 0, -(-n // size)))
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
         if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)

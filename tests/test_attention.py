@@ -246,6 +246,43 @@ def test_bucketed_implementation_is_a_switch_over_static_prefixes_and_compiles_o
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("q_dtype", ["float32", "cache"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_bucketed_implementation_over_a_16_bit_cache_matches_float64(dtype, q_dtype, paged):
+    """Keys and values read as stored (not widened) still give float32 accuracy on their rounded values."""
+    rng = np.random.default_rng(12)
+    q_dtype = dtype if q_dtype == "cache" else jnp.float32
+    paged_cache, dense = _paged_and_dense(rng, page_size=16, num_pages=12, dtype=dtype)
+    view = dense.view()
+    for T in (1, 4):
+        q = jnp.asarray(3 * randn(rng, 3, T, 4, 8), q_dtype)
+        out, lse = jitted(implementation="bucketed")(q, paged_cache.view() if paged else view)
+        assert out.dtype == q_dtype and lse.dtype == jnp.float32
+        ref_out, ref_lse = reference(*(np.asarray(x, np.float64) for x in (q, view.k, view.v)), view.lengths,
+                                     view.positions)
+        if q_dtype == jnp.float32:
+            assert_close(out, lse, ref_out, ref_lse)
+        else:  # the scores are exact; the output is rounded to q's 16-bit dtype
+            assert_close(np.asarray(out, np.float64), lse, np.asarray(jnp.asarray(ref_out, dtype), np.float64), ref_lse)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_bucketed_implementation_does_not_widen_a_16_bit_cache(paged):
+    """No bucket of a bfloat16 cache is converted to float32: its dots read it as stored (bfloat16 queries),
+    and only the keys are widened for float32 queries, never the values."""
+    rng = np.random.default_rng(13)
+    paged_cache, dense = _paged_and_dense(rng, page_size=16, num_pages=40, steps=40, dtype=jnp.bfloat16)
+    view = paged_cache.view() if paged else dense.view()
+    sizes = _attention_blocks._buckets(view.page_table.shape[1] * view.page_size if paged else view.k.shape[2])
+    assert len(sizes) > 1
+    for q_dtype, widened in ((jnp.bfloat16, 0), (jnp.float32, len(sizes))):
+        q = jnp.asarray(randn(rng, 3, 1, 4, 8), q_dtype)
+        text = jax.jit(functools.partial(jss.attend, implementation="bucketed")).lower(q, view).as_text()
+        converts = re.findall(r"stablehlo\.convert %\S+ : \(tensor<3x2x(\d+)x8xbf16>\) -> tensor<3x2x\d+x8xf32>", text)
+        assert len([n for n in converts if int(n) in sizes]) == widened, converts
+
+
 def test_unknown_or_unavailable_implementations_are_named():
     view = append_view(np.ones((1, 1, 8, 4), np.float32), np.ones((1, 1, 8, 4), np.float32), [3])
     with pytest.raises(jss.PayloadError, match=r"implementation must be one of .*'fused'"):
