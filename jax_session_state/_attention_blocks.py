@@ -459,10 +459,10 @@ def _bucketed(q: Array, lengths: Array, q_positions: Array, capacity: int, causa
     ``prefix(n)`` gives the first ``n`` keys and values head-major (a
     bfloat16 or float16 cache's as stored: :func:`_weighted_sum` reads the
     values unwidened, :func:`_bucket_scores` the keys where the queries
-    share their dtype); the bucket is picked at
-    run time by ``lax.switch``, so the work is at most twice the valid
-    length (and at least :data:`SMALLEST_BUCKET`).  The scale multiplies
-    the ``[B, Hk, T*G, n]`` scores, not the bucket's keys.
+    share their dtype); the bucket is picked at run time by ``lax.switch``,
+    so the work is at most twice the valid length (and at least
+    :data:`SMALLEST_BUCKET`).  The scale multiplies the ``[B, Hk, T*G, n]``
+    scores, not the bucket's keys.
     """
     sizes = _buckets(capacity)
     groups = q.shape[2] // prefix(1)[0].shape[1]
