@@ -118,7 +118,7 @@ def attention_rows(*, batches: list[int], valids: list[int], capacity: int, call
 
     A case started after ``deadline`` (``time.perf_counter()``), or whose
     reference or implementation raises, gets a row saying why it was not
-    measured; ``on_rows`` sees the rows so far after every case.
+    measured; ``on_rows`` sees the rows so far after every case, measured or not.
     """
     rows: list[dict] = []
     key = jax.random.key(0)
@@ -133,6 +133,7 @@ def attention_rows(*, batches: list[int], valids: list[int], capacity: int, call
         measures = [f"attend T={T} batch {batch} valid {valid}: {implementation}" for implementation in implementations]
         if time.perf_counter() > deadline:
             rows += [{"measure": measure, "not measured": "past the time budget"} for measure in measures]
+            on_rows(rows)
             continue
         try:
             if view is None or view.k.shape[0] != batch:
@@ -223,7 +224,6 @@ def run(*, tiny: bool, budget: float = BUDGET_S, on_rows: Callable[[list[dict]],
         return rows + world_model_rows(prefix=256, frames=2, calls=1)
     rows = attention_rows(batches=[1, 8, 32], valids=[4096, 32768, 131072], capacity=131072, calls=5, peak=peak,
                           copy=copy, deadline=deadline, on_rows=on_rows)
-    on_rows(rows)
     try:
         return rows + world_model_rows(prefix=4096, frames=16, calls=5)
     except Exception as error:  # the attention rows are kept
