@@ -9,6 +9,7 @@ block by block and normalised at the end (:func:`finish`).  Used by
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -28,6 +29,10 @@ QUANTIZED_BLOCK_SIZE = 1024
 
 SMALLEST_BUCKET = 256
 """The ``"bucketed"`` implementation's smallest static prefix (keys)."""
+
+BUCKET_SCORE_BYTES = 1 << 28
+"""The most bytes of float32 scores ``[B, Hk, T*G, n]`` one ``"bucketed"`` pass holds: a longer bucket is read in
+chunks of a power-of-two number of keys that fit (batch 32, 8 kv heads, 64 query rows each: 4096 keys)."""
 
 _F32 = jnp.float32
 
@@ -350,36 +355,42 @@ def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, q_positions: Array,
-                     causal: bool, scale: float, relative: bool, page_size: int, native: bool) -> tuple[Array, Array]:
-    """Float paged attention: the native paged kernel on CPU where ``native``, else :func:`_paged_blockwise`.
+                     causal: bool, scale: float, relative: bool, page_size: int, reader: str) -> tuple[Array, Array]:
+    """Float paged attention, by ``reader``: ``"native"`` the native paged kernel on CPU, ``"auto"`` the page loop
+    (:func:`_paged_blockwise`) on CPU, both one bucketed pass (:func:`_bucketed_paged`) elsewhere; ``"loop"`` and
+    ``"bucketed"`` those everywhere.
 
     With ``relative`` the query positions are offsets from each row's length.
     Its VJP is :func:`_paged_attention_bwd`, so ``jax.grad`` works through
-    either (under ``jit``, lengths traced).
+    any of them (under ``jit``, lengths traced).
     """
 
     def loop(q, k_pages, v_pages, table, lengths, positions):
         paged = PagedView(k_pages, v_pages, table, lengths, page_size)
         return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
 
-    if not native:
-        return loop(q, k_pages, v_pages, page_table, lengths, q_positions)
-
     def kernel(q, k_pages, v_pages, table, lengths, positions):
         return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
                                     relative=relative)
 
-    return lax.platform_dependent(q, k_pages, v_pages, page_table, lengths, q_positions, cpu=kernel, default=loop)
+    def bucketed(q, k_pages, v_pages, table, lengths, positions):
+        paged = PagedView(k_pages, v_pages, table, lengths, page_size)
+        return _bucketed_paged(q, paged, _absolute(lengths, positions, relative), causal, scale)
+
+    operands = (q, k_pages, v_pages, page_table, lengths, q_positions)
+    if reader in ("loop", "bucketed"):
+        return (loop if reader == "loop" else bucketed)(*operands)
+    return lax.platform_dependent(*operands, cpu=kernel if reader == "native" else loop, default=bucketed)
 
 
 def _paged_attention_fwd(q, k_pages, v_pages, page_table, lengths, q_positions, causal, scale, relative, page_size,
-                         native):
+                         reader):
     out, lse = _paged_attention(q, k_pages, v_pages, page_table, lengths, q_positions, causal, scale, relative,
-                                page_size, native)
+                                page_size, reader)
     return (out, lse), (q, k_pages, v_pages, page_table, lengths, q_positions, out, lse)
 
 
-def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: int, native: bool, residuals: Any,
+def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: int, reader: str, residuals: Any,
                          cotangents: Any) -> tuple:
     """The flash-attention backward of ``_attention_dense._native_or_blockwise_bwd``, page block by page block.
 
@@ -452,34 +463,117 @@ def _bucket_scores(q_dtype: Any, qh: Array, keys: Array) -> Array:
     return _scores(keys.astype(_F32), qh)
 
 
-def _bucketed(q: Array, lengths: Array, q_positions: Array, capacity: int, causal: bool, scale: float,
-              prefix: Any) -> tuple[Array, Array]:
-    """One dense masked pass over the smallest static bucket holding every row's valid keys.
+def _chunk_units(score_rows: int, unit: int) -> int:
+    """Units (of ``unit`` keys) per chunk of a long bucket: the most keys, a power of two from
+    :data:`SMALLEST_BUCKET` on, whose float32 scores for ``score_rows`` query rows fit
+    :data:`BUCKET_SCORE_BYTES`; at least one unit."""
+    keys = SMALLEST_BUCKET
+    while 2 * keys * score_rows * 4 <= BUCKET_SCORE_BYTES:
+        keys *= 2
+    return max(1, keys // unit)
 
-    ``prefix(n)`` gives the first ``n`` keys and values head-major (a
+
+def _bucketed(q: Array, lengths: Array, q_positions: Array, causal: bool, scale: float, prefix: Any, *,
+              kv_heads: int, units: int, unit: int = 1) -> tuple[Array, Array]:
+    """Dense masked passes over the smallest static bucket holding every row's valid keys.
+
+    ``prefix(first, count)`` gives keys and values ``[first * unit,
+    (first + count) * unit)`` head-major (``first`` may be traced; a
     bfloat16 or float16 cache's as stored: :func:`_weighted_sum` reads the
     values unwidened, :func:`_bucket_scores` the keys where the queries
-    share their dtype); the bucket is picked at run time by ``lax.switch``,
-    so the work is at most twice the valid length (and at least
-    :data:`SMALLEST_BUCKET`).  The scale multiplies the ``[B, Hk, T*G, n]``
-    scores, not the bucket's keys.
+    share their dtype); the cache holds ``units * unit`` keys (``unit``: 1
+    dense, the page size paged).  The bucket is picked at run time by
+    ``lax.switch``, so the work is at most twice the valid length (and at
+    least :data:`SMALLEST_BUCKET`).  A bucket whose ``[B, Hk, T*G, n]``
+    float32 scores would pass :data:`BUCKET_SCORE_BYTES` is read in chunks
+    that fit, a loop of static length merged by online softmax (so
+    ``jax.grad`` works through it).  The scale multiplies the scores, not
+    the keys.
     """
-    sizes = _buckets(capacity)
-    groups = q.shape[2] // prefix(1)[0].shape[1]
-    qh = _to_rows(q, prefix(1)[0].shape[1])
-    last = _last_visible(lengths, q_positions, causal, groups)
+    sizes = _buckets(units * unit)
+    qh = _to_rows(q, kv_heads)
+    last = _last_visible(lengths, q_positions, causal, q.shape[2] // kv_heads)
+    chunk = _chunk_units(math.prod(qh.shape[:3]), unit)
+
+    def read(state: Any, first: Any, count: int, seen: Any, n: int) -> Any:
+        """Keys ``[first * unit, first * unit + n)`` of the ``count`` units from ``first``; those below ``seen``
+        were read before (the last chunk moves back to end inside the cache)."""
+        keys, values = (x[:, :, :n] for x in prefix(first, count))
+        position = first * unit + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
+        visible = (position >= seen) & (position <= last)
+        return _online_update(state, _bucket_scores(q.dtype, qh, keys) * scale, visible, values)
 
     def branch(n: int) -> Any:
-        def attend_prefix(qh: Array, last: Array) -> tuple[Array, Array, Array]:
-            keys, values = prefix(n)
-            keys, values = keys[:, :, :n], values[:, :, :n]
-            visible = lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
-            scores = _bucket_scores(q.dtype, qh, keys) * scale
-            return _online_update(_empty_state(qh), scores, visible, values)
+        count = -(-n // unit)
+
+        def attend_prefix() -> tuple[Array, Array, Array]:
+            if count <= chunk:
+                return read(_empty_state(qh), 0, count, 0, n)
+
+            def step(i: Array, state: Any) -> Any:
+                return read(state, jnp.minimum(i * chunk, count - chunk), chunk, i * chunk * unit, chunk * unit)
+
+            return lax.fori_loop(0, -(-count // chunk), step, _empty_state(qh))
 
         return attend_prefix
 
-    needed = jnp.clip(jnp.max(lengths), 0, capacity)
+    needed = jnp.clip(jnp.max(lengths), 0, units * unit)
     index = jnp.sum(needed > jnp.asarray(sizes[:-1], jnp.int32))  # the first bucket that holds them all
-    state = lax.switch(index, [branch(n) for n in sizes], qh, last)
-    return _finish(q, state)
+    return _finish(q, lax.switch(index, [branch(n) for n in sizes]))
+
+
+def _bucketed_append(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
+                     scale: float, k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, Array]:
+    """:func:`_bucketed` over a head-major cache ``[B, kv_heads, C, D]`` (its first ``lengths`` slots).
+
+    A quantized cache's bucket is dequantized (its row scales applied) as
+    it is read.  Under ``jax.vmap`` over independent caches the slots fold
+    into the batch, one bucket for all, or are read slot by slot, each in
+    its own bucket, where that is cheaper (``_attention_pooled``).
+    """
+    cache = {"k": k, "v": v, "lengths": lengths}
+    if k_scale is not None:
+        cache.update(k_scale=k_scale, v_scale=v_scale)
+    kv_heads, capacity = k.shape[1], k.shape[2]
+
+    def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
+        rows = None if row is None else (row, q.shape[0])
+        lengths = cache["lengths"] if row is None else lax.dynamic_slice_in_dim(cache["lengths"], row, q.shape[0])
+
+        def prefix(first: Any, count: int) -> tuple[Array, Array]:
+            keys, values = (_key_slice(cache[name], first, count, rows) for name in ("k", "v"))
+            if "k_scale" not in cache:
+                return keys, values
+            k_scale, v_scale = (_key_slice(cache[name], first, count, rows) for name in ("k_scale", "v_scale"))
+            return keys.astype(_F32) * k_scale, values.astype(_F32) * v_scale
+
+        return _bucketed(q, lengths, q_positions, causal, scale, prefix, kv_heads=kv_heads, units=capacity)
+
+    return fold_slots(read, functools.partial(_cache_blocks, n=BLOCK_SIZE))(q, q_positions, cache)
+
+
+def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float) -> tuple[Array, Array]:
+    """:func:`_bucketed` over a paged view: each bucket's (or chunk's) pages gathered, never the pool.
+
+    Float pages are gathered as stored, quantized ones dequantized.  Under
+    ``jax.vmap`` over independent paged caches the pools fold into one, as
+    in :func:`_paged_blockwise`.
+    """
+    pools = ("k_pages", "v_pages", "k_scale", "v_scale") if view.quantized else ("k_pages", "v_pages")
+    cache = {name: getattr(view, name) for name in pools} | {"page_table": view.page_table, "lengths": view.lengths}
+    size, kv_heads, columns = view.page_size, view.k_pages.shape[2], view.page_table.shape[1]
+
+    def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
+        table, lengths = cache["page_table"], cache["lengths"]
+        if row is not None:
+            table = lax.dynamic_slice_in_dim(table, row, q.shape[0], axis=0)
+            lengths = lax.dynamic_slice_in_dim(lengths, row, q.shape[0], axis=0)
+        paged = view.replace(**{name: cache[name] for name in pools}, page_table=table, lengths=lengths)
+        gather = _gather_dequantized if paged.quantized else _gather_pages
+        return _bucketed(q, lengths, q_positions, causal, scale, lambda first, count: gather(paged, first, count),
+                         kv_heads=kv_heads, units=columns, unit=size)
+
+    def blocks(cache: dict[str, Array]) -> Array:
+        return _row_blocks(cache["lengths"], columns * size, BLOCK_SIZE)
+
+    return fold_slots(read, blocks, fold=_fold_paged)(q, q_positions, cache)

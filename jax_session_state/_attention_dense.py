@@ -25,6 +25,7 @@ from jax_session_state._attention_blocks import (
     _block,
     _block_count,
     _block_f32,
+    _bucketed_append,
     _cache_blocks,
     _from_rows,
     _last_visible,
@@ -52,7 +53,7 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
 
 def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: float,
                                    q_positions: Array | None) -> tuple[Array, Array]:
-    """A quantized append-mode view: the native kernel on CPU (scales applied inside), the block loop elsewhere."""
+    """A quantized append-mode view: the native kernel on CPU (scales applied inside), one bucketed pass elsewhere."""
     relative = q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
 
@@ -60,12 +61,12 @@ def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: 
         return _native.quantized_kernel(q, k, v, k_scale, v_scale, lengths, positions, causal=causal, scale=scale,
                                         relative=relative)
 
-    def loop(q, k, v, k_scale, v_scale, lengths, positions):
-        return _blockwise(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal, scale=scale,
-                          k_scale=k_scale, v_scale=v_scale)
+    def bucketed(q, k, v, k_scale, v_scale, lengths, positions):
+        return _bucketed_append(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal,
+                                scale=scale, k_scale=k_scale, v_scale=v_scale)
 
     return lax.platform_dependent(q, view.k, view.v, view.k_scale, view.v_scale, view.lengths, positions,
-                                  cpu=native, default=loop)
+                                  cpu=native, default=bucketed)
 
 
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -90,7 +91,8 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
                          scale: float, relative: bool) -> tuple[Array, Array]:
-    """Append-mode attention: the native kernel on CPU, :func:`_blockwise` elsewhere.
+    """Append-mode attention: the native kernel on CPU (:func:`_blockwise` under a ``vmap`` it does not fold), one
+    bucketed pass (:func:`_bucketed_append`) elsewhere.
 
     With ``relative`` the query positions are offsets from each row's length.
     """
@@ -98,8 +100,12 @@ def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positio
     def blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
         return _blockwise(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
 
+    def bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
+        return _bucketed_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
+                                scale=scale)
+
     native = _native.kernel(causal, scale, relative, blockwise)
-    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=blockwise)
+    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=bucketed)
 
 
 def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relative):

@@ -30,15 +30,19 @@
   applies each row's scales to its scores and weights.
 
 ``implementation=`` picks how append-mode and paged views are read:
-``"auto"`` (above), ``"native"``, ``"loop"`` or ``"bucketed"`` (one fused
-dense pass over the valid prefix rounded up to a power of two, picked by
-``lax.switch``: a handful of kernels, for accelerators; opt-in until
-measured there; its dots sum in float32 and read a bfloat16 or float16
-cache's values as stored, and its keys too where the queries have the
-cache's dtype, instead of a float32 copy of the bucket);
-:data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is
-the keys per block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
-``"bucketed"`` compiles a pass for.
+``"auto"`` (above on CPU; ``"bucketed"`` on GPU and TPU), ``"native"``,
+``"loop"`` or ``"bucketed"`` (one fused dense pass over the valid prefix
+rounded up to a power of two, picked by ``lax.switch``: a handful of
+kernels, O(valid) work; its dots sum in float32 and read a bfloat16 or
+float16 cache's values as stored, and its keys too where the queries have
+the cache's dtype, instead of a float32 copy of the bucket; a bucket whose
+float32 scores would pass :data:`BUCKET_SCORE_BYTES` is read in chunks
+that fit, a loop of static length); :data:`IMPLEMENTATIONS` lists them.
+:data:`BLOCK_SIZE` is the keys per block of the loop,
+:data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
+for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
+latency-bound by construction, so ``"auto"`` reads buckets there; no
+accelerator has measured either yet (``benchmarks/device.py``).
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -85,15 +89,15 @@ from jax import Array, lax
 from jax_session_state import _native
 from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
+    BUCKET_SCORE_BYTES,
     SMALLEST_BUCKET,
     _absolute,
     _append_block,
-    _bucketed,
+    _bucketed_append,
+    _bucketed_paged,
     _cache_blocks,
     _empty_state,
     _finish,
-    _gather_dequantized,
-    _gather_pages,
     _online_update,
     _paged_attention,
     _paged_blockwise,
@@ -115,6 +119,7 @@ from jax_session_state.objects.paged import PagedView
 
 __all__ = [
     "BLOCK_SIZE",
+    "BUCKET_SCORE_BYTES",
     "IMPLEMENTATIONS",
     "SMALLEST_BUCKET",
     "attend",
@@ -165,12 +170,13 @@ def attend(
         default the view's last ``T`` positions (the rows just written).
       implementation: how append-mode and paged views are read (ring views
         and a branch's own rows are always one dense pass):
-        ``"auto"``: the native kernel on a single CPU device where built,
-        else ``"loop"``; ``"native"``: the native kernel (an error where it
-        is not available; CPU only); ``"loop"``: the pure-JAX blockwise
-        loop; ``"bucketed"``: one fused dense pass over the valid prefix
-        rounded up to a power of two, picked by ``lax.switch`` (a handful
-        of kernels on GPU/TPU; opt-in until measured there).
+        ``"auto"``: on CPU the native kernel on a single device where
+        built, else ``"loop"``; on GPU and TPU ``"bucketed"``;
+        ``"native"``: the native kernel (an error where it is not
+        available; CPU only); ``"loop"``: the pure-JAX blockwise loop;
+        ``"bucketed"``: one fused dense pass over the valid prefix rounded
+        up to a power of two, picked by ``lax.switch`` (a handful of
+        kernels; in chunks past :data:`BUCKET_SCORE_BYTES` of scores).
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
@@ -338,21 +344,9 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
     if view.window is not None:
         return _ring_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
-    if implementation == "bucketed":
-        positions = _default_positions(q, view.lengths, q_positions)
-
-        def prefix(n: int) -> tuple[Array, Array]:  # float caches as stored: a 16-bit one is not widened
-            if view.quantized:
-                return _dequantize(view.k[:, :, :n], view.k_scale, n), _dequantize(view.v[:, :, :n], view.v_scale, n)
-            return view.k[:, :, :n], view.v[:, :, :n]
-
-        return _bucketed(q, view.lengths, positions, view.k.shape[2], causal, scale, prefix)
-    if view.quantized:  # row scales applied to scores and weights, in the kernel or block by block in the loop
-        if _use_native(q, view.k, view.v, scale, implementation, quantized=True):
+    if _use_native(q, view.k, view.v, scale, implementation, quantized=view.quantized):
+        if view.quantized:  # row scales applied to scores and weights in the kernel
             return _quantized_native_or_blockwise(q, view, causal, float(scale), q_positions)
-        return _blockwise(q, view.k, view.v, view.lengths, _default_positions(q, view.lengths, q_positions),
-                          causal=causal, scale=scale, k_scale=view.k_scale, v_scale=view.v_scale)
-    if _use_native(q, view.k, view.v, scale, implementation):
         if q_positions is None:
             # The last T positions, as offsets from each row's length: a constant,
             # so a step computes no positions (the kernel adds the lengths).
@@ -360,8 +354,25 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
             return _native_or_blockwise(q, view.k, view.v, view.lengths, offsets, causal, float(scale), True)
         q_positions = _default_positions(q, view.lengths, q_positions)
         return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale), False)
-    return _blockwise(q, view.k, view.v, view.lengths, _default_positions(q, view.lengths, q_positions),
-                      causal=causal, scale=scale)
+    # A quantized cache's row scales go to its scores and weights, block by block or bucket by bucket.
+    scales = {"k_scale": view.k_scale, "v_scale": view.v_scale} if view.quantized else {}
+
+    def loop(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict) -> tuple[Array, Array]:
+        return _blockwise(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
+
+    def bucketed(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict) -> tuple[Array, Array]:
+        return _bucketed_append(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
+
+    positions = _default_positions(q, view.lengths, q_positions)
+    return _loop_or_bucketed(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales)
+
+
+def _loop_or_bucketed(implementation: str, loop: Any, bucketed: Any, *operands: Any) -> tuple[Array, Array]:
+    """``implementation`` where the native kernel does not run: ``"loop"`` and ``"bucketed"`` everywhere; ``"auto"``
+    the block loop on CPU and one bucketed pass (a handful of fused kernels) elsewhere."""
+    if implementation in ("loop", "bucketed"):
+        return (loop if implementation == "loop" else bucketed)(*operands)
+    return lax.platform_dependent(*operands, cpu=loop, default=bucketed)
 
 
 def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None,
@@ -380,28 +391,25 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
                     implementation: str) -> tuple[Array, Array]:
     """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
     _, size, kv_heads, dim = view.k_pages.shape
-    slots, table_pages = view.page_table.shape
+    slots = view.page_table.shape[0]
     _, scale = _checked(q, slots, kv_heads, dim, scale)
-    if implementation == "bucketed":
-        positions = _default_positions(q, view.lengths, q_positions)
-        gather = _gather_dequantized if view.quantized else _gather_pages  # float pages as stored
-        return _bucketed(q, view.lengths, positions, table_pages * size, causal, scale,
-                         lambda n: gather(view, 0, -(-n // size)))
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
         if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)
-        return _paged_blockwise(q, view, _default_positions(q, view.lengths, q_positions), causal, scale)
+        return _loop_or_bucketed(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
+                                 functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
+                                 _default_positions(q, view.lengths, q_positions))
     native = _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads)
     relative = native and q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
     return _paged_attention(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions, causal,
-                            float(scale), relative, size, native)
+                            float(scale), relative, size, "native" if native else implementation)
 
 
 def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: float,
                             q_positions: Array | None) -> tuple[Array, Array]:
-    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), the page loop
-    elsewhere."""
+    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), one bucketed
+    pass elsewhere."""
     relative = q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
 
@@ -409,12 +417,12 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
         return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
                                     relative=relative, k_scale_pages=k_scale, v_scale_pages=v_scale)
 
-    def loop(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+    def bucketed(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
         paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
-        return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
+        return _bucketed_paged(q, paged, _absolute(lengths, positions, relative), causal, scale)
 
     return lax.platform_dependent(q, view.k_pages, view.v_pages, view.k_scale, view.v_scale, view.page_table,
-                                  view.lengths, positions, cpu=kernel, default=loop)
+                                  view.lengths, positions, cpu=kernel, default=bucketed)
 
 
 def _ring_with_lse(

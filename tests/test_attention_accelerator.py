@@ -1,0 +1,199 @@
+"""attend() as it reads on GPU and TPU: one bucketed pass, lowered for them here and run on CPU explicitly.
+
+Off CPU, ``implementation="auto"`` reads every append-mode and paged view
+(float, 16-bit or quantized, alone or under ``jax.vmap``) in one
+``lax.switch`` over static buckets of the valid prefix: no loop over key
+blocks.  Those lowerings are checked for ``cuda`` and ``tpu`` (JAX lowers
+for a platform it does not have); the same code runs on CPU as
+``implementation="bucketed"`` and is checked against the float64
+reference, with long buckets read in chunks (the score budget shrunk so
+that small caches take that path too), under ``vmap`` and under
+``jax.grad``.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_session_state as jss
+from jax_session_state import _attention_blocks
+from tests.support.attention_reference import assert_close, assert_directional_derivatives, randn, reference
+
+ACCELERATORS = ["cuda", "tpu"]
+
+
+def caches(rng, *, page_size=16, capacity=448, batch=3, kv_heads=2, dim=8, dtype=jnp.float32, quantize=None,
+           lengths=None):
+    """A dense and a paged cache holding the same ragged rows (``lengths`` per batch row, random if not given)."""
+    lengths = rng.integers(0, capacity + 1, batch) if lengths is None else np.asarray(lengths)
+    k = jnp.asarray(randn(rng, batch, capacity, kv_heads, dim), dtype)
+    v = jnp.asarray(randn(rng, batch, capacity, kv_heads, dim), dtype)
+    chunk = jss.KVChunk(k, v, jnp.asarray(lengths, jnp.int32))
+    dense = jss.KVCache.allocate(batch=batch, kv_heads=kv_heads, head_dim=dim, capacity=capacity, dtype=dtype,
+                                 quantize=quantize)
+    pages = batch * -(-capacity // page_size)
+    paged = jss.PagedKVCache.allocate(max_slots=batch, kv_heads=kv_heads, head_dim=dim, page_size=page_size,
+                                      num_pages=pages + 2, dtype=dtype, quantize=quantize)
+    return dense.append(chunk), paged.append(chunk)
+
+
+def float64_reference(q, view, **kwargs):
+    """The reference over a dense view's rows (dequantized where quantized)."""
+    k, v = (np.asarray(x, np.float64) for x in (view.k, view.v))
+    if view.quantized:
+        k, v = k * np.asarray(view.k_scale, np.float64), v * np.asarray(view.v_scale, np.float64)
+    return reference(q, k, v, np.asarray(view.lengths), np.asarray(view.positions), **kwargs)
+
+
+def lowered(f, platform, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def shrink_score_budget(monkeypatch, q, kv_heads, keys=_attention_blocks.SMALLEST_BUCKET):
+    """Makes ``"bucketed"`` read any bucket longer than ``keys`` in chunks of ``keys`` for queries like ``q``."""
+    score_rows = q.shape[0] * q.shape[1] * q.shape[2]  # batch x kv_heads x (T x groups)
+    assert kv_heads * (q.shape[2] // kv_heads) == q.shape[2]
+    monkeypatch.setattr(_attention_blocks, "BUCKET_SCORE_BYTES", keys * score_rows * 4)
+
+
+VIEWS = {
+    "dense float32": dict(),
+    "dense bfloat16": dict(dtype=jnp.bfloat16),
+    "dense int8": dict(quantize="int8"),
+    "paged float32": dict(paged=True),
+    "paged bfloat16": dict(paged=True, dtype=jnp.bfloat16),
+    "paged int8": dict(paged=True, quantize="int8"),
+}
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("kind", VIEWS)
+def test_auto_reads_one_bucketed_pass_off_cpu(kind, platform):
+    options = dict(VIEWS[kind])
+    paged = options.pop("paged", False)
+    dense, paged_cache = caches(np.random.default_rng(0), **options)
+    view = paged_cache.view() if paged else dense.view()
+    q = jnp.ones((3, 1, 4, 8), options.get("dtype", jnp.float32))
+    text = lowered(jss.attend, platform, q, view)
+    assert "stablehlo.while" not in text and "stablehlo.case" in text and "custom_call" not in text
+    assert "stablehlo.while" in lowered(functools.partial(jss.attend, implementation="loop"), platform, q, view)
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_auto_under_vmap_over_caches_reads_buckets_off_cpu(platform):
+    """A pool's caches under ``vmap``: the slots folded into one bucket, or read one by one (a ``lax.map`` over the
+    slots, each in its own bucket), picked at run time; never a loop over key blocks."""
+    rng = np.random.default_rng(1)
+    k, v = jnp.asarray(randn(rng, 2, 2, 2, 512, 8)), jnp.asarray(randn(rng, 2, 2, 2, 512, 8))
+    lengths, q = jnp.asarray([[3, 0], [512, 7]], jnp.int32), jnp.asarray(randn(rng, 2, 2, 1, 4, 8))
+
+    def pooled(q, k, v, lengths):
+        return jax.vmap(lambda q, k, v, n: jss.attend(q, jss.KVView(k=k, v=v, lengths=n, positions=None)))(
+            q, k, v, lengths)
+
+    text = lowered(pooled, platform, q, k, v, lengths)
+    assert text.count("stablehlo.while") == 1 and "stablehlo.case" in text and "custom_call" not in text
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_branch_lanes_read_their_shared_prefix_in_buckets_off_cpu(platform):
+    """Lanes of a branch under ``vmap`` share one prefix: read once for every lane, in buckets off CPU; on CPU the
+    bucketed read gives what ``"auto"`` gives."""
+    rng = np.random.default_rng(6)
+    prefix, _ = caches(rng, capacity=600)
+    k, v = jnp.asarray(randn(rng, 5, 3, 4, 2, 8)), jnp.asarray(randn(rng, 5, 3, 4, 2, 8))  # 5 lanes of 4 rows
+    q = jnp.asarray(randn(rng, 5, 3, 4, 4, 8))
+
+    def lanes(prefix, q, k, v, implementation="auto"):
+        def lane(q, k, v):
+            window = prefix.branch_window(8).append(jss.KVChunk(k, v, jnp.full((3,), 4, jnp.int32)))
+            return jss.attend(q, prefix.branch_view(window), implementation=implementation)
+
+        return jax.vmap(lane)(q, k, v)
+
+    text = lowered(lanes, platform, prefix, q, k, v)
+    assert "stablehlo.while" not in text and "stablehlo.case" in text and "custom_call" not in text
+    bucketed = jax.jit(functools.partial(lanes, implementation="bucketed"))(prefix, q, k, v)
+    np.testing.assert_allclose(bucketed, jax.jit(lanes)(prefix, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_long_buckets_read_in_chunks_match_float64(kind, monkeypatch):
+    """Buckets past the score budget are read in chunks: 448 keys (not a power of two) in chunks of 256, the last
+    moved back inside the cache, pages of 16 keys or of 100 (chunks of 200)."""
+    options = dict(VIEWS[kind])
+    paged = options.pop("paged", False)
+    rng = np.random.default_rng(2)
+    for page_size in (16, 100) if paged else (1,):
+        dense, paged_cache = caches(rng, page_size=page_size, lengths=[448, 300, 0], **options)
+        view = paged_cache.view() if paged else dense.view()
+        for T, causal in ((1, True), (3, False)):
+            q = jnp.asarray(3 * randn(rng, 3, T, 4, 8), options.get("dtype", jnp.float32))
+            shrink_score_budget(monkeypatch, q, kv_heads=2)
+            attend = jax.jit(functools.partial(jss.attend_with_lse, implementation="bucketed", causal=causal))
+            assert "stablehlo.while" in attend.lower(q, view).as_text()  # the long buckets loop over chunks
+            out, lse = attend(q, view)
+            ref_out, ref_lse = float64_reference(np.asarray(q, np.float64), dense.view(), causal=causal)
+            if q.dtype == jnp.float32:
+                assert_close(out, lse, ref_out, ref_lse)
+            else:  # exact scores summed in float32 (lse to float32 accuracy); the output rounded to q's dtype
+                assert_close(ref_out, lse, ref_out, ref_lse)
+                error = np.max(np.abs(np.asarray(out, np.float64) - ref_out))
+                assert 0 < error <= 2.0**-8 * np.max(np.abs(ref_out))  # half an ulp of bfloat16 at the largest
+
+
+def test_chunked_buckets_compile_once_for_every_length(monkeypatch):
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(randn(rng, 1, 1, 2, 8))
+    shrink_score_budget(monkeypatch, q, kv_heads=2)
+    k, v = randn(rng, 1, 2, 2000, 8), randn(rng, 1, 2, 2000, 8)
+    attend = jax.jit(chex.assert_max_traces(lambda q, view: jss.attend(q, view, implementation="bucketed"), n=1))
+    for length in (0, 5, 256, 257, 1500, 2000):
+        view = jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([length], jnp.int32),
+                          positions=None)
+        positions = np.where(np.arange(2000) < length, np.arange(2000), -1)[None]
+        np.testing.assert_allclose(attend(q, view), reference(q, k, v, [length], positions)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_bucketed_under_vmap_over_caches_matches_float64(ragged):
+    """Ragged slots are read one by one, each in its own bucket; even ones folded into one bucket."""
+    rng = np.random.default_rng(4)
+    lengths = np.array([[1024, 3], [5, 0], [64, 1], [0, 0]] if ragged else [[700, 650], [690, 1], [640, 700],
+                                                                             [700, 0]], np.int32)
+    k, v = randn(rng, 4, 2, 2, 1024, 8), randn(rng, 4, 2, 2, 1024, 8)
+    q = randn(rng, 4, 2, 3, 4, 8)
+    positions = np.where(np.arange(1024) < lengths[..., None], np.arange(1024), -1)
+
+    @jax.jit
+    @jax.vmap
+    def pooled(q, k, v, n, p):
+        return jss.attend_with_lse(q, jss.KVView(k=k, v=v, lengths=n, positions=p), implementation="bucketed")
+
+    out, lse = pooled(q, k, v, lengths, positions)
+    for slot in range(4):
+        assert_close(out[slot], lse[slot], *reference(q[slot], k[slot], v[slot], lengths[slot], positions[slot]))
+
+
+def test_grad_through_chunked_buckets_matches_float64_finite_differences(monkeypatch):
+    """``jax.grad`` through ``"bucketed"`` with its long buckets in chunks (a loop of static length)."""
+    rng = np.random.default_rng(5)
+    lengths = np.array([600, 130], np.int32)
+    k, v, q = randn(rng, 2, 2, 640, 8), randn(rng, 2, 2, 640, 8), randn(rng, 2, 3, 4, 8)
+    positions = np.where(np.arange(640) < lengths[:, None], np.arange(640), -1)
+    shrink_score_budget(monkeypatch, q, kv_heads=2)
+
+    def loss(q, k, v):
+        view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions))
+        return jnp.sum(jnp.sin(jss.attend(q, view, implementation="bucketed")))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def reference_loss(x):
+        return np.sum(np.sin(reference(x[0], x[1], x[2], lengths, positions)[0]))
+
+    assert_directional_derivatives(grads, [q, k, v], reference_loss, rng)
