@@ -20,9 +20,10 @@ The table names the CPU (model, AVX2 and AVX-512 yes/no) in its first row.
 GPU and TPU rows are not measured here: ``benchmarks/device.py`` is the
 script for one accelerator, and until it has run on one the accelerator
 bars (decode attention >= 50% of peak HBM bandwidth, <= 1.2 x cuDNN) stay
-open and ``attend`` keeps its pure-XLA loop there by default.  Nor are
-aarch64 rows: the kernel's aarch64 build passes its tests under emulation
-(``benchmarks/NOTES.md``), which says nothing of its speed.  XLA's own dots
+open; ``attend`` reads one bucketed pass there by default (chosen by
+construction, unmeasured).  Nor are aarch64 rows: the kernel's aarch64
+build passes its tests under emulation (``benchmarks/NOTES.md``), which
+says nothing of its speed.  XLA's own dots
 in the pure loop dispatch to the widest vectors the CPU has whatever path
 is forced, so on an AVX-512 CPU the pure loop of the ``avx2`` and
 ``baseline`` rows is faster than it would be on a CPU of that kind.  On the

@@ -6,9 +6,9 @@ caches of 8 kv-heads x 128 and 32 query heads (GQA 4), capacity 128k:
 
 - decode attention at T = 1 and T = 16, batch 1 / 8 / 32, valid 4k / 32k /
   128k tokens (each row's valid length, batch rows alike), for each of
-  ``jss.attend``'s implementations that runs on the platform (``"loop"``,
-  the default off CPU; ``"bucketed"``: one fused pass over a power-of-two
-  bucket of the valid prefix): the K/V bytes read (valid tokens only) per
+  ``jss.attend``'s implementations that runs on the platform (``"loop"``;
+  ``"bucketed"``, what ``"auto"`` reads off CPU: one fused pass over a
+  power-of-two bucket of the valid prefix): the K/V bytes read (valid tokens only) per
   second, against the device's peak HBM bandwidth (a table of device kinds;
   the measured copy bandwidth beside it) and against
   ``jax.nn.dot_product_attention`` (cuDNN where it runs, else XLA) over
