@@ -430,9 +430,10 @@ def _ring_with_lse(
 ) -> tuple[Array, Array]:
     """A ring view: one dense pass over its slots.
 
-    Under ``jax.vmap`` over a pool's rings, a loop over blocks up to each
-    slot's filled slots where that is cheaper (a ring never holds a position
-    below its slot index, so the slots past its length are empty).
+    Under ``jax.vmap`` over a pool's rings, on CPU, a loop over blocks up to
+    each slot's filled slots where that is cheaper (a ring never holds a
+    position below its slot index, so the slots past its length are empty);
+    on GPU and TPU still one dense pass.
     """
     _, scale = _checked_scale(q, view.k, scale)
     cache = {"k": view.k, "v": view.v, "lengths": view.lengths, "positions": view.positions}
@@ -447,7 +448,11 @@ def _ring_with_lse(
 
     read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n, window=view.window, sink=view.sink)
     dense_blocks = -(-view.k.shape[2] // n)
-    return fold_slots(read, functools.partial(_cache_blocks, n=n), dense=(dense, dense_blocks))(q, q_positions, cache)
+    pooled = fold_slots(read, functools.partial(_cache_blocks, n=n), dense=(dense, dense_blocks))
+    # Off CPU a ring is one dense pass under vmap too (its slots are its window; a block loop there is a dozen
+    # small kernels per block).
+    return lax.platform_dependent(q, q_positions, cache, cpu=pooled,
+                                  default=lambda q, q_positions, cache: dense(q, q_positions, cache, None))
 
 
 def _dense_with_lse(

@@ -2,13 +2,13 @@
 
 Off CPU, ``implementation="auto"`` reads every append-mode and paged view
 (float, 16-bit or quantized, alone or under ``jax.vmap``) in one
-``lax.switch`` over static buckets of the valid prefix: no loop over key
-blocks.  Those lowerings are checked for ``cuda`` and ``tpu`` (JAX lowers
-for a platform it does not have); the same code runs on CPU as
-``implementation="bucketed"`` and is checked against the float64
-reference, with long buckets read in chunks (the score budget shrunk so
-that small caches take that path too), under ``vmap`` and under
-``jax.grad``.
+``lax.switch`` over static buckets of the valid prefix, and rings in one
+dense pass, under ``vmap`` too: no loop over key blocks.  Those lowerings
+are checked for ``cuda`` and ``tpu`` (JAX lowers for a platform it does
+not have); the same code runs on CPU as ``implementation="bucketed"`` and
+is checked against the float64 reference, with long buckets read in
+chunks (the score budget shrunk so that small caches take that path too),
+under ``vmap`` and under ``jax.grad``.
 """
 
 import functools
@@ -81,6 +81,26 @@ def test_auto_reads_one_bucketed_pass_off_cpu(kind, platform):
     text = lowered(jss.attend, platform, q, view)
     assert "stablehlo.while" not in text and "stablehlo.case" in text and "custom_call" not in text
     assert "stablehlo.while" in lowered(functools.partial(jss.attend, implementation="loop"), platform, q, view)
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_rings_under_vmap_are_one_dense_pass_off_cpu(platform):
+    """A pool's rings: one dense pass over every slot off CPU (on CPU a block loop where the rings are not full)."""
+    rng = np.random.default_rng(7)
+    k, v = jnp.asarray(randn(rng, 3, 2, 2, 204, 8)), jnp.asarray(randn(rng, 3, 2, 2, 204, 8))
+    lengths = jnp.asarray([[100, 300], [0, 7], [204, 150]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(204, dtype=jnp.int32), (3, 2, 204))  # not read by the lowering
+    q = jnp.asarray(randn(rng, 3, 2, 1, 4, 8))
+
+    def pooled(q, k, v, lengths, positions):
+        def ring(q, k, v, n, p):
+            return jss.attend(q, jss.KVView(k=k, v=v, lengths=n, positions=p, window=200, sink=4))
+
+        return jax.vmap(ring)(q, k, v, lengths, positions)
+
+    text = lowered(pooled, platform, q, k, v, lengths, positions)
+    assert "stablehlo.while" not in text and "custom_call" not in text
+    assert "stablehlo.while" in lowered(pooled, "cpu", q, k, v, lengths, positions)
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
