@@ -292,21 +292,32 @@ def _paged_blockwise(q: Array, view: PagedView, q_positions: Array, causal: bool
     by slot where that is cheaper (``_attention_pooled``).
     """
     pages = _paged_block_pages(view)
+
+    def read(q: Array, paged: PagedView, q_positions: Array) -> tuple[Array, Array]:
+        return _read_pages(q, paged, q_positions, causal, scale, pages)
+
+    return _paged_slots(q, view, q_positions, read, pages * view.page_size)
+
+
+def _paged_slots(q: Array, view: PagedView, q_positions: Array, read: Any, block_keys: int) -> tuple[Array, Array]:
+    """``read(q, paged_view, q_positions)`` with :func:`fold_slots`' batching rule: under ``jax.vmap`` over
+    independent paged caches their pools fold into one (page ids offset), or slots are read one by one
+    (``block_keys``: the keys of one unit of work in its cost model)."""
     pools = ("k_pages", "v_pages", "k_scale", "v_scale") if view.quantized else ("k_pages", "v_pages")
     cache = {name: getattr(view, name) for name in pools} | {"page_table": view.page_table, "lengths": view.lengths}
 
-    def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
+    def rows(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
         table, lengths = cache["page_table"], cache["lengths"]
         if row is not None:
             table = lax.dynamic_slice_in_dim(table, row, q.shape[0], axis=0)
             lengths = lax.dynamic_slice_in_dim(lengths, row, q.shape[0], axis=0)
-        paged = view.replace(**{name: cache[name] for name in pools}, page_table=table, lengths=lengths)
-        return _read_pages(q, paged, q_positions, causal, scale, pages)
+        return read(q, view.replace(**{name: cache[name] for name in pools}, page_table=table, lengths=lengths),
+                    q_positions)
 
     def blocks(cache: dict[str, Array]) -> Array:
-        return _row_blocks(cache["lengths"], cache["page_table"].shape[1] * view.page_size, pages * view.page_size)
+        return _row_blocks(cache["lengths"], cache["page_table"].shape[1] * view.page_size, block_keys)
 
-    return fold_slots(read, blocks, fold=_fold_paged)(q, q_positions, cache)
+    return fold_slots(rows, blocks, fold=_fold_paged)(q, q_positions, cache)
 
 
 def _fold_paged(cache: dict[str, Array], slots: int) -> dict[str, Array]:
@@ -559,21 +570,10 @@ def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool,
     ``jax.vmap`` over independent paged caches the pools fold into one, as
     in :func:`_paged_blockwise`.
     """
-    pools = ("k_pages", "v_pages", "k_scale", "v_scale") if view.quantized else ("k_pages", "v_pages")
-    cache = {name: getattr(view, name) for name in pools} | {"page_table": view.page_table, "lengths": view.lengths}
-    size, kv_heads, columns = view.page_size, view.k_pages.shape[2], view.page_table.shape[1]
+    gather = _gather_dequantized if view.quantized else _gather_pages
 
-    def read(q: Array, q_positions: Array, cache: dict[str, Array], row: Array | None) -> tuple[Array, Array]:
-        table, lengths = cache["page_table"], cache["lengths"]
-        if row is not None:
-            table = lax.dynamic_slice_in_dim(table, row, q.shape[0], axis=0)
-            lengths = lax.dynamic_slice_in_dim(lengths, row, q.shape[0], axis=0)
-        paged = view.replace(**{name: cache[name] for name in pools}, page_table=table, lengths=lengths)
-        gather = _gather_dequantized if paged.quantized else _gather_pages
-        return _bucketed(q, lengths, q_positions, causal, scale, lambda first, count: gather(paged, first, count),
-                         kv_heads=kv_heads, units=columns, unit=size)
+    def read(q: Array, paged: PagedView, q_positions: Array) -> tuple[Array, Array]:
+        return _bucketed(q, paged.lengths, q_positions, causal, scale, lambda first, count: gather(paged, first, count),
+                         kv_heads=view.k_pages.shape[2], units=view.page_table.shape[1], unit=view.page_size)
 
-    def blocks(cache: dict[str, Array]) -> Array:
-        return _row_blocks(cache["lengths"], columns * size, BLOCK_SIZE)
-
-    return fold_slots(read, blocks, fold=_fold_paged)(q, q_positions, cache)
+    return _paged_slots(q, view, q_positions, read, BLOCK_SIZE)
