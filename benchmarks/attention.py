@@ -23,14 +23,14 @@ bars (decode attention >= 50% of peak HBM bandwidth, <= 1.2 x cuDNN) stay
 open; ``attend`` reads one bucketed pass there by default (chosen by
 construction, unmeasured).  Nor are aarch64 rows: the kernel's aarch64
 build passes its tests under emulation (``benchmarks/NOTES.md``), which
-says nothing of its speed.  XLA's own dots
-in the pure loop dispatch to the widest vectors the CPU has whatever path
-is forced, so on an AVX-512 CPU the pure loop of the ``avx2`` and
-``baseline`` rows is faster than it would be on a CPU of that kind.  On the
-``baseline`` (SSE2) path a bfloat16 cache is bound by its instructions (no
-FMA, no one-instruction widening) while float32 reads near memory speed, so
-its bar (<= 0.7 of float32) holds only while float32 waits on memory for
-more than half its time; ``benchmarks/NOTES.md`` has the measurements.
+says nothing of its speed.  XLA's own dots in the pure loop dispatch to
+the widest vectors the CPU has whatever path is forced, so on an AVX-512
+CPU the pure loop of the ``avx2`` and ``baseline`` rows is faster than it
+would be on a CPU of that kind.  On the ``baseline`` (SSE2) path a
+bfloat16 cache is bound by its instructions (no FMA, no one-instruction
+widening) while float32 reads near memory speed, so its bar (<= 0.7 of
+float32) holds only while float32 waits on memory for more than half its
+time; ``benchmarks/NOTES.md`` has the measurements.
 
 Steps timed at a fixed valid length append after it and then rewind the
 length (one integer, inside the same jitted call), so every call writes the

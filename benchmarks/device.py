@@ -8,12 +8,12 @@ caches of 8 kv-heads x 128 and 32 query heads (GQA 4), capacity 128k:
   128k tokens (each row's valid length, batch rows alike), for each of
   ``jss.attend``'s implementations that runs on the platform (``"loop"``;
   ``"bucketed"``, what ``"auto"`` reads off CPU: one fused pass over a
-  power-of-two bucket of the valid prefix): the K/V bytes read (valid tokens only) per
-  second, against the device's peak HBM bandwidth (a table of device kinds;
-  the measured copy bandwidth beside it) and against
+  power-of-two bucket of the valid prefix): the K/V bytes read (valid tokens
+  only) per second, against the device's peak HBM bandwidth (a table of
+  device kinds; the measured copy bandwidth beside it) and against
   ``jax.nn.dot_product_attention`` (cuDNN where it runs, else XLA) over
-  exactly the valid tokens, token-major as it wants them (sliced outside
-  the timing);
+  exactly the valid tokens, token-major as it wants them (sliced outside the
+  timing);
 - the world-model step (``examples/world_model.py``, 16 frames after a 4k
   prefix in a 32k cache): the library's jitted rollout against the same
   rollout hand-written on raw arrays (bar: library <= 1.05 x raw).
