@@ -403,7 +403,25 @@ def _paged_attention_fwd(q, k_pages, v_pages, page_table, lengths, q_positions, 
 
 def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: int, reader: str, residuals: Any,
                          cotangents: Any) -> tuple:
-    """The flash-attention backward of ``_attention_dense._native_or_blockwise_bwd``, page block by page block.
+    """On CPU :func:`_paged_flash_bwd`; on GPU and TPU the VJP of the bucketed pass, recomputed (its gathers
+    transpose to scatter-adds into the pools)."""
+    q, k_pages, v_pages, page_table, lengths, q_positions, _, _ = residuals
+
+    def bucketed() -> tuple[Array, Array, Array]:
+        def forward(q: Array, k_pages: Array, v_pages: Array) -> tuple[Array, Array]:
+            view = PagedView(k_pages, v_pages, page_table, lengths, page_size)
+            return _bucketed_paged(q, view, _absolute(lengths, q_positions, relative), causal, scale)
+
+        return jax.vjp(forward, q, k_pages, v_pages)[1](cotangents)
+
+    dq, dk, dv = lax.platform_dependent(
+        cpu=lambda: _paged_flash_bwd(causal, scale, relative, page_size, residuals, cotangents), default=bucketed)
+    return dq, dk, dv, None, None, None
+
+
+def _paged_flash_bwd(causal: bool, scale: float, relative: bool, page_size: int, residuals: Any,
+                     cotangents: Any) -> tuple:
+    """The flash-attention backward of ``_attention_dense._flash_bwd``, page block by page block: ``(dq, dk, dv)``.
 
     Each block's key and value gradients are scatter-added into the pools
     at the block's page ids, so a page shared by forked slots sums the
@@ -437,8 +455,7 @@ def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: 
 
     zeros = (jnp.zeros_like(qh), jnp.zeros(k_pages.shape, _F32), jnp.zeros(v_pages.shape, _F32))
     dq, dk, dv = lax.fori_loop(0, _paged_blocks(view, columns, n), body, zeros)
-    return (_from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k_pages.dtype), dv.astype(v_pages.dtype),
-            None, None, None)
+    return _from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k_pages.dtype), dv.astype(v_pages.dtype)
 
 
 _paged_attention.defvjp(_paged_attention_fwd, _paged_attention_bwd)
@@ -498,8 +515,8 @@ def _bucketed(q: Array, lengths: Array, q_positions: Array, causal: bool, scale:
     least :data:`SMALLEST_BUCKET`).  A bucket whose ``[B, Hk, T*G, n]``
     float32 scores would pass :data:`BUCKET_SCORE_BYTES` is read in chunks
     that fit, a loop of static length merged by online softmax (so
-    ``jax.grad`` works through it).  The scale multiplies the scores, not
-    the keys.
+    ``jax.grad`` works through it, recomputing each chunk's scores rather
+    than keeping them).  The scale multiplies the scores, not the keys.
     """
     sizes = _buckets(units * unit)
     qh = _to_rows(q, kv_heads)
@@ -521,6 +538,7 @@ def _bucketed(q: Array, lengths: Array, q_positions: Array, causal: bool, scale:
             if count <= chunk:
                 return read(_empty_state(qh), 0, count, 0, n)
 
+            @jax.checkpoint  # a VJP keeps each chunk's state, not its scores
             def step(i: Array, state: Any) -> Any:
                 return read(state, jnp.minimum(i * chunk, count - chunk), chunk, i * chunk * unit, chunk * unit)
 

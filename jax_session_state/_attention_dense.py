@@ -114,7 +114,24 @@ def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relat
 
 
 def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
-    """Flash-attention backward, blockwise up to the longest row like the forward.
+    """On CPU :func:`_flash_bwd`; on GPU and TPU the VJP of the bucketed pass, recomputed (a few fused kernels per
+    chunk of keys, not a dozen per block of 64)."""
+    q, k, v, lengths, q_positions, _, _ = residuals
+
+    def bucketed() -> tuple[Array, Array, Array]:
+        def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+            return _bucketed_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
+                                    scale=scale)
+
+        return jax.vjp(forward, q, k, v)[1](cotangents)
+
+    dq, dk, dv = lax.platform_dependent(cpu=lambda: _flash_bwd(causal, scale, relative, residuals, cotangents),
+                                        default=bucketed)
+    return dq, dk, dv, None, None
+
+
+def _flash_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
+    """Flash-attention backward, blockwise up to the longest row like the forward: ``(dq, dk, dv)``.
 
     With ``P = exp(S - lse)`` over the visible keys: ``dV = P^T dO``,
     ``dS = P * (dO V^T - rowsum(dO * O) + dlse)``, ``dQ = scale dS K``,
@@ -143,7 +160,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
 
     zeros = (jnp.zeros_like(qh), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
     dq, dk, dv = lax.fori_loop(0, _block_count(lengths, capacity, n), body, zeros)
-    return _from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return _from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)

@@ -57,11 +57,13 @@ returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity.
 
 Gradients: append-mode attention through the native kernel and float paged
-attention (native paged kernel or page loop) have a ``jax.custom_vjp`` (a
-flash-attention backward in pure JAX, blockwise like the forward; a paged
-one scatter-adds into the pages), so ``jax.grad`` works under ``jit`` with
-traced lengths; forward-mode ``jax.jvp`` of them does not, nor do
-quantized views have gradients.  Measurements and what was tried are in
+attention (native paged kernel or page loop) have a ``jax.custom_vjp`` (on
+CPU a flash-attention backward in pure JAX, blockwise like the forward; a
+paged one scatter-adds into the pages; on GPU and TPU the VJP of the
+bucketed pass, recomputed), so ``jax.grad`` works under ``jit`` with traced
+lengths; forward-mode ``jax.jvp`` of them does not, nor do quantized views
+have gradients.  ``"bucketed"`` itself is differentiable as it stands
+(its chunks recompute their scores rather than keep them).  Measurements and what was tried are in
 ``benchmarks/NOTES.md``.
 
 Example:
