@@ -364,6 +364,22 @@ def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
     return lengths[:, None] + q_positions if relative else q_positions
 
 
+def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, native: Any = None
+                 ) -> tuple[Array, Array]:
+    """``"loop"`` and ``"bucketed"`` run everywhere; otherwise (``"auto"``, ``"native"``) ``native`` where given
+    (else ``loop``) runs on CPU and ``bucketed`` (a handful of fused kernels) on GPU and TPU."""
+    if implementation in ("loop", "bucketed"):
+        return (loop if implementation == "loop" else bucketed)(*operands)
+    return lax.platform_dependent(*operands, cpu=loop if native is None else native, default=bucketed)
+
+
+def _paged_bucketed(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths: Array, positions: Array, *,
+                    causal: bool, scale: float, relative: bool, page_size: int) -> tuple[Array, Array]:
+    """:func:`_bucketed_paged` over float pages, taking :func:`_paged_attention`'s operands."""
+    view = PagedView(k_pages, v_pages, table, lengths, page_size)
+    return _bucketed_paged(q, view, _absolute(lengths, positions, relative), causal, scale)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, q_positions: Array,
                      causal: bool, scale: float, relative: bool, page_size: int, reader: str) -> tuple[Array, Array]:
@@ -384,14 +400,9 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
         return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
                                     relative=relative)
 
-    def bucketed(q, k_pages, v_pages, table, lengths, positions):
-        paged = PagedView(k_pages, v_pages, table, lengths, page_size)
-        return _bucketed_paged(q, paged, _absolute(lengths, positions, relative), causal, scale)
-
-    operands = (q, k_pages, v_pages, page_table, lengths, q_positions)
-    if reader in ("loop", "bucketed"):
-        return (loop if reader == "loop" else bucketed)(*operands)
-    return lax.platform_dependent(*operands, cpu=kernel if reader == "native" else loop, default=bucketed)
+    bucketed = functools.partial(_paged_bucketed, causal=causal, scale=scale, relative=relative, page_size=page_size)
+    return _by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
+                        native=kernel if reader == "native" else None)
 
 
 def _paged_attention_fwd(q, k_pages, v_pages, page_table, lengths, q_positions, causal, scale, relative, page_size,
@@ -409,8 +420,8 @@ def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: 
 
     def bucketed() -> tuple[Array, Array, Array]:
         def forward(q: Array, k_pages: Array, v_pages: Array) -> tuple[Array, Array]:
-            view = PagedView(k_pages, v_pages, page_table, lengths, page_size)
-            return _bucketed_paged(q, view, _absolute(lengths, q_positions, relative), causal, scale)
+            return _paged_bucketed(q, k_pages, v_pages, page_table, lengths, q_positions, causal=causal, scale=scale,
+                                   relative=relative, page_size=page_size)
 
         return jax.vjp(forward, q, k_pages, v_pages)[1](cotangents)
 

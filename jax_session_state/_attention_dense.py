@@ -100,12 +100,15 @@ def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positio
     def blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
         return _blockwise(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
 
-    def bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
-        return _bucketed_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
-                                scale=scale)
-
     native = _native.kernel(causal, scale, relative, blockwise)
+    bucketed = functools.partial(_relative_bucketed, causal=causal, scale=scale, relative=relative)
     return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=bucketed)
+
+
+def _relative_bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
+                       scale: float, relative: bool) -> tuple[Array, Array]:
+    """:func:`_bucketed_append`, the query positions given as :func:`_native_or_blockwise` takes them."""
+    return _bucketed_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
 
 
 def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relative):
@@ -120,8 +123,7 @@ def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residua
 
     def bucketed() -> tuple[Array, Array, Array]:
         def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-            return _bucketed_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
-                                    scale=scale)
+            return _relative_bucketed(q, k, v, lengths, q_positions, causal=causal, scale=scale, relative=relative)
 
         return jax.vjp(forward, q, k, v)[1](cotangents)
 

@@ -63,8 +63,8 @@ paged one scatter-adds into the pages; on GPU and TPU the VJP of the
 bucketed pass, recomputed), so ``jax.grad`` works under ``jit`` with traced
 lengths; forward-mode ``jax.jvp`` of them does not, nor do quantized views
 have gradients.  ``"bucketed"`` itself is differentiable as it stands
-(its chunks recompute their scores rather than keep them).  Measurements and what was tried are in
-``benchmarks/NOTES.md``.
+(its chunks recompute their scores rather than keep them).  Measurements
+and what was tried are in ``benchmarks/NOTES.md``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -97,6 +97,7 @@ from jax_session_state._attention_blocks import (
     _append_block,
     _bucketed_append,
     _bucketed_paged,
+    _by_platform,
     _cache_blocks,
     _empty_state,
     _finish,
@@ -366,15 +367,7 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
         return _bucketed_append(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
 
     positions = _default_positions(q, view.lengths, q_positions)
-    return _loop_or_bucketed(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales)
-
-
-def _loop_or_bucketed(implementation: str, loop: Any, bucketed: Any, *operands: Any) -> tuple[Array, Array]:
-    """``implementation`` where the native kernel does not run: ``"loop"`` and ``"bucketed"`` everywhere; ``"auto"``
-    the block loop on CPU and one bucketed pass (a handful of fused kernels) elsewhere."""
-    if implementation in ("loop", "bucketed"):
-        return (loop if implementation == "loop" else bucketed)(*operands)
-    return lax.platform_dependent(*operands, cpu=loop, default=bucketed)
+    return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales)
 
 
 def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None,
@@ -398,9 +391,9 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
         if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)
-        return _loop_or_bucketed(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
-                                 functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
-                                 _default_positions(q, view.lengths, q_positions))
+        return _by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
+                            functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
+                            _default_positions(q, view.lengths, q_positions))
     native = _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads)
     relative = native and q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
