@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jax_session_state import _native
+from jax_session_state import _attention_pallas, _native
+from jax_session_state._attention_pallas import _SIXTEEN_BIT
 from jax_session_state._attention_pooled import fold_rows, fold_slots
 from jax_session_state.objects.paged import PagedView
 
@@ -90,9 +91,6 @@ def _online_update(state: Any, scores: Array, visible: Array, values: Array,
     decay = jnp.exp(top - safe_top)
     scaled = weights if value_scale is None else weights * value_scale
     return new_top, decay * total + weights.sum(-1), decay[..., None] * acc + _weighted_sum(scaled, values)
-
-
-_SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _weighted_sum(weights: Array, values: Array) -> Array:
@@ -364,12 +362,20 @@ def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
     return lengths[:, None] + q_positions if relative else q_positions
 
 
-def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, native: Any = None
-                 ) -> tuple[Array, Array]:
-    """``"loop"`` and ``"bucketed"`` run everywhere; otherwise (``"auto"``, ``"native"``) ``native`` where given
-    (else ``loop``) runs on CPU and ``bucketed`` (a handful of fused kernels) on GPU and TPU."""
+def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, native: Any = None,
+                 pallas: Any = None) -> tuple[Array, Array]:
+    """``"loop"`` and ``"bucketed"`` run everywhere; ``"pallas"`` runs ``pallas(*operands, interpret=...)`` where
+    given (compiled on GPU, interpreted on CPU; else, and on TPU, ``bucketed``); otherwise (``"auto"``,
+    ``"native"``) ``native`` where given (else ``loop``) runs on CPU and ``bucketed`` (a handful of fused kernels)
+    on GPU and TPU."""
     if implementation in ("loop", "bucketed"):
         return (loop if implementation == "loop" else bucketed)(*operands)
+    if implementation == "pallas":
+        if pallas is None:
+            return bucketed(*operands)
+        compiled = functools.partial(pallas, interpret=False)
+        return lax.platform_dependent(*operands, cpu=functools.partial(pallas, interpret=True), cuda=compiled,
+                                      rocm=compiled, default=bucketed)
     return lax.platform_dependent(*operands, cpu=loop if native is None else native, default=bucketed)
 
 
@@ -400,9 +406,15 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
         return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
                                     relative=relative)
 
+    def pallas(q, k_pages, v_pages, table, lengths, positions, *, interpret: bool):
+        paged = PagedView(k_pages, v_pages, table, lengths, page_size)
+        return _pallas_paged(q, paged, _absolute(lengths, positions, relative), causal=causal, scale=scale,
+                             interpret=interpret)
+
     bucketed = functools.partial(_paged_bucketed, causal=causal, scale=scale, relative=relative, page_size=page_size)
+    takes = reader == "pallas" and _attention_pallas.takes(k_pages, page_size, quantized=False)
     return _by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
-                        native=kernel if reader == "native" else None)
+                        native=kernel if reader == "native" else None, pallas=pallas if takes else None)
 
 
 def _paged_attention_fwd(q, k_pages, v_pages, page_table, lengths, q_positions, causal, scale, relative, page_size,
@@ -606,3 +618,25 @@ def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool,
                          kv_heads=view.k_pages.shape[2], units=view.page_table.shape[1], unit=view.page_size)
 
     return _paged_slots(q, view, q_positions, read, BLOCK_SIZE)
+
+
+def _pallas_append(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool, scale: float,
+                   interpret: bool) -> tuple[Array, Array]:
+    """A head-major float cache ``[B, kv_heads, C, D]`` read by the Pallas split-K kernel (``_attention_pallas``;
+    compiled for GPU, or ``interpret``-ed)."""
+    kv_heads, capacity = k.shape[1], k.shape[2]
+    last = _last_visible(jnp.minimum(lengths, capacity), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
+    state = _attention_pallas.append_state(_to_rows(q, kv_heads), q.dtype, last, k, v, scale=scale,
+                                           interpret=interpret)
+    return _finish(q, state)
+
+
+def _pallas_paged(q: Array, view: PagedView, q_positions: Array, *, causal: bool, scale: float,
+                  interpret: bool) -> tuple[Array, Array]:
+    """A float paged view read through its page table by the Pallas split-K kernel."""
+    kv_heads = view.k_pages.shape[2]
+    held = view.page_table.shape[1] * view.page_size
+    last = _last_visible(jnp.minimum(view.lengths, held), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
+    state = _attention_pallas.paged_state(_to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
+                                          view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret)
+    return _finish(q, state)

@@ -26,9 +26,11 @@ from jax_session_state._attention_blocks import (
     _block_count,
     _block_f32,
     _bucketed_append,
+    _by_platform,
     _cache_blocks,
     _from_rows,
     _last_visible,
+    _pallas_append,
     _read_blocks,
     _relative_offsets,
     _scores,
@@ -166,3 +168,29 @@ def _flash_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotan
 
 
 _native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _pallas_or_bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
+                        scale: float) -> tuple[Array, Array]:
+    """A float append-mode cache read by the Pallas split-K kernel (compiled on GPU, interpreted on CPU), one
+    bucketed pass on TPU; its VJP is the bucketed pass's, recomputed (a Pallas call has none)."""
+    bucketed = functools.partial(_bucketed_append, causal=causal, scale=scale)
+    pallas = functools.partial(_pallas_append, causal=causal, scale=scale)
+    return _by_platform("pallas", None, bucketed, q, k, v, lengths, q_positions, pallas=pallas)
+
+
+def _pallas_or_bucketed_fwd(q, k, v, lengths, q_positions, causal, scale):
+    return _pallas_or_bucketed(q, k, v, lengths, q_positions, causal, scale), (q, k, v, lengths, q_positions)
+
+
+def _pallas_or_bucketed_bwd(causal: bool, scale: float, residuals: Any, cotangents: Any) -> tuple:
+    q, k, v, lengths, q_positions = residuals
+
+    def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+        return _bucketed_append(q, k, v, lengths, q_positions, causal=causal, scale=scale)
+
+    return (*jax.vjp(forward, q, k, v)[1](cotangents), None, None)
+
+
+_pallas_or_bucketed.defvjp(_pallas_or_bucketed_fwd, _pallas_or_bucketed_bwd)

@@ -88,7 +88,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state import _native
+from jax_session_state import _attention_pallas, _native
 from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
     BUCKET_SCORE_BYTES,
@@ -113,6 +113,7 @@ from jax_session_state._attention_dense import (
     _blockwise,
     _default_positions,
     _native_or_blockwise,
+    _pallas_or_bucketed,
     _quantized_native_or_blockwise,
 )
 from jax_session_state._attention_pooled import fold_slots
@@ -131,7 +132,7 @@ __all__ = [
     "native_status",
 ]
 
-IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed")
+IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed", "pallas")
 """The ways :func:`attend` reads append-mode and paged views."""
 
 _F32 = jnp.float32
@@ -367,6 +368,8 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
         return _bucketed_append(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
 
     positions = _default_positions(q, view.lengths, q_positions)
+    if implementation == "pallas" and _attention_pallas.takes(view.k, view.k.shape[2], view.quantized):
+        return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, scale)
     return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales)
 
 

@@ -21,36 +21,17 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state import _attention_blocks
-from tests.support.attention_reference import assert_close, assert_directional_derivatives, randn, reference
+from tests.support.attention_reference import (
+    assert_close,
+    assert_directional_derivatives,
+    caches,
+    float64_reference,
+    lowered,
+    randn,
+    reference,
+)
 
 ACCELERATORS = ["cuda", "tpu"]
-
-
-def caches(rng, *, page_size=16, capacity=448, batch=3, kv_heads=2, dim=8, dtype=jnp.float32, quantize=None,
-           lengths=None):
-    """A dense and a paged cache holding the same ragged rows (``lengths`` per batch row, random if not given)."""
-    lengths = rng.integers(0, capacity + 1, batch) if lengths is None else np.asarray(lengths)
-    k = jnp.asarray(randn(rng, batch, capacity, kv_heads, dim), dtype)
-    v = jnp.asarray(randn(rng, batch, capacity, kv_heads, dim), dtype)
-    chunk = jss.KVChunk(k, v, jnp.asarray(lengths, jnp.int32))
-    dense = jss.KVCache.allocate(batch=batch, kv_heads=kv_heads, head_dim=dim, capacity=capacity, dtype=dtype,
-                                 quantize=quantize)
-    pages = batch * -(-capacity // page_size)
-    paged = jss.PagedKVCache.allocate(max_slots=batch, kv_heads=kv_heads, head_dim=dim, page_size=page_size,
-                                      num_pages=pages + 2, dtype=dtype, quantize=quantize)
-    return dense.append(chunk), paged.append(chunk)
-
-
-def float64_reference(q, view, **kwargs):
-    """The reference over a dense view's rows (dequantized where quantized)."""
-    k, v = (np.asarray(x, np.float64) for x in (view.k, view.v))
-    if view.quantized:
-        k, v = k * np.asarray(view.k_scale, np.float64), v * np.asarray(view.v_scale, np.float64)
-    return reference(q, k, v, np.asarray(view.lengths), np.asarray(view.positions), **kwargs)
-
-
-def lowered(f, platform, *args):
-    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def shrink_score_budget(monkeypatch, q, kv_heads, keys=_attention_blocks.SMALLEST_BUCKET):

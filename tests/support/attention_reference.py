@@ -5,6 +5,7 @@ reference), at most 1e-5 in float32; ``lse`` the same on finite entries and
 ``-inf`` exactly where the reference has it.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,3 +100,30 @@ def assert_directional_derivatives(grads, point, f, rng, *, eps=1e-5, rtol=1e-4)
         analytic = sum(np.sum(g * d) for g, d in zip(grads, direction))
         assert abs(numeric) > 100 * rtol, "a direction too flat to tell a wrong gradient from a right one"
         assert abs(analytic - numeric) <= rtol * max(1.0, abs(numeric)), (analytic, numeric)
+
+
+def caches(rng, *, page_size=16, capacity=448, batch=3, kv_heads=2, dim=8, dtype=jnp.float32, quantize=None,
+           lengths=None):
+    """A dense and a paged cache holding the same ragged rows (``lengths`` per batch row, random if not given)."""
+    lengths = rng.integers(0, capacity + 1, batch) if lengths is None else np.asarray(lengths)
+    k = jnp.asarray(randn(rng, batch, capacity, kv_heads, dim), dtype)
+    v = jnp.asarray(randn(rng, batch, capacity, kv_heads, dim), dtype)
+    chunk = jss.KVChunk(k, v, jnp.asarray(lengths, jnp.int32))
+    dense = jss.KVCache.allocate(batch=batch, kv_heads=kv_heads, head_dim=dim, capacity=capacity, dtype=dtype,
+                                 quantize=quantize)
+    pages = batch * -(-capacity // page_size)
+    paged = jss.PagedKVCache.allocate(max_slots=batch, kv_heads=kv_heads, head_dim=dim, page_size=page_size,
+                                      num_pages=pages + 2, dtype=dtype, quantize=quantize)
+    return dense.append(chunk), paged.append(chunk)
+
+
+def float64_reference(q, view, **kwargs):
+    """The reference over a dense view's rows (dequantized where quantized)."""
+    k, v = (np.asarray(x, np.float64) for x in (view.k, view.v))
+    if view.quantized:
+        k, v = k * np.asarray(view.k_scale, np.float64), v * np.asarray(view.v_scale, np.float64)
+    return reference(q, k, v, np.asarray(view.lengths), np.asarray(view.positions), **kwargs)
+
+
+def lowered(f, platform, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()

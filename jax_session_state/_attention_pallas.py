@@ -1,0 +1,197 @@
+"""Split-K flash decoding in Pallas: ``attend(..., implementation="pallas")``.
+
+One kernel reads an append-mode cache ``[B, kv_heads, C, D]`` or a paged
+pool ``[pages, page_size, kv_heads, D]`` (through its page table) where it
+lies.  Each program takes one batch row, one kv head, a tile of query rows
+and one of ``splits`` equal shares of the blocks up to its rows' last
+visible key, so the work follows the valid length, never the capacity, and
+a short row still fills the device.  A program walks its blocks with an
+online softmax; the shares merge by log-sum-exp afterwards (one small fused
+XLA pass).  On GPU it lowers through Triton; on CPU it runs in Pallas'
+interpreter (slow: for tests); TPU reads buckets instead.
+
+Dots sum in float32.  A 16-bit float cache's keys and values meet float32
+operands (queries of another dtype, softmax weights) as two parts of the
+cache's dtype, the nearest one and the rest, so every product is exact as
+in the bucketed pass; a float32 cache's dots are IEEE float32, not TF32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32 = jnp.float32
+_SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+BLOCK_KEYS = 64
+"""The most keys a program reads per step (fewer where the capacity or the page size asks)."""
+
+ROW_TILE = 64
+"""The most query rows (``T * G`` per kv head) one program holds."""
+
+PROGRAMS = 256
+"""Programs a call aims for, about two per streaming multiprocessor of a large GPU: short rows split into more
+shares."""
+
+_SMALLEST = 16  # Triton's smallest dot side
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _block_keys(extent: int) -> int:
+    """The largest power of two up to :data:`BLOCK_KEYS` dividing ``extent`` (the capacity or page size); 0 where
+    none of at least 16 does."""
+    block = BLOCK_KEYS
+    while block >= _SMALLEST and extent % block:
+        block //= 2
+    return block if block >= _SMALLEST else 0
+
+
+def takes(k: Array, extent: int, quantized: bool) -> bool:
+    """Whether the kernel reads a cache or pool of ``k``'s dtype and head dim with keys in runs of ``extent``
+    (the capacity, or the page size): float caches, a power-of-two head dim of at least 16, runs a multiple of 16."""
+    dim = k.shape[-1]
+    floating = jnp.issubdtype(k.dtype, jnp.floating) and k.dtype.itemsize >= 2
+    return (not quantized and floating and dim >= _SMALLEST and dim == _power_of_two_at_least(dim)
+            and _block_keys(extent) > 0)
+
+
+def _product(a: Array, b: Array, contract_b: int) -> Array:
+    """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``), summed in float32."""
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=_F32)
+
+
+def _split_product(a: Array, b: Array, contract_b: int) -> Array:
+    """:func:`_product` of float32 ``a`` and 16-bit ``b`` as two exact dots of ``b``'s dtype (nearest + rest)."""
+    high = a.astype(b.dtype)
+    low = (a - high.astype(_F32)).astype(b.dtype)
+    return _product(high, b, contract_b) + _product(low, b, contract_b)
+
+
+def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tiles: int, scale: float,
+            load: Callable[..., tuple[Array, Array]], wide_queries: bool) -> None:
+    """One program: batch row ``program_id(0)``, kv head ``program_id(1)``, share and row tile ``program_id(2)``."""
+    *inputs, acc_ref, top_ref, total_ref = refs
+    row, head, share = pl.program_id(0), pl.program_id(1), pl.program_id(2) // tiles
+    last = last_ref[...]  # [rows] the last key each query row sees (-1: none)
+    keys = jnp.maximum(jnp.max(last) + 1, 0)
+    blocks = (keys + block - 1) // block
+    per_share = (blocks + splits - 1) // splits
+    first = share * per_share
+    queries = q_ref[...]
+    offsets = lax.broadcasted_iota(jnp.int32, (block,), 0)
+
+    def step(i: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        top, total, acc = state
+        start = i * block
+        position = start + offsets
+        k, v = load(inputs, row, head, start, position < keys)
+        sixteen = k.dtype in _SIXTEEN_BIT
+        product = _split_product if sixteen and wide_queries else _product
+        scores = product(queries.astype(k.dtype) if not wide_queries else queries, k, 1) * scale
+        scores = jnp.where(position[None, :] <= last[:, None], scores, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(scores, axis=1))
+        # Rows that have seen nothing keep top = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
+        safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+        weights = jnp.exp(scores - safe_top[:, None])
+        decay = jnp.exp(top - safe_top)
+        summed = _split_product(weights, v, 0) if sixteen else _product(weights, v, 0)
+        return new_top, decay * total + jnp.sum(weights, axis=1), decay[:, None] * acc + summed
+
+    rows, dim = queries.shape
+    empty = (jnp.full((rows,), -jnp.inf, _F32), jnp.zeros((rows,), _F32), jnp.zeros((rows, dim), _F32))
+    top, total, acc = lax.fori_loop(first, jnp.minimum(first + per_share, blocks), step, empty)
+    acc_ref[...] = acc
+    top_ref[...] = top
+    total_ref[...] = total
+
+
+def _load_append(inputs: Any, row: Array, head: Array, start: Array, inside: Array, *, block: int
+                 ) -> tuple[Array, Array]:
+    """Keys and values ``[start, start + block)`` of one row and head of a head-major cache (zeros past the keys
+    read, never loaded)."""
+    k_ref, v_ref = inputs
+    return tuple(plgpu.load(ref.at[row, head, pl.ds(start, block), :], mask=inside[:, None], other=0)
+                 for ref in (k_ref, v_ref))
+
+
+def _load_paged(inputs: Any, row: Array, head: Array, start: Array, inside: Array, *, block: int,
+                page_size: int) -> tuple[Array, Array]:
+    """The same through the page table: a block lies inside one page (``block`` divides the page size)."""
+    table_ref, k_ref, v_ref = inputs
+    page = table_ref[row, start // page_size]
+    within = start % page_size
+    return tuple(plgpu.load(ref.at[page, pl.ds(within, block), head, :], mask=inside[:, None], other=0)
+                 for ref in (k_ref, v_ref))
+
+
+def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], *, extent: int, scale: float,
+            load: Callable[..., tuple[Array, Array]], block: int, interpret: bool) -> tuple[Array, Array, Array]:
+    """Runs the kernel over ``caches`` (read whole by ``load``) and merges its shares into one online-softmax
+    state ``(top, total, acc)`` of ``qh``'s rows."""
+    B, kv_heads, M, D = qh.shape
+    tile = min(ROW_TILE, max(_SMALLEST, _power_of_two_at_least(M)))
+    tiles = -(-M // tile)
+    padded = tiles * tile
+    dtype = caches[-1].dtype
+    wide_queries = not (dtype in _SIXTEEN_BIT and jnp.dtype(q_dtype) == dtype)
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - M), (0, 0)))
+    last = jnp.pad(last, ((0, 0), (0, padded - M)), constant_values=-1)  # padding rows see nothing
+    splits = min(_power_of_two_at_least(-(-PROGRAMS // (B * kv_heads * tiles))), -(-extent // block))
+    kernel = functools.partial(_kernel, block=block, splits=splits, tiles=tiles, scale=scale, load=load,
+                               wide_queries=wide_queries)
+
+    def shares(*trailing: int) -> pl.BlockSpec:
+        return pl.BlockSpec((None, None, None, tile, *trailing), lambda b, h, j: (b, h, j // tiles, j % tiles,
+                                                                                  *(0 for _ in trailing)))
+
+    acc, top, total = pl.pallas_call(
+        kernel,
+        grid=(B, kv_heads, splits * tiles),
+        in_specs=[pl.BlockSpec((None, None, tile, D), lambda b, h, j: (b, h, j % tiles, 0)),
+                  pl.BlockSpec((None, tile), lambda b, h, j: (b, j % tiles)),
+                  *[pl.no_block_spec] * len(caches)],
+        out_specs=[shares(D), shares(), shares()],
+        out_shape=[jax.ShapeDtypeStruct((B, kv_heads, splits, padded, D), _F32),
+                   jax.ShapeDtypeStruct((B, kv_heads, splits, padded), _F32),
+                   jax.ShapeDtypeStruct((B, kv_heads, splits, padded), _F32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jss_decode_attention",
+    )(qh if wide_queries else qh.astype(dtype), last, *caches)
+    top_all = jnp.max(top, axis=2)
+    safe = jnp.where(top_all == -jnp.inf, 0.0, top_all)
+    weight = jnp.exp(top - safe[:, :, None])  # each share's softmax mass, rescaled to the common top
+    total = jnp.sum(weight * total, axis=2)
+    acc = jnp.sum(weight[..., None] * acc, axis=2)
+    return top_all[:, :, :M], total[:, :, :M], acc[:, :, :M]
+
+
+def append_state(qh: Array, q_dtype: Any, last: Array, k: Array, v: Array, *, scale: float,
+                 interpret: bool) -> tuple[Array, Array, Array]:
+    """The online-softmax state of query rows ``qh`` (``[B, kv_heads, M, D]`` float32, from queries of
+    ``q_dtype``) over a head-major float cache ``[B, kv_heads, C, D]``; ``last``: ``Int[Array, "B M"]`` the last
+    key each row sees (-1: none; at most ``C - 1``).  See :func:`takes`."""
+    block = _block_keys(k.shape[2])
+    return _decode(qh, q_dtype, last, (k, v), extent=k.shape[2], scale=scale,
+                   load=functools.partial(_load_append, block=block), block=block, interpret=interpret)
+
+
+def paged_state(qh: Array, q_dtype: Any, last: Array, table: Array, k_pages: Array, v_pages: Array, *,
+                page_size: int, scale: float, interpret: bool) -> tuple[Array, Array, Array]:
+    """:func:`append_state` over float pages ``[pages, page_size, kv_heads, D]`` through the page table
+    ``[B, pages per row]`` (``last`` at most the keys the table holds, less one)."""
+    block = _block_keys(page_size)
+    load = functools.partial(_load_paged, block=block, page_size=page_size)
+    return _decode(qh, q_dtype, last, (table.astype(jnp.int32), k_pages, v_pages),
+                   extent=table.shape[1] * page_size, scale=scale, load=load, block=block, interpret=interpret)

@@ -1,0 +1,227 @@
+"""attend(implementation="pallas"): the split-K Pallas kernel, run here in Pallas' interpreter, lowered for GPU.
+
+On GPU the kernel compiles through Triton (one custom call, no XLA loop);
+on CPU the same kernel body runs interpreted, so every check against the
+float64 reference below exercises the code a GPU compiles: its shares of
+the valid blocks, its masked loads, the page table and the log-sum-exp
+merge.  Where the kernel does not take a view (quantized, head dim not a
+power of two of at least 16, runs of keys not a multiple of 16) and on TPU,
+``"pallas"`` reads buckets.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_session_state as jss
+from jax_session_state import _attention_pallas
+from tests.support.attention_reference import (
+    assert_close,
+    assert_directional_derivatives,
+    caches,
+    float64_reference,
+    lowered,
+    randn,
+    reference,
+)
+
+DIM = 16
+pallas_attend = functools.partial(jss.attend_with_lse, implementation="pallas")
+
+
+def interleaved_paged(rng, *, dtype=jnp.float32, page_size=16, lengths=(300, 90, 0)):
+    """A paged cache whose rows grew in turns (each slot's pages scattered through the pool), slot 2 a fork of
+    slot 0 (its full pages shared) that then grew apart, and the same rows as a dense view."""
+    cache = jss.PagedKVCache.allocate(max_slots=3, kv_heads=2, head_dim=DIM, page_size=page_size, num_pages=80,
+                                      dtype=dtype)
+    lengths = np.asarray(lengths, np.int32)
+    for grow in (lengths * 2 // 5, lengths - lengths * 2 // 5):
+        k, v = (jnp.asarray(randn(rng, 3, 200, 2, DIM), dtype) for _ in range(2))
+        cache = cache.append(jss.KVChunk(k, v, jnp.asarray(grow)))
+    cache = cache.fork(0, 2)
+    k, v = (jnp.asarray(randn(rng, 3, 40, 2, DIM), dtype) for _ in range(2))
+    view = cache.append(jss.KVChunk(k, v, jnp.asarray([0, 30, 40], jnp.int32))).view()
+    return view, view.to_dense()
+
+
+def check_16_bit(out, lse, ref_out, ref_lse):
+    """Exact products summed in float32 (lse to float32 accuracy); the output rounded to the queries' 16-bit dtype."""
+    assert_close(ref_out, lse, ref_out, ref_lse)
+    error = np.max(np.abs(np.asarray(out, np.float64) - ref_out))
+    assert error <= 2.0**-8 * np.max(np.abs(ref_out))  # half an ulp of bfloat16 at the largest
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("shares", ["many", "one"])
+def test_pallas_matches_float64(dtype, paged, shares, monkeypatch):
+    """Ragged rows (full, partial, empty), T = 1 and T = 5 (causal or not), GQA 4 and queries of float32 or of the
+    cache's dtype; ``shares="one"``: one program walks all of a row's blocks, with 20 query rows in two tiles."""
+    if shares == "one":
+        monkeypatch.setattr(_attention_pallas, "PROGRAMS", 1)
+        monkeypatch.setattr(_attention_pallas, "ROW_TILE", 16)
+    rng = np.random.default_rng(0)
+    dense, paged_cache = caches(rng, dim=DIM, dtype=dtype, lengths=[448, 301, 0])
+    view = paged_cache.view() if paged else dense.view()
+    for T, causal, q_dtype in ((1, True, jnp.float32), (5, False, jnp.float32), (5, True, dtype)):
+        q = jnp.asarray(3 * randn(rng, 3, T, 8, DIM), q_dtype)
+        out, lse = jax.jit(functools.partial(pallas_attend, causal=causal))(q, view)
+        ref = float64_reference(np.asarray(q, np.float64), dense.view(), causal=causal)
+        (assert_close if q_dtype == jnp.float32 else check_16_bit)(out, lse, *ref)
+
+
+def test_pallas_reads_explicit_query_positions():
+    """Positions given per query, some before any key (exact zeros, ``lse = -inf``) and some past the length."""
+    rng = np.random.default_rng(1)
+    dense, paged_cache = caches(rng, dim=DIM, capacity=256, lengths=[200, 17, 256])
+    q_positions = jnp.asarray([[-1, 0, 150, 400], [3, -5, 16, 16], [255, 100, -1, 64]], jnp.int32)
+    q = jnp.asarray(randn(rng, 3, 4, 4, DIM))
+    ref = float64_reference(q, dense.view(), q_positions=np.asarray(q_positions))
+    for view in (dense.view(), paged_cache.view()):
+        assert_close(*pallas_attend(q, view, q_positions=q_positions), *ref)
+
+
+def test_pallas_reads_pages_where_they_lie():
+    """Pages scattered through the pool by turns of growth, a fork's shared pages, 16 and 64 keys a page (a block
+    of 64 keys in one page or four blocks of 16); the step's lowering gathers nothing pool-sized."""
+    rng = np.random.default_rng(2)
+    for page_size in (16, 64):
+        view, dense = interleaved_paged(rng, page_size=page_size)
+        q = jnp.asarray(randn(rng, 3, 2, 8, DIM))
+        assert_close(*pallas_attend(q, view), *float64_reference(q, dense))
+        text = lowered(pallas_attend, "cuda", q, view)
+        pool = "x".join(map(str, view.k_pages.shape))
+        assert not any("gather" in line and pool in line.split("->")[-1] for line in text.splitlines())
+
+
+def test_pallas_compiles_once_for_every_length():
+    rng = np.random.default_rng(3)
+    k, v = randn(rng, 1, 2, 2000, DIM), randn(rng, 1, 2, 2000, DIM)
+    q = jnp.asarray(randn(rng, 1, 1, 4, DIM))
+    attend = jax.jit(chex.assert_max_traces(lambda q, view: jss.attend(q, view, implementation="pallas"), n=1))
+    for length in (0, 5, 64, 65, 1500, 2000):
+        view = jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([length], jnp.int32),
+                          positions=None)
+        positions = np.where(np.arange(2000) < length, np.arange(2000), -1)[None]
+        np.testing.assert_allclose(attend(q, view), reference(q, k, v, [length], positions)[0], atol=1e-5)
+
+
+def test_pallas_under_vmap_over_caches_matches_float64():
+    """A pool's caches under ``vmap``, ragged: the kernel's grid gains the slots' axis."""
+    rng = np.random.default_rng(4)
+    lengths = np.array([[1024, 3], [5, 0], [64, 1], [0, 0]], np.int32)
+    k, v = randn(rng, 4, 2, 2, 1024, DIM), randn(rng, 4, 2, 2, 1024, DIM)
+    q = randn(rng, 4, 2, 3, 4, DIM)
+    positions = np.where(np.arange(1024) < lengths[..., None], np.arange(1024), -1)
+
+    def pooled(q, k, v, n, p):
+        return jax.vmap(lambda *a: pallas_attend(a[0], jss.KVView(k=a[1], v=a[2], lengths=a[3], positions=a[4])))(
+            q, k, v, n, p)
+
+    out, lse = jax.jit(pooled)(q, k, v, lengths, positions)
+    for slot in range(4):
+        assert_close(out[slot], lse[slot], *reference(q[slot], k[slot], v[slot], lengths[slot], positions[slot]))
+    text = lowered(pooled, "cuda", q, k, v, lengths, positions)
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" not in text
+
+
+def test_pallas_branch_lanes_share_one_prefix():
+    """Lanes of a branch under ``vmap`` read their shared prefix through the kernel; the result is ``"auto"``'s."""
+    rng = np.random.default_rng(6)
+    prefix, _ = caches(rng, capacity=608, dim=DIM)
+    k, v = jnp.asarray(randn(rng, 5, 3, 4, 2, DIM)), jnp.asarray(randn(rng, 5, 3, 4, 2, DIM))
+    q = jnp.asarray(randn(rng, 5, 3, 4, 4, DIM))
+
+    def lanes(prefix, q, k, v, implementation):
+        def lane(q, k, v):
+            window = prefix.branch_window(8).append(jss.KVChunk(k, v, jnp.full((3,), 4, jnp.int32)))
+            return jss.attend(q, prefix.branch_view(window), implementation=implementation)
+
+        return jax.vmap(lane)(q, k, v)
+
+    got = jax.jit(functools.partial(lanes, implementation="pallas"))(prefix, q, k, v)
+    np.testing.assert_allclose(got, jax.jit(functools.partial(lanes, implementation="auto"))(prefix, q, k, v),
+                               rtol=1e-5, atol=1e-5)
+    text = lowered(functools.partial(lanes, implementation="pallas"), "cuda", prefix, q, k, v)
+    cache = "x".join(map(str, prefix.k.shape))
+    assert text.count("__gpu$xla.gpu.triton") == 1 and f"5x{cache}" not in text  # the prefix is not copied per lane
+
+
+def test_grad_through_pallas_matches_float64_finite_differences():
+    """A Pallas call has no VJP of its own: ``jax.grad`` takes the bucketed pass's, recomputed."""
+    rng = np.random.default_rng(5)
+    lengths = np.array([600, 130], np.int32)
+    k, v, q = randn(rng, 2, 2, 640, DIM), randn(rng, 2, 2, 640, DIM), randn(rng, 2, 3, 4, DIM)
+    positions = np.where(np.arange(640) < lengths[:, None], np.arange(640), -1)
+
+    def loss(q, k, v):
+        view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions))
+        return jnp.sum(jnp.sin(jss.attend(q, view, implementation="pallas")))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def reference_loss(x):
+        return np.sum(np.sin(reference(x[0], x[1], x[2], lengths, positions)[0]))
+
+    assert_directional_derivatives(grads, [q, k, v], reference_loss, rng)
+
+
+def test_grad_through_paged_pallas_matches_the_page_loop():
+    """Through float pages too, a fork's shared page summing both slots' gradients."""
+    rng = np.random.default_rng(7)
+    view, _ = interleaved_paged(rng)
+    q = jnp.asarray(randn(rng, 3, 2, 8, DIM))
+
+    def loss(q, k_pages, v_pages, implementation):
+        out = jss.attend(q, view.replace(k_pages=k_pages, v_pages=v_pages), implementation=implementation)
+        return jnp.sum(jnp.sin(out))
+
+    grads = {name: jax.jit(jax.grad(functools.partial(loss, implementation=name), argnums=(0, 1, 2)))(
+        q, view.k_pages, view.v_pages) for name in ("pallas", "loop")}
+    for got, expected in zip(grads["pallas"], grads["loop"]):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    assert float(jnp.abs(grads["pallas"][1][view.page_table[0, 0]]).sum()) > 0
+
+
+VIEWS = {
+    "dense float32": dict(),
+    "dense bfloat16": dict(dtype=jnp.bfloat16),
+    "paged float32": dict(paged=True),
+    "paged bfloat16": dict(paged=True, dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_pallas_lowers_to_one_triton_call_for_gpu_and_buckets_for_tpu(kind):
+    options = dict(VIEWS[kind])
+    paged = options.pop("paged", False)
+    dense, paged_cache = caches(np.random.default_rng(8), dim=DIM, **options)
+    view = paged_cache.view() if paged else dense.view()
+    q = jnp.ones((3, 1, 4, DIM), options.get("dtype", jnp.float32))
+    cuda = lowered(pallas_attend, "cuda", q, view)
+    assert cuda.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" not in cuda
+    tpu = lowered(pallas_attend, "tpu", q, view)
+    assert "custom_call" not in tpu and "stablehlo.case" in tpu and "stablehlo.while" not in tpu
+    grad = lowered(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()), "cuda",
+                   q.astype(jnp.float32), view)
+    assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP
+
+
+@pytest.mark.parametrize("declined", ["int8 cache", "head dim 8", "capacity 40", "pages of 8"])
+def test_pallas_reads_buckets_where_the_kernel_does_not_take_the_view(declined):
+    rng = np.random.default_rng(9)
+    options = {"int8 cache": dict(dim=DIM, quantize="int8"), "head dim 8": dict(dim=8),
+               "capacity 40": dict(dim=DIM, capacity=40, lengths=[40, 3, 0]),
+               "pages of 8": dict(dim=DIM, page_size=8)}[declined]
+    dense, paged_cache = caches(rng, **options)
+    view = paged_cache.view() if declined == "pages of 8" else dense.view()
+    q = jnp.asarray(randn(rng, 3, 2, 4, options["dim"]))
+    assert "pallas_call" not in str(jax.make_jaxpr(pallas_attend)(q, view))
+    out, lse = pallas_attend(q, view)
+    bucketed = jss.attend_with_lse(q, view, implementation="bucketed")
+    np.testing.assert_array_equal(out, bucketed[0])
+    np.testing.assert_array_equal(lse, bucketed[1])
