@@ -21,7 +21,8 @@ GPU and TPU rows are not measured here: ``benchmarks/device.py`` is the
 script for one accelerator, and until it has run on one the accelerator
 bars (decode attention >= 50% of peak HBM bandwidth, <= 1.2 x cuDNN) stay
 open; ``attend`` reads one bucketed pass there by default (chosen by
-construction, unmeasured).  Nor are aarch64 rows: the kernel's aarch64
+construction, unmeasured), and ``implementation="pallas"`` is the split-K
+Pallas kernel the script measures beside it.  Nor are aarch64 rows: the kernel's aarch64
 build passes its tests under emulation (``benchmarks/NOTES.md``), which
 says nothing of its speed.  XLA's own dots in the pure loop dispatch to
 the widest vectors the CPU has whatever path is forced, so on an AVX-512

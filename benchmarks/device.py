@@ -8,7 +8,9 @@ caches of 8 kv-heads x 128 and 32 query heads (GQA 4), capacity 128k:
   128k tokens (each row's valid length, batch rows alike), for each of
   ``jss.attend``'s implementations that runs on the platform (``"loop"``;
   ``"bucketed"``, what ``"auto"`` reads off CPU: one fused pass over a
-  power-of-two bucket of the valid prefix): the K/V bytes read (valid tokens
+  power-of-two bucket of the valid prefix; ``"pallas"`` on GPU, the split-K
+  Pallas kernel, whichever of the two reads faster to become ``"auto"``'s
+  choice there): the K/V bytes read (valid tokens
   only) per second, against the device's peak HBM bandwidth (a table of
   device kinds; the measured copy bandwidth beside it) and against
   ``jax.nn.dot_product_attention`` (cuDNN where it runs, else XLA) over
@@ -111,6 +113,15 @@ def _cases(batches: list[int], valids: list[int]) -> list[tuple[int, int, int]]:
     return sorted(cases, key=lambda case: (case != BAR_CASE, case[0] != BAR_CASE[0]))
 
 
+def default_implementations(*, tiny: bool) -> list[str]:
+    """``jss.attend``'s implementations a run measures here: ``"loop"`` and ``"bucketed"``; ``"pallas"`` on GPU
+    (compiled through Triton; in a ``tiny`` run on CPU too, interpreted: a smoke run of its path, not a
+    timing); ``"native"`` where the native kernel is in use."""
+    pallas = jax.default_backend() == "gpu" or (tiny and jax.default_backend() == "cpu")
+    native = jss.attention._native.enabled()
+    return ["loop", "bucketed"] + (["pallas"] if pallas else []) + (["native"] if native else [])
+
+
 def attention_rows(*, batches: list[int], valids: list[int], capacity: int, calls: int, peak: float | None,
                    copy: float, deadline: float = float("inf"), implementations: list[str] | None = None,
                    on_rows: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
@@ -123,7 +134,7 @@ def attention_rows(*, batches: list[int], valids: list[int], capacity: int, call
     rows: list[dict] = []
     key = jax.random.key(0)
     if implementations is None:
-        implementations = ["loop", "bucketed"] + (["native"] if jss.attention._native.enabled() else [])
+        implementations = default_implementations(tiny=False)
     # One jitted function per implementation: cases of the same batch and T (valid lengths differ only in
     # value) share its compiled step, so a GPU run compiles 6 steps per implementation, not 18.
     fns = {implementation: jax.jit(functools.partial(jss.attend, implementation=implementation))
@@ -220,7 +231,7 @@ def run(*, tiny: bool, budget: float = BUDGET_S, on_rows: Callable[[list[dict]],
           f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; copy {copy / 1e9:.0f} GB/s (r+w)")
     if tiny:
         rows = attention_rows(batches=[2], valids=[300, 1024], capacity=1024, calls=2, peak=peak, copy=copy,
-                              deadline=deadline, on_rows=on_rows)
+                              deadline=deadline, implementations=default_implementations(tiny=True), on_rows=on_rows)
         return rows + world_model_rows(prefix=256, frames=2, calls=1)
     rows = attention_rows(batches=[1, 8, 32], valids=[4096, 32768, 131072], capacity=131072, calls=5, peak=peak,
                           copy=copy, deadline=deadline, on_rows=on_rows)

@@ -31,18 +31,26 @@
 
 ``implementation=`` picks how append-mode and paged views are read:
 ``"auto"`` (above on CPU; ``"bucketed"`` on GPU and TPU), ``"native"``,
-``"loop"`` or ``"bucketed"`` (one fused dense pass over the valid prefix
+``"loop"``, ``"bucketed"`` (one fused dense pass over the valid prefix
 rounded up to a power of two, picked by ``lax.switch``: a handful of
 kernels, O(valid) work; its dots sum in float32 and read a bfloat16 or
 float16 cache's values as stored, and its keys too where the queries have
 the cache's dtype, instead of a float32 copy of the bucket; a bucket whose
 float32 scores would pass :data:`BUCKET_SCORE_BYTES` is read in chunks
-that fit, a loop of static length); :data:`IMPLEMENTATIONS` lists them.
-:data:`BLOCK_SIZE` is the keys per block of the loop,
-:data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
-for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
-latency-bound by construction, so ``"auto"`` reads buckets there; no
-accelerator has measured either yet (``benchmarks/device.py``).
+that fit, a loop of static length) or ``"pallas"`` (split-K flash
+decoding in one Pallas kernel: each program reads one kv head of one row
+over its share of the blocks up to that row's valid length, through the
+page table for a paged view, and the shares merge by log-sum-exp; compiled
+through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float
+caches with a power-of-two head dim of at least 16 and a capacity or page
+size a multiple of 16; other views, and TPU, read buckets);
+:data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is the keys per
+block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
+``"bucketed"`` compiles a pass for.  Off CPU the loop, a dozen small
+kernels per block of 64 keys, is latency-bound by construction, so
+``"auto"`` reads buckets there; no accelerator has measured buckets or the
+Pallas kernel yet (``benchmarks/device.py`` measures both), so
+``"auto"`` does not pick the kernel.
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -56,15 +64,16 @@ not positions, so it is wrong once a ring wraps, it cannot express sinks,
 returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity.
 
-Gradients: append-mode attention through the native kernel and float paged
-attention (native paged kernel or page loop) have a ``jax.custom_vjp`` (on
-CPU a flash-attention backward in pure JAX, blockwise like the forward; a
-paged one scatter-adds into the pages; on GPU and TPU the VJP of the
+Gradients: append-mode attention through the native kernel or the Pallas
+kernel and float paged attention (native paged kernel, page loop or Pallas
+kernel) have a ``jax.custom_vjp`` (on CPU a flash-attention backward in pure
+JAX, blockwise like the forward; a paged one scatter-adds into the pages; on
+GPU and TPU, and for the dense Pallas kernel everywhere, the VJP of the
 bucketed pass, recomputed), so ``jax.grad`` works under ``jit`` with traced
 lengths; forward-mode ``jax.jvp`` of them does not, nor do quantized views
-have gradients.  ``"bucketed"`` itself is differentiable as it stands
-(its chunks recompute their scores rather than keep them).  Measurements
-and what was tried are in ``benchmarks/NOTES.md``.
+have gradients.  ``"bucketed"`` itself is differentiable as it stands (its
+chunks recompute their scores rather than keep them).  Measurements and what
+was tried are in ``benchmarks/NOTES.md``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -180,7 +189,9 @@ def attend(
         available; CPU only); ``"loop"``: the pure-JAX blockwise loop;
         ``"bucketed"``: one fused dense pass over the valid prefix rounded
         up to a power of two, picked by ``lax.switch`` (a handful of
-        kernels; in chunks past :data:`BUCKET_SCORE_BYTES` of scores).
+        kernels; in chunks past :data:`BUCKET_SCORE_BYTES` of scores);
+        ``"pallas"``: the split-K Pallas kernel (GPU; interpreted on CPU;
+        buckets on TPU and for views it does not take, as above).
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
@@ -222,8 +233,8 @@ def attend_with_lse(
       scale: score scale, default ``1 / sqrt(head_dim)``.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions.
-      implementation: ``"auto"``, ``"native"``, ``"loop"`` or
-        ``"bucketed"``, as for :func:`attend`.
+      implementation: ``"auto"``, ``"native"``, ``"loop"``,
+        ``"bucketed"`` or ``"pallas"``, as for :func:`attend`.
 
     Returns:
       ``(out, lse)``: ``out`` is ``Float[Array, "batch T q_heads head_dim"]``
