@@ -412,7 +412,7 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
                              interpret=interpret)
 
     bucketed = functools.partial(_paged_bucketed, causal=causal, scale=scale, relative=relative, page_size=page_size)
-    takes = reader == "pallas" and _attention_pallas.takes(k_pages, page_size, quantized=False)
+    takes = reader == "pallas" and _attention_pallas.takes(k_pages, page_size)
     return _by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
                         native=kernel if reader == "native" else None, pallas=pallas if takes else None)
 
@@ -621,22 +621,25 @@ def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool,
 
 
 def _pallas_append(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool, scale: float,
-                   interpret: bool) -> tuple[Array, Array]:
-    """A head-major float cache ``[B, kv_heads, C, D]`` read by the Pallas split-K kernel (``_attention_pallas``;
-    compiled for GPU, or ``interpret``-ed)."""
+                   interpret: bool, k_scale: Array | None = None, v_scale: Array | None = None
+                   ) -> tuple[Array, Array]:
+    """A head-major cache ``[B, kv_heads, C, D]`` (and a quantized one's row scales) read by the Pallas split-K
+    kernel (``_attention_pallas``; compiled for GPU, or ``interpret``-ed)."""
     kv_heads, capacity = k.shape[1], k.shape[2]
     last = _last_visible(jnp.minimum(lengths, capacity), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
     state = _attention_pallas.append_state(_to_rows(q, kv_heads), q.dtype, last, k, v, scale=scale,
-                                           interpret=interpret)
+                                           interpret=interpret, k_scale=k_scale, v_scale=v_scale)
     return _finish(q, state)
 
 
 def _pallas_paged(q: Array, view: PagedView, q_positions: Array, *, causal: bool, scale: float,
                   interpret: bool) -> tuple[Array, Array]:
-    """A float paged view read through its page table by the Pallas split-K kernel."""
+    """A paged view (float, or quantized with its scale pages) read through its page table by the Pallas
+    split-K kernel."""
     kv_heads = view.k_pages.shape[2]
     held = view.page_table.shape[1] * view.page_size
     last = _last_visible(jnp.minimum(view.lengths, held), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
     state = _attention_pallas.paged_state(_to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
-                                          view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret)
+                                          view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret,
+                                          k_scale_pages=view.k_scale, v_scale_pages=view.v_scale)
     return _finish(q, state)

@@ -14,6 +14,8 @@ Dots sum in float32.  A 16-bit float cache's keys and values meet float32
 operands (queries of another dtype, softmax weights) as two parts of the
 cache's dtype, the nearest one and the rest, so every product is exact as
 in the bucketed pass; a float32 cache's dots are IEEE float32, not TF32.
+An int8 or fp8 cache's blocks are widened to bfloat16 (exactly) and read
+the same way, its row scales multiplying the scores and the weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -42,6 +45,7 @@ PROGRAMS = 256
 shares."""
 
 _SMALLEST = 16  # Triton's smallest dot side
+_FIRST = np.int32(0)  # a row scale's one column (an index Pallas' interpreter takes beside dynamic ones)
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -57,13 +61,17 @@ def _block_keys(extent: int) -> int:
     return block if block >= _SMALLEST else 0
 
 
-def takes(k: Array, extent: int, quantized: bool) -> bool:
-    """Whether the kernel reads a cache or pool of ``k``'s dtype and head dim with keys in runs of ``extent``
-    (the capacity, or the page size): float caches, a power-of-two head dim of at least 16, runs a multiple of 16."""
+def takes(k: Array, extent: int) -> bool:
+    """Whether the kernel reads a cache or pool of ``k``'s head dim with keys in runs of ``extent`` (the capacity,
+    or the page size): a power-of-two head dim of at least 16, runs a multiple of 16 (any float, int8 or fp8
+    cache)."""
     dim = k.shape[-1]
-    floating = jnp.issubdtype(k.dtype, jnp.floating) and k.dtype.itemsize >= 2
-    return (not quantized and floating and dim >= _SMALLEST and dim == _power_of_two_at_least(dim)
-            and _block_keys(extent) > 0)
+    return dim >= _SMALLEST and dim == _power_of_two_at_least(dim) and _block_keys(extent) > 0
+
+
+def _read_dtype(dtype: Any) -> Any:
+    """The dtype the dots read a cache's values in: a float cache's own, bfloat16 for int8 and fp8 (exactly)."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize > 1 else jnp.dtype(jnp.bfloat16)
 
 
 def _product(a: Array, b: Array, contract_b: int) -> Array:
@@ -79,7 +87,7 @@ def _split_product(a: Array, b: Array, contract_b: int) -> Array:
 
 
 def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tiles: int, scale: float,
-            load: Callable[..., tuple[Array, Array]], wide_queries: bool) -> None:
+            load: Callable[..., tuple[Array, ...]], wide_queries: bool) -> None:
     """One program: batch row ``program_id(0)``, kv head ``program_id(1)``, share and row tile ``program_id(2)``."""
     *inputs, acc_ref, top_ref, total_ref = refs
     row, head, share = pl.program_id(0), pl.program_id(1), pl.program_id(2) // tiles
@@ -95,17 +103,21 @@ def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tile
         top, total, acc = state
         start = i * block
         position = start + offsets
-        k, v = load(inputs, row, head, start, position < keys)
+        k, v, *row_scales = load(inputs, row, head, start, position < keys)
+        k, v = k.astype(_read_dtype(k.dtype)), v.astype(_read_dtype(v.dtype))
         sixteen = k.dtype in _SIXTEEN_BIT
         product = _split_product if sixteen and wide_queries else _product
         scores = product(queries.astype(k.dtype) if not wide_queries else queries, k, 1) * scale
+        if row_scales:  # a quantized cache's row scales, on the scores and the weights (not on head_dim values)
+            scores = scores * row_scales[0][None, :]
         scores = jnp.where(position[None, :] <= last[:, None], scores, -jnp.inf)
         new_top = jnp.maximum(top, jnp.max(scores, axis=1))
         # Rows that have seen nothing keep top = -inf; subtract 0 there (exp(-inf) = 0, not NaN).
         safe_top = jnp.where(new_top == -jnp.inf, 0.0, new_top)
         weights = jnp.exp(scores - safe_top[:, None])
         decay = jnp.exp(top - safe_top)
-        summed = _split_product(weights, v, 0) if sixteen else _product(weights, v, 0)
+        scaled = weights * row_scales[1][None, :] if row_scales else weights
+        summed = _split_product(scaled, v, 0) if sixteen else _product(scaled, v, 0)
         return new_top, decay * total + jnp.sum(weights, axis=1), decay[:, None] * acc + summed
 
     rows, dim = queries.shape
@@ -116,34 +128,44 @@ def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tile
     total_ref[...] = total
 
 
+def _zero(ref: Any) -> float | int:
+    """What a masked load gives: 0 of the ref's kind (Triton casts a float 0 to fp8, not an integer one)."""
+    return 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+
+
 def _load_append(inputs: Any, row: Array, head: Array, start: Array, inside: Array, *, block: int
-                 ) -> tuple[Array, Array]:
-    """Keys and values ``[start, start + block)`` of one row and head of a head-major cache (zeros past the keys
-    read, never loaded)."""
-    k_ref, v_ref = inputs
-    return tuple(plgpu.load(ref.at[row, head, pl.ds(start, block), :], mask=inside[:, None], other=0)
-                 for ref in (k_ref, v_ref))
+                 ) -> tuple[Array, ...]:
+    """Keys and values ``[start, start + block)`` of one row and head of a head-major cache, and a quantized
+    cache's row scales ``[block]`` (zeros past the keys read, never loaded)."""
+    k_ref, v_ref, *scale_refs = inputs
+    values = [plgpu.load(ref.at[row, head, pl.ds(start, block), :], mask=inside[:, None], other=_zero(ref))
+              for ref in (k_ref, v_ref)]
+    return (*values, *(plgpu.load(ref.at[row, head, pl.ds(start, block), _FIRST], mask=inside, other=0)
+                       for ref in scale_refs))
 
 
 def _load_paged(inputs: Any, row: Array, head: Array, start: Array, inside: Array, *, block: int,
-                page_size: int) -> tuple[Array, Array]:
+                page_size: int) -> tuple[Array, ...]:
     """The same through the page table: a block lies inside one page (``block`` divides the page size)."""
-    table_ref, k_ref, v_ref = inputs
+    table_ref, k_ref, v_ref, *scale_refs = inputs
     page = table_ref[row, start // page_size]
     within = start % page_size
-    return tuple(plgpu.load(ref.at[page, pl.ds(within, block), head, :], mask=inside[:, None], other=0)
-                 for ref in (k_ref, v_ref))
+    values = [plgpu.load(ref.at[page, pl.ds(within, block), head, :], mask=inside[:, None], other=_zero(ref))
+              for ref in (k_ref, v_ref)]
+    return (*values, *(plgpu.load(ref.at[page, pl.ds(within, block), head, _FIRST], mask=inside, other=0)
+                       for ref in scale_refs))
 
 
-def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], *, extent: int, scale: float,
-            load: Callable[..., tuple[Array, Array]], block: int, interpret: bool) -> tuple[Array, Array, Array]:
+def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cache_dtype: Any, *, extent: int,
+            scale: float, load: Callable[..., tuple[Array, ...]], block: int, interpret: bool
+            ) -> tuple[Array, Array, Array]:
     """Runs the kernel over ``caches`` (read whole by ``load``) and merges its shares into one online-softmax
     state ``(top, total, acc)`` of ``qh``'s rows."""
     B, kv_heads, M, D = qh.shape
     tile = min(ROW_TILE, max(_SMALLEST, _power_of_two_at_least(M)))
     tiles = -(-M // tile)
     padded = tiles * tile
-    dtype = caches[-1].dtype
+    dtype = _read_dtype(cache_dtype)
     wide_queries = not (dtype in _SIXTEEN_BIT and jnp.dtype(q_dtype) == dtype)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - M), (0, 0)))
     last = jnp.pad(last, ((0, 0), (0, padded - M)), constant_values=-1)  # padding rows see nothing
@@ -177,21 +199,26 @@ def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], *, 
     return top_all[:, :, :M], total[:, :, :M], acc[:, :, :M]
 
 
-def append_state(qh: Array, q_dtype: Any, last: Array, k: Array, v: Array, *, scale: float,
-                 interpret: bool) -> tuple[Array, Array, Array]:
+def append_state(qh: Array, q_dtype: Any, last: Array, k: Array, v: Array, *, scale: float, interpret: bool,
+                 k_scale: Array | None = None, v_scale: Array | None = None) -> tuple[Array, Array, Array]:
     """The online-softmax state of query rows ``qh`` (``[B, kv_heads, M, D]`` float32, from queries of
-    ``q_dtype``) over a head-major float cache ``[B, kv_heads, C, D]``; ``last``: ``Int[Array, "B M"]`` the last
-    key each row sees (-1: none; at most ``C - 1``).  See :func:`takes`."""
+    ``q_dtype``) over a head-major cache ``[B, kv_heads, C, D]``; ``last``: ``Int[Array, "B M"]`` the last
+    key each row sees (-1: none; at most ``C - 1``); a quantized cache's row scales ``[B, kv_heads, C, 1]``.
+    See :func:`takes`."""
     block = _block_keys(k.shape[2])
-    return _decode(qh, q_dtype, last, (k, v), extent=k.shape[2], scale=scale,
+    scales = () if k_scale is None else (k_scale, v_scale)
+    return _decode(qh, q_dtype, last, (k, v, *scales), v.dtype, extent=k.shape[2], scale=scale,
                    load=functools.partial(_load_append, block=block), block=block, interpret=interpret)
 
 
 def paged_state(qh: Array, q_dtype: Any, last: Array, table: Array, k_pages: Array, v_pages: Array, *,
-                page_size: int, scale: float, interpret: bool) -> tuple[Array, Array, Array]:
-    """:func:`append_state` over float pages ``[pages, page_size, kv_heads, D]`` through the page table
-    ``[B, pages per row]`` (``last`` at most the keys the table holds, less one)."""
+                page_size: int, scale: float, interpret: bool, k_scale_pages: Array | None = None,
+                v_scale_pages: Array | None = None) -> tuple[Array, Array, Array]:
+    """:func:`append_state` over pages ``[pages, page_size, kv_heads, D]`` (and scale pages
+    ``[pages, page_size, kv_heads, 1]``) through the page table ``[B, pages per row]`` (``last`` at most the keys
+    the table holds, less one)."""
     block = _block_keys(page_size)
     load = functools.partial(_load_paged, block=block, page_size=page_size)
-    return _decode(qh, q_dtype, last, (table.astype(jnp.int32), k_pages, v_pages),
+    scales = () if k_scale_pages is None else (k_scale_pages, v_scale_pages)
+    return _decode(qh, q_dtype, last, (table.astype(jnp.int32), k_pages, v_pages, *scales), v_pages.dtype,
                    extent=table.shape[1] * page_size, scale=scale, load=load, block=block, interpret=interpret)

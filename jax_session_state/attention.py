@@ -41,9 +41,10 @@ that fit, a loop of static length) or ``"pallas"`` (split-K flash
 decoding in one Pallas kernel: each program reads one kv head of one row
 over its share of the blocks up to that row's valid length, through the
 page table for a paged view, and the shares merge by log-sum-exp; compiled
-through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float
-caches with a power-of-two head dim of at least 16 and a capacity or page
-size a multiple of 16; other views, and TPU, read buckets);
+through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float,
+int8 and fp8 caches with a power-of-two head dim of at least 16 and a
+capacity or page size a multiple of 16; other views, and TPU, read
+buckets);
 :data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is the keys per
 block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
 ``"bucketed"`` compiles a pass for.  Off CPU the loop, a dozen small
@@ -113,6 +114,8 @@ from jax_session_state._attention_blocks import (
     _online_update,
     _paged_attention,
     _paged_blockwise,
+    _pallas_append,
+    _pallas_paged,
     _read_blocks,
     _relative_offsets,
     _scores,
@@ -378,10 +381,16 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
     def bucketed(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict) -> tuple[Array, Array]:
         return _bucketed_append(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
 
+    def pallas(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict, *,
+               interpret: bool) -> tuple[Array, Array]:
+        return _pallas_append(q, k, v, lengths, positions, causal=causal, scale=scale, interpret=interpret, **scales)
+
     positions = _default_positions(q, view.lengths, q_positions)
-    if implementation == "pallas" and _attention_pallas.takes(view.k, view.k.shape[2], view.quantized):
+    takes = implementation == "pallas" and _attention_pallas.takes(view.k, view.k.shape[2])
+    if takes and not view.quantized:  # float caches have gradients: through a VJP the kernel lacks
         return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, scale)
-    return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales)
+    return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales,
+                        pallas=pallas if takes else None)
 
 
 def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None,
@@ -405,9 +414,11 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
         if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)
+        takes = implementation == "pallas" and _attention_pallas.takes(view.k_pages, view.page_size)
         return _by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
                             functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
-                            _default_positions(q, view.lengths, q_positions))
+                            _default_positions(q, view.lengths, q_positions),
+                            pallas=functools.partial(_pallas_paged, causal=causal, scale=scale) if takes else None)
     native = _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads)
     relative = native and q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)

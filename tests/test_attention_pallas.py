@@ -4,9 +4,9 @@ On GPU the kernel compiles through Triton (one custom call, no XLA loop);
 on CPU the same kernel body runs interpreted, so every check against the
 float64 reference below exercises the code a GPU compiles: its shares of
 the valid blocks, its masked loads, the page table and the log-sum-exp
-merge.  Where the kernel does not take a view (quantized, head dim not a
-power of two of at least 16, runs of keys not a multiple of 16) and on TPU,
-``"pallas"`` reads buckets.
+merge, an int8 or fp8 cache's row scales.  Where the kernel does not take a
+view (head dim not a power of two of at least 16, runs of keys not a
+multiple of 16) and on TPU, ``"pallas"`` reads buckets.
 """
 
 import functools
@@ -55,19 +55,25 @@ def check_16_bit(out, lse, ref_out, ref_lse):
     assert error <= 2.0**-8 * np.max(np.abs(ref_out))  # half an ulp of bfloat16 at the largest
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+CACHES = {"f32": dict(), "bf16": dict(dtype=jnp.bfloat16), "f16": dict(dtype=jnp.float16),
+          "int8": dict(quantize="int8"), "fp8": dict(quantize="fp8")}
+
+
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("shares", ["many", "one"])
-def test_pallas_matches_float64(dtype, paged, shares, monkeypatch):
+def test_pallas_matches_float64(cache, paged, shares, monkeypatch):
     """Ragged rows (full, partial, empty), T = 1 and T = 5 (causal or not), GQA 4 and queries of float32 or of the
-    cache's dtype; ``shares="one"``: one program walks all of a row's blocks, with 20 query rows in two tiles."""
+    dtype the dots read the cache in (its own, bfloat16 for int8 and fp8, whose row scales go on the scores and
+    weights); ``shares="one"``: one program walks all of a row's blocks, with 20 query rows in two tiles."""
     if shares == "one":
         monkeypatch.setattr(_attention_pallas, "PROGRAMS", 1)
         monkeypatch.setattr(_attention_pallas, "ROW_TILE", 16)
     rng = np.random.default_rng(0)
-    dense, paged_cache = caches(rng, dim=DIM, dtype=dtype, lengths=[448, 301, 0])
+    dense, paged_cache = caches(rng, dim=DIM, lengths=[448, 301, 0], **CACHES[cache])
     view = paged_cache.view() if paged else dense.view()
-    for T, causal, q_dtype in ((1, True, jnp.float32), (5, False, jnp.float32), (5, True, dtype)):
+    narrow = CACHES[cache].get("dtype", jnp.bfloat16 if "quantize" in CACHES[cache] else jnp.float32)
+    for T, causal, q_dtype in ((1, True, jnp.float32), (5, False, jnp.float32), (5, True, narrow)):
         q = jnp.asarray(3 * randn(rng, 3, T, 8, DIM), q_dtype)
         out, lse = jax.jit(functools.partial(pallas_attend, causal=causal))(q, view)
         ref = float64_reference(np.asarray(q, np.float64), dense.view(), causal=causal)
@@ -190,8 +196,10 @@ def test_grad_through_paged_pallas_matches_the_page_loop():
 VIEWS = {
     "dense float32": dict(),
     "dense bfloat16": dict(dtype=jnp.bfloat16),
+    "dense int8": dict(quantize="int8"),
     "paged float32": dict(paged=True),
     "paged bfloat16": dict(paged=True, dtype=jnp.bfloat16),
+    "paged fp8": dict(paged=True, quantize="fp8"),
 }
 
 
@@ -206,15 +214,16 @@ def test_pallas_lowers_to_one_triton_call_for_gpu_and_buckets_for_tpu(kind):
     assert cuda.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" not in cuda
     tpu = lowered(pallas_attend, "tpu", q, view)
     assert "custom_call" not in tpu and "stablehlo.case" in tpu and "stablehlo.while" not in tpu
-    grad = lowered(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()), "cuda",
-                   q.astype(jnp.float32), view)
-    assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP
+    if "quantize" not in options:  # quantized views have no gradients
+        grad = lowered(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()), "cuda",
+                       q.astype(jnp.float32), view)
+        assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP
 
 
-@pytest.mark.parametrize("declined", ["int8 cache", "head dim 8", "capacity 40", "pages of 8"])
+@pytest.mark.parametrize("declined", ["head dim 8", "head dim 24", "capacity 40", "pages of 8"])
 def test_pallas_reads_buckets_where_the_kernel_does_not_take_the_view(declined):
     rng = np.random.default_rng(9)
-    options = {"int8 cache": dict(dim=DIM, quantize="int8"), "head dim 8": dict(dim=8),
+    options = {"head dim 8": dict(dim=8), "head dim 24": dict(dim=24),
                "capacity 40": dict(dim=DIM, capacity=40, lengths=[40, 3, 0]),
                "pages of 8": dict(dim=DIM, page_size=8)}[declined]
     dense, paged_cache = caches(rng, **options)
