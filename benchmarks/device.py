@@ -30,13 +30,19 @@ on, cases past ``--budget`` seconds are recorded as not measured, and the
 JSON is rewritten after every case, so a run killed from outside still
 leaves its finished rows.
 
-Run:  python -m benchmarks.device [--tiny] [--budget SECONDS] [--out PATH]
+``--sweep`` measures only ``"pallas"`` at the bars' case, T = 1 and 16,
+for each setting of the kernel's block size, programs and pipeline stages
+(``SWEEP``: 12 compiles, about a minute), so the run after it can keep the
+fastest.
+
+Run:  python -m benchmarks.device [--tiny] [--sweep] [--budget SECONDS] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -184,6 +190,54 @@ def attention_rows(*, batches: list[int], valids: list[int], capacity: int, call
     return rows
 
 
+SWEEP = {"BLOCK_KEYS": (32, 64, 128), "PROGRAMS": (256, 1024), "STAGES": (2, 3)}
+"""The Pallas kernel's settings ``--sweep`` tries (module constants of ``jax_session_state._attention_pallas``)."""
+
+
+def sweep_rows(*, batch: int, valid: int, capacity: int, calls: int, peak: float | None,
+               deadline: float = float("inf"), on_rows: Callable[[list[dict]], None] = lambda rows: None
+               ) -> list[dict]:
+    """``"pallas"`` at one case (T = 1 and T = 16) for every combination of :data:`SWEEP`'s settings, a fresh
+    compile each; a setting that fails, or comes after ``deadline``, gets a row saying why; ``on_rows`` sees the
+    rows so far after each."""
+    from jax_session_state import _attention_pallas as kernel
+
+    rows, key = [], jax.random.key(0)
+    view = _view(batch, capacity, valid, key)
+    moved = 2 * batch * KV_HEADS * valid * HEAD_DIM * 2
+    defaults = {name: getattr(kernel, name) for name in SWEEP}
+    try:
+        for T in (1, 16):
+            q = jax.random.normal(key, (batch, T, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+            expected = np.asarray(jss.attend(q, view, implementation="bucketed"), np.float32)
+            for values in itertools.product(*SWEEP.values()):
+                settings = dict(zip(SWEEP, values))
+                measure = f"pallas T={T} batch {batch} valid {valid}: " + " ".join(
+                    f"{name.lower()} {value}" for name, value in settings.items())
+                if time.perf_counter() > deadline:
+                    rows.append({"measure": measure, "not measured": "past the time budget"})
+                    on_rows(rows)
+                    continue
+                for name, value in settings.items():
+                    setattr(kernel, name, value)
+                fn = jax.jit(functools.partial(jss.attend, implementation="pallas"))  # traced with these settings
+                try:
+                    error = float(np.max(np.abs(np.asarray(fn(q, view), np.float32) - expected)))
+                    seconds = _seconds(fn, q, view, calls=calls)
+                except Exception as failure:  # a setting Triton refuses (shared memory): recorded, not fatal
+                    rows.append({"measure": measure, "not measured": _failure(failure)})
+                    on_rows(rows)
+                    continue
+                rate = moved / seconds
+                rows.append({"measure": measure, "us": seconds * 1e6, "GB/s": rate / 1e9,
+                             "of peak": rate / peak if peak else None, "max abs error": error})
+                on_rows(rows)
+    finally:
+        for name, value in defaults.items():
+            setattr(kernel, name, value)
+    return rows
+
+
 def world_model_rows(*, prefix: int, frames: int, calls: int) -> list[dict]:
     """The library's world-model rollout against the same rollout on raw arrays (per frame)."""
     from benchmarks import _rollout_baselines as baselines
@@ -208,24 +262,29 @@ def world_model_rows(*, prefix: int, frames: int, calls: int) -> list[dict]:
              "bar": f"≤ {BARS['library_over_raw']}", "holds": ratio <= BARS["library_over_raw"]}]
 
 
-def partial_writer(out: Path) -> Callable[[list[dict]], None]:
+def partial_writer(out: Path, name: str = "device") -> Callable[[list[dict]], None]:
     """Writes the rows so far to ``out`` as JSON marked ``"partial"``: what a run killed from outside leaves."""
     start, device_kind = time.perf_counter(), jax.devices()[0].device_kind
 
     def write(rows: list[dict]) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"benchmark": "device", "rows": rows, "partial": True, "device_kind": device_kind,
+        out.write_text(json.dumps({"benchmark": name, "rows": rows, "partial": True, "device_kind": device_kind,
                                    "seconds": time.perf_counter() - start}, indent=2, default=str))
 
     return write
 
 
-def run(*, tiny: bool, budget: float = BUDGET_S, on_rows: Callable[[list[dict]], None] = lambda rows: None
-        ) -> list[dict]:
-    """Every row; attention cases past ``budget`` seconds are recorded as not measured."""
+def run(*, tiny: bool, budget: float = BUDGET_S, sweep: bool = False,
+        on_rows: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every row; attention cases past ``budget`` seconds are recorded as not measured.  With ``sweep`` only
+    :func:`sweep_rows`, at the bars' case (``tiny``: batch 2, 1024 valid)."""
     deadline = time.perf_counter() + budget
     device = jax.devices()[0]
     peak = PEAK_HBM.get(device.device_kind)
+    if sweep:
+        batch, valid, _ = (2, 1024, 1) if tiny else BAR_CASE
+        return sweep_rows(batch=batch, valid=valid, capacity=1024 if tiny else 131072, calls=2 if tiny else 5,
+                          peak=peak, deadline=deadline, on_rows=on_rows)
     copy = copy_bandwidth(1 << 24 if tiny else 1 << 30)
     print(f"device: {device.device_kind} ({jax.default_backend()}); peak HBM "
           f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; copy {copy / 1e9:.0f} GB/s (r+w)")
@@ -246,15 +305,17 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="small sizes: a smoke run, on CPU too")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds after which attention cases are recorded as not measured")
+    p.add_argument("--sweep", action="store_true",
+                   help="only the Pallas kernel's settings at the bars' case (its own JSON, device_sweep.json)")
     p.add_argument("--out", type=Path, default=None, help="where to write the JSON results")
     args = p.parse_args()
-    out = args.out or RESULTS / "device.json"
+    name = "device_sweep" if args.sweep else "device"
+    out = args.out or RESULTS / f"{name}.json"
     start = time.perf_counter()
-    rows = run(tiny=args.tiny, budget=args.budget, on_rows=partial_writer(out))
+    rows = run(tiny=args.tiny, budget=args.budget, sweep=args.sweep, on_rows=partial_writer(out, name))
     columns = ["measure", "us", "GB/s", "of peak", "of copy", "over dot_product_attention", "over raw", "bar",
                "holds", "not measured"]
-    report("device", rows, columns, out, seconds=time.perf_counter() - start,
-           device_kind=jax.devices()[0].device_kind)
+    report(name, rows, columns, out, seconds=time.perf_counter() - start, device_kind=jax.devices()[0].device_kind)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ from jax.experimental.pallas import triton as plgpu
 _F32 = jnp.float32
 _SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
+# The kernel's settings below are first guesses, not measurements (no GPU has run it yet);
+# ``python -m benchmarks.device --sweep`` measures the alternatives at the bars' case.
+
 BLOCK_KEYS = 64
 """The most keys a program reads per step (fewer where the capacity or the page size asks)."""
 
@@ -43,6 +46,9 @@ ROW_TILE = 64
 PROGRAMS = 256
 """Programs a call aims for, about two per streaming multiprocessor of a large GPU: short rows split into more
 shares."""
+
+WARPS, STAGES = 4, 2
+"""Triton's warps per program and software-pipeline stages of the block loop."""
 
 _SMALLEST = 16  # Triton's smallest dot side
 _FIRST = np.int32(0)  # a row scale's one column (an index Pallas' interpreter takes beside dynamic ones)
@@ -187,7 +193,7 @@ def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cac
         out_shape=[jax.ShapeDtypeStruct((B, kv_heads, splits, padded, D), _F32),
                    jax.ShapeDtypeStruct((B, kv_heads, splits, padded), _F32),
                    jax.ShapeDtypeStruct((B, kv_heads, splits, padded), _F32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
         interpret=interpret,
         name="jss_decode_attention",
     )(qh if wide_queries else qh.astype(dtype), last, *caches)
