@@ -13,7 +13,6 @@ under ``vmap`` and under ``jax.grad``.
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +21,19 @@ import pytest
 import jax_session_state as jss
 from jax_session_state import _attention_blocks
 from tests.support.attention_reference import (
+    VIEWS,
     assert_close,
+    assert_close_16_bit,
     assert_directional_derivatives,
     caches,
+    check_compiles_once,
+    check_grad,
     float64_reference,
     lowered,
+    pooled_attend,
     randn,
     reference,
+    view_of,
 )
 
 ACCELERATORS = ["cuda", "tpu"]
@@ -41,24 +46,11 @@ def shrink_score_budget(monkeypatch, q, kv_heads, keys=_attention_blocks.SMALLES
     monkeypatch.setattr(_attention_blocks, "BUCKET_SCORE_BYTES", keys * score_rows * 4)
 
 
-VIEWS = {
-    "dense float32": dict(),
-    "dense bfloat16": dict(dtype=jnp.bfloat16),
-    "dense int8": dict(quantize="int8"),
-    "paged float32": dict(paged=True),
-    "paged bfloat16": dict(paged=True, dtype=jnp.bfloat16),
-    "paged int8": dict(paged=True, quantize="int8"),
-}
-
-
 @pytest.mark.parametrize("platform", ACCELERATORS)
 @pytest.mark.parametrize("kind", VIEWS)
 def test_auto_reads_one_bucketed_pass_off_cpu(kind, platform):
-    options = dict(VIEWS[kind])
-    paged = options.pop("paged", False)
-    dense, paged_cache = caches(np.random.default_rng(0), **options)
-    view = paged_cache.view() if paged else dense.view()
-    q = jnp.ones((3, 1, 4, 8), options.get("dtype", jnp.float32))
+    view, _, dtype = view_of(kind, np.random.default_rng(0))
+    q = jnp.ones((3, 1, 4, 8), dtype)
     text = lowered(jss.attend, platform, q, view)
     assert "stablehlo.while" not in text and "stablehlo.case" in text and "custom_call" not in text
     assert "stablehlo.while" in lowered(functools.partial(jss.attend, implementation="loop"), platform, q, view)
@@ -126,25 +118,17 @@ def test_branch_lanes_read_their_shared_prefix_in_buckets_off_cpu(platform):
 def test_long_buckets_read_in_chunks_match_float64(kind, monkeypatch):
     """Buckets past the score budget are read in chunks: 448 keys (not a power of two) in chunks of 256, the last
     moved back inside the cache, pages of 16 keys or of 100 (chunks of 200)."""
-    options = dict(VIEWS[kind])
-    paged = options.pop("paged", False)
     rng = np.random.default_rng(2)
-    for page_size in (16, 100) if paged else (1,):
-        dense, paged_cache = caches(rng, page_size=page_size, lengths=[448, 300, 0], **options)
-        view = paged_cache.view() if paged else dense.view()
+    for page_size in (16, 100) if kind.startswith("paged") else (1,):
+        view, dense, dtype = view_of(kind, rng, page_size=page_size, lengths=[448, 300, 0])
         for T, causal in ((1, True), (3, False)):
-            q = jnp.asarray(3 * randn(rng, 3, T, 4, 8), options.get("dtype", jnp.float32))
+            q = jnp.asarray(3 * randn(rng, 3, T, 4, 8), dtype)
             shrink_score_budget(monkeypatch, q, kv_heads=2)
             attend = jax.jit(functools.partial(jss.attend_with_lse, implementation="bucketed", causal=causal))
             assert "stablehlo.while" in attend.lower(q, view).as_text()  # the long buckets loop over chunks
             out, lse = attend(q, view)
-            ref_out, ref_lse = float64_reference(np.asarray(q, np.float64), dense.view(), causal=causal)
-            if q.dtype == jnp.float32:
-                assert_close(out, lse, ref_out, ref_lse)
-            else:  # exact scores summed in float32 (lse to float32 accuracy); the output rounded to q's dtype
-                assert_close(ref_out, lse, ref_out, ref_lse)
-                error = np.max(np.abs(np.asarray(out, np.float64) - ref_out))
-                assert 0 < error <= 2.0**-8 * np.max(np.abs(ref_out))  # half an ulp of bfloat16 at the largest
+            ref = float64_reference(np.asarray(q, np.float64), dense, causal=causal)
+            (assert_close if q.dtype == jnp.float32 else assert_close_16_bit)(out, lse, *ref)
 
 
 def test_chunked_buckets_compile_once_for_every_length(monkeypatch):
@@ -152,12 +136,7 @@ def test_chunked_buckets_compile_once_for_every_length(monkeypatch):
     q = jnp.asarray(randn(rng, 1, 1, 2, 8))
     shrink_score_budget(monkeypatch, q, kv_heads=2)
     k, v = randn(rng, 1, 2, 2000, 8), randn(rng, 1, 2, 2000, 8)
-    attend = jax.jit(chex.assert_max_traces(lambda q, view: jss.attend(q, view, implementation="bucketed"), n=1))
-    for length in (0, 5, 256, 257, 1500, 2000):
-        view = jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([length], jnp.int32),
-                          positions=None)
-        positions = np.where(np.arange(2000) < length, np.arange(2000), -1)[None]
-        np.testing.assert_allclose(attend(q, view), reference(q, k, v, [length], positions)[0], atol=1e-5)
+    check_compiles_once("bucketed", q, k, v, (0, 5, 256, 257, 1500, 2000))
 
 
 @pytest.mark.parametrize("ragged", [True, False])
@@ -169,35 +148,15 @@ def test_bucketed_under_vmap_over_caches_matches_float64(ragged):
     k, v = randn(rng, 4, 2, 2, 1024, 8), randn(rng, 4, 2, 2, 1024, 8)
     q = randn(rng, 4, 2, 3, 4, 8)
     positions = np.where(np.arange(1024) < lengths[..., None], np.arange(1024), -1)
-
-    @jax.jit
-    @jax.vmap
-    def pooled(q, k, v, n, p):
-        return jss.attend_with_lse(q, jss.KVView(k=k, v=v, lengths=n, positions=p), implementation="bucketed")
-
-    out, lse = pooled(q, k, v, lengths, positions)
+    out, lse = jax.jit(pooled_attend("bucketed"))(q, k, v, lengths, positions)
     for slot in range(4):
         assert_close(out[slot], lse[slot], *reference(q[slot], k[slot], v[slot], lengths[slot], positions[slot]))
 
 
 def test_grad_through_chunked_buckets_matches_float64_finite_differences(monkeypatch):
     """``jax.grad`` through ``"bucketed"`` with its long buckets in chunks (a loop of static length)."""
-    rng = np.random.default_rng(5)
-    lengths = np.array([600, 130], np.int32)
-    k, v, q = randn(rng, 2, 2, 640, 8), randn(rng, 2, 2, 640, 8), randn(rng, 2, 3, 4, 8)
-    positions = np.where(np.arange(640) < lengths[:, None], np.arange(640), -1)
-    shrink_score_budget(monkeypatch, q, kv_heads=2)
-
-    def loss(q, k, v):
-        view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions))
-        return jnp.sum(jnp.sin(jss.attend(q, view, implementation="bucketed")))
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-    def reference_loss(x):
-        return np.sum(np.sin(reference(x[0], x[1], x[2], lengths, positions)[0]))
-
-    assert_directional_derivatives(grads, [q, k, v], reference_loss, rng)
+    shrink_score_budget(monkeypatch, jnp.zeros((2, 3, 4, 8)), kv_heads=2)  # the queries check_grad makes
+    check_grad("bucketed", np.random.default_rng(5), dim=8)
 
 
 def test_bucketed_paged_views_under_vmap_match_float64():

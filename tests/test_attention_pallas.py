@@ -11,7 +11,6 @@ multiple of 16) and on TPU, ``"pallas"`` reads buckets.
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +19,18 @@ import pytest
 import jax_session_state as jss
 from jax_session_state import _attention_pallas
 from tests.support.attention_reference import (
+    VIEWS,
     assert_close,
-    assert_directional_derivatives,
+    assert_close_16_bit,
     caches,
+    check_compiles_once,
+    check_grad,
     float64_reference,
     lowered,
+    pooled_attend,
     randn,
     reference,
+    view_of,
 )
 
 DIM = 16
@@ -46,13 +50,6 @@ def interleaved_paged(rng, *, dtype=jnp.float32, page_size=16, lengths=(300, 90,
     k, v = (jnp.asarray(randn(rng, 3, 40, 2, DIM), dtype) for _ in range(2))
     view = cache.append(jss.KVChunk(k, v, jnp.asarray([0, 30, 40], jnp.int32))).view()
     return view, view.to_dense()
-
-
-def check_16_bit(out, lse, ref_out, ref_lse):
-    """Exact products summed in float32 (lse to float32 accuracy); the output rounded to the queries' 16-bit dtype."""
-    assert_close(ref_out, lse, ref_out, ref_lse)
-    error = np.max(np.abs(np.asarray(out, np.float64) - ref_out))
-    assert error <= 2.0**-8 * np.max(np.abs(ref_out))  # half an ulp of bfloat16 at the largest
 
 
 CACHES = {"f32": dict(), "bf16": dict(dtype=jnp.bfloat16), "f16": dict(dtype=jnp.float16),
@@ -77,7 +74,7 @@ def test_pallas_matches_float64(cache, paged, shares, monkeypatch):
         q = jnp.asarray(3 * randn(rng, 3, T, 8, DIM), q_dtype)
         out, lse = jax.jit(functools.partial(pallas_attend, causal=causal))(q, view)
         ref = float64_reference(np.asarray(q, np.float64), dense.view(), causal=causal)
-        (assert_close if q_dtype == jnp.float32 else check_16_bit)(out, lse, *ref)
+        (assert_close if q_dtype == jnp.float32 else assert_close_16_bit)(out, lse, *ref)
 
 
 def test_pallas_reads_explicit_query_positions():
@@ -107,13 +104,7 @@ def test_pallas_reads_pages_where_they_lie():
 def test_pallas_compiles_once_for_every_length():
     rng = np.random.default_rng(3)
     k, v = randn(rng, 1, 2, 2000, DIM), randn(rng, 1, 2, 2000, DIM)
-    q = jnp.asarray(randn(rng, 1, 1, 4, DIM))
-    attend = jax.jit(chex.assert_max_traces(lambda q, view: jss.attend(q, view, implementation="pallas"), n=1))
-    for length in (0, 5, 64, 65, 1500, 2000):
-        view = jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([length], jnp.int32),
-                          positions=None)
-        positions = np.where(np.arange(2000) < length, np.arange(2000), -1)[None]
-        np.testing.assert_allclose(attend(q, view), reference(q, k, v, [length], positions)[0], atol=1e-5)
+    check_compiles_once("pallas", jnp.asarray(randn(rng, 1, 1, 4, DIM)), k, v, (0, 5, 64, 65, 1500, 2000))
 
 
 def test_pallas_under_vmap_over_caches_matches_float64():
@@ -123,11 +114,7 @@ def test_pallas_under_vmap_over_caches_matches_float64():
     k, v = randn(rng, 4, 2, 2, 1024, DIM), randn(rng, 4, 2, 2, 1024, DIM)
     q = randn(rng, 4, 2, 3, 4, DIM)
     positions = np.where(np.arange(1024) < lengths[..., None], np.arange(1024), -1)
-
-    def pooled(q, k, v, n, p):
-        return jax.vmap(lambda *a: pallas_attend(a[0], jss.KVView(k=a[1], v=a[2], lengths=a[3], positions=a[4])))(
-            q, k, v, n, p)
-
+    pooled = pooled_attend("pallas")
     out, lse = jax.jit(pooled)(q, k, v, lengths, positions)
     for slot in range(4):
         assert_close(out[slot], lse[slot], *reference(q[slot], k[slot], v[slot], lengths[slot], positions[slot]))
@@ -159,21 +146,7 @@ def test_pallas_branch_lanes_share_one_prefix():
 
 def test_grad_through_pallas_matches_float64_finite_differences():
     """A Pallas call has no VJP of its own: ``jax.grad`` takes the bucketed pass's, recomputed."""
-    rng = np.random.default_rng(5)
-    lengths = np.array([600, 130], np.int32)
-    k, v, q = randn(rng, 2, 2, 640, DIM), randn(rng, 2, 2, 640, DIM), randn(rng, 2, 3, 4, DIM)
-    positions = np.where(np.arange(640) < lengths[:, None], np.arange(640), -1)
-
-    def loss(q, k, v):
-        view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions))
-        return jnp.sum(jnp.sin(jss.attend(q, view, implementation="pallas")))
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-    def reference_loss(x):
-        return np.sum(np.sin(reference(x[0], x[1], x[2], lengths, positions)[0]))
-
-    assert_directional_derivatives(grads, [q, k, v], reference_loss, rng)
+    check_grad("pallas", np.random.default_rng(5), dim=DIM)
 
 
 def test_grad_through_paged_pallas_matches_the_page_loop():
@@ -193,28 +166,15 @@ def test_grad_through_paged_pallas_matches_the_page_loop():
     assert float(jnp.abs(grads["pallas"][1][view.page_table[0, 0]]).sum()) > 0
 
 
-VIEWS = {
-    "dense float32": dict(),
-    "dense bfloat16": dict(dtype=jnp.bfloat16),
-    "dense int8": dict(quantize="int8"),
-    "paged float32": dict(paged=True),
-    "paged bfloat16": dict(paged=True, dtype=jnp.bfloat16),
-    "paged fp8": dict(paged=True, quantize="fp8"),
-}
-
-
 @pytest.mark.parametrize("kind", VIEWS)
 def test_pallas_lowers_to_one_triton_call_for_gpu_and_buckets_for_tpu(kind):
-    options = dict(VIEWS[kind])
-    paged = options.pop("paged", False)
-    dense, paged_cache = caches(np.random.default_rng(8), dim=DIM, **options)
-    view = paged_cache.view() if paged else dense.view()
-    q = jnp.ones((3, 1, 4, DIM), options.get("dtype", jnp.float32))
+    view, _, dtype = view_of(kind, np.random.default_rng(8), dim=DIM)
+    q = jnp.ones((3, 1, 4, DIM), dtype)
     cuda = lowered(pallas_attend, "cuda", q, view)
     assert cuda.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" not in cuda
     tpu = lowered(pallas_attend, "tpu", q, view)
     assert "custom_call" not in tpu and "stablehlo.case" in tpu and "stablehlo.while" not in tpu
-    if "quantize" not in options:  # quantized views have no gradients
+    if not view.quantized:  # quantized views have no gradients
         grad = lowered(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()), "cuda",
                        q.astype(jnp.float32), view)
         assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP

@@ -5,6 +5,7 @@ reference), at most 1e-5 in float32; ``lse`` the same on finite entries and
 ``-inf`` exactly where the reference has it.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +52,14 @@ def assert_close(out, lse, ref_out, ref_lse):
     if finite.any():
         assert np.max(np.abs(lse[finite] - ref_lse[finite])) <= TOL * max(1.0, np.max(np.abs(ref_lse[finite])))
     assert np.all(out[np.isneginf(ref_lse)] == 0)  # a query that sees nothing gives exact zeros
+
+
+def assert_close_16_bit(out, lse, ref_out, ref_lse):
+    """:func:`assert_close` for 16-bit queries: exact products summed in float32 (``lse`` to float32 accuracy),
+    the output rounded to the queries' dtype (within half an ulp of bfloat16 at the largest)."""
+    assert_close(ref_out, lse, ref_out, ref_lse)
+    error = np.max(np.abs(np.asarray(out, np.float64) - ref_out))
+    assert 0 < error <= 2.0**-8 * np.max(np.abs(ref_out))
 
 
 def randn(rng, *shape):
@@ -117,6 +126,27 @@ def caches(rng, *, page_size=16, capacity=448, batch=3, kv_heads=2, dim=8, dtype
     return dense.append(chunk), paged.append(chunk)
 
 
+VIEWS = {
+    "dense float32": dict(),
+    "dense bfloat16": dict(dtype=jnp.bfloat16),
+    "dense int8": dict(quantize="int8"),
+    "paged float32": dict(paged=True),
+    "paged bfloat16": dict(paged=True, dtype=jnp.bfloat16),
+    "paged int8": dict(paged=True, quantize="int8"),
+    "paged fp8": dict(paged=True, quantize="fp8"),
+}
+"""The kinds of view the accelerator readers are checked on: :func:`caches`' options, and whether paged."""
+
+
+def view_of(kind, rng, **kwargs):
+    """``(view, dense, dtype)``: the ``kind`` of :data:`VIEWS` over ragged rows (``kwargs`` go to :func:`caches`),
+    the dense view of the same rows, and the cache's dtype."""
+    options = dict(VIEWS[kind])
+    paged = options.pop("paged", False)
+    dense, paged_cache = caches(rng, **options, **kwargs)
+    return (paged_cache.view() if paged else dense.view()), dense.view(), options.get("dtype", jnp.float32)
+
+
 def float64_reference(q, view, **kwargs):
     """The reference over a dense view's rows (dequantized where quantized)."""
     k, v = (np.asarray(x, np.float64) for x in (view.k, view.v))
@@ -127,3 +157,44 @@ def float64_reference(q, view, **kwargs):
 
 def lowered(f, platform, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def check_compiles_once(implementation, q, k, v, lengths):
+    """One compiled ``attend`` serves every length in ``lengths`` of one row's cache ``k``, ``v``
+    ``[1, kv_heads, C, D]``, each against the float64 reference."""
+    capacity = k.shape[2]
+    attend = jax.jit(chex.assert_max_traces(lambda q, view: jss.attend(q, view, implementation=implementation), n=1))
+    for length in lengths:
+        view = jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([length], jnp.int32),
+                          positions=None)
+        positions = np.where(np.arange(capacity) < length, np.arange(capacity), -1)[None]
+        np.testing.assert_allclose(attend(q, view), reference(q, k, v, [length], positions)[0], atol=1e-5)
+
+
+def pooled_attend(implementation):
+    """``attend_with_lse`` under ``jax.vmap`` over independent caches (a pool's slots), each an append-mode view of
+    ``k``, ``v``, lengths and positions."""
+    def one(q, k, v, lengths, positions):
+        view = jss.KVView(k=k, v=v, lengths=lengths, positions=positions)
+        return jss.attend_with_lse(q, view, implementation=implementation)
+
+    return jax.vmap(one)
+
+
+def check_grad(implementation, rng, *, dim):
+    """``jax.grad`` of a loss through ``attend`` over ragged rows (600 and 130 of 640 slots) against float64
+    central differences."""
+    lengths = np.array([600, 130], np.int32)
+    k, v, q = randn(rng, 2, 2, 640, dim), randn(rng, 2, 2, 640, dim), randn(rng, 2, 3, 4, dim)
+    positions = np.where(np.arange(640) < lengths[:, None], np.arange(640), -1)
+
+    def loss(q, k, v):
+        view = jss.KVView(k=k, v=v, lengths=jnp.asarray(lengths), positions=jnp.asarray(positions))
+        return jnp.sum(jnp.sin(jss.attend(q, view, implementation=implementation)))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def reference_loss(x):
+        return np.sum(np.sin(reference(x[0], x[1], x[2], lengths, positions)[0]))
+
+    assert_directional_derivatives(grads, [q, k, v], reference_loss, rng)
