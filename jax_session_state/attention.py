@@ -43,15 +43,15 @@ over its share of the blocks up to that row's valid length, through the
 page table for a paged view, and the shares merge by log-sum-exp; compiled
 through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float,
 int8 and fp8 caches with a power-of-two head dim of at least 16 and a
-capacity or page size a multiple of 16; other views, and TPU, read
-buckets);
-:data:`IMPLEMENTATIONS` lists them.  :data:`BLOCK_SIZE` is the keys per
-block of the loop, :data:`SMALLEST_BUCKET` the smallest prefix
-``"bucketed"`` compiles a pass for.  Off CPU the loop, a dozen small
-kernels per block of 64 keys, is latency-bound by construction, so
-``"auto"`` reads buckets there; no accelerator has measured buckets or the
-Pallas kernel yet (``benchmarks/device.py`` measures both), so
-``"auto"`` does not pick the kernel.
+capacity or page size a multiple of 16, and a static scale; other views,
+and TPU, read buckets); :data:`IMPLEMENTATIONS` lists them.
+:data:`BLOCK_SIZE` is the keys per block of the loop,
+:data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
+for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
+latency-bound by construction, so ``"auto"`` reads buckets there; no
+accelerator has measured buckets or the Pallas kernel yet
+(``benchmarks/device.py`` measures both), so ``"auto"`` does not pick the
+kernel.
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -386,7 +386,7 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
         return _pallas_append(q, k, v, lengths, positions, causal=causal, scale=scale, interpret=interpret, **scales)
 
     positions = _default_positions(q, view.lengths, q_positions)
-    takes = implementation == "pallas" and _attention_pallas.takes(view.k, view.k.shape[2])
+    takes = _pallas_takes(implementation, view.k, view.k.shape[2], scale)
     if takes and not view.quantized:  # float caches have gradients: through a VJP the kernel lacks
         return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, scale)
     return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales,
@@ -405,6 +405,12 @@ def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, k
     return takes
 
 
+def _pallas_takes(implementation: str, k: Array, extent: int, scale: Any) -> bool:
+    """Whether ``"pallas"`` runs the kernel here: asked for, a static scale (the kernel's constant), and a cache
+    it reads (``_attention_pallas.takes``); otherwise buckets."""
+    return implementation == "pallas" and isinstance(scale, numbers.Real) and _attention_pallas.takes(k, extent)
+
+
 def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
                     implementation: str) -> tuple[Array, Array]:
     """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
@@ -414,7 +420,7 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
         if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)
-        takes = implementation == "pallas" and _attention_pallas.takes(view.k_pages, view.page_size)
+        takes = _pallas_takes(implementation, view.k_pages, view.page_size, scale)
         return _by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
                             functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
                             _default_positions(q, view.lengths, q_positions),

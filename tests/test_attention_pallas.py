@@ -194,3 +194,16 @@ def test_pallas_reads_buckets_where_the_kernel_does_not_take_the_view(declined):
     bucketed = jss.attend_with_lse(q, view, implementation="bucketed")
     np.testing.assert_array_equal(out, bucketed[0])
     np.testing.assert_array_equal(lse, bucketed[1])
+
+
+def test_pallas_reads_buckets_for_a_traced_scale():
+    """The kernel takes its scale as a constant: a scale traced under ``jit`` reads buckets, and is right."""
+    rng = np.random.default_rng(10)
+    dense, _ = caches(rng, dim=DIM, lengths=[448, 301, 0])
+    q = jnp.asarray(randn(rng, 3, 2, 4, DIM))
+
+    def attend(q, view, scale):
+        return pallas_attend(q, view, scale=scale)
+
+    assert "pallas_call" not in str(jax.make_jaxpr(attend)(q, dense.view(), 0.3))
+    assert_close(*jax.jit(attend)(q, dense.view(), 0.3), *float64_reference(q, dense.view(), scale=0.3))
