@@ -10,12 +10,11 @@ caches of 8 kv-heads x 128 and 32 query heads (GQA 4), capacity 128k:
   ``"bucketed"``, what ``"auto"`` reads off CPU: one fused pass over a
   power-of-two bucket of the valid prefix; ``"pallas"`` on GPU, the split-K
   Pallas kernel, whichever of the two reads faster to become ``"auto"``'s
-  choice there): the K/V bytes read (valid tokens
-  only) per second, against the device's peak HBM bandwidth (a table of
-  device kinds; the measured copy bandwidth beside it) and against
-  ``jax.nn.dot_product_attention`` (cuDNN where it runs, else XLA) over
-  exactly the valid tokens, token-major as it wants them (sliced outside the
-  timing);
+  choice there): the K/V bytes read (valid tokens only) per second, against
+  the device's peak HBM bandwidth (a table of device kinds; the measured copy
+  bandwidth beside it) and against ``jax.nn.dot_product_attention`` (cuDNN
+  where it runs, else XLA) over exactly the valid tokens, token-major as it
+  wants them (sliced outside the timing);
 - the world-model step (``examples/world_model.py``, 16 frames after a 4k
   prefix in a 32k cache): the library's jitted rollout against the same
   rollout hand-written on raw arrays (bar: library <= 1.05 x raw).
@@ -55,6 +54,7 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import RESULTS, report
+from jax_session_state import _attention_pallas as kernel
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 PEAK_HBM = {  # bytes per second, by jax.Device.device_kind (the vendors' figures)
@@ -200,8 +200,6 @@ def sweep_rows(*, batch: int, valid: int, capacity: int, calls: int, peak: float
     """``"pallas"`` at one case (T = 1 and T = 16) for every combination of :data:`SWEEP`'s settings, a fresh
     compile each; a setting that fails, or comes after ``deadline``, gets a row saying why; ``on_rows`` sees the
     rows so far after each."""
-    from jax_session_state import _attention_pallas as kernel
-
     rows, key = [], jax.random.key(0)
     view = _view(batch, capacity, valid, key)
     moved = 2 * batch * KV_HEADS * valid * HEAD_DIM * 2
