@@ -620,13 +620,19 @@ def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool,
     return _paged_slots(q, view, q_positions, read, BLOCK_SIZE)
 
 
+def _last_rows(q: Array, lengths: Array, q_positions: Array, causal: bool, kv_heads: int, keys: int) -> Array:
+    """:func:`_last_visible` as ``Int[Array, "B T*G"]``, of a cache holding ``keys`` keys (the Pallas kernel's
+    input)."""
+    return _last_visible(jnp.minimum(lengths, keys), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
+
+
 def _pallas_append(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool, scale: float,
                    interpret: bool, k_scale: Array | None = None, v_scale: Array | None = None
                    ) -> tuple[Array, Array]:
     """A head-major cache ``[B, kv_heads, C, D]`` (and a quantized one's row scales) read by the Pallas split-K
     kernel (``_attention_pallas``; compiled for GPU, or ``interpret``-ed)."""
     kv_heads, capacity = k.shape[1], k.shape[2]
-    last = _last_visible(jnp.minimum(lengths, capacity), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
+    last = _last_rows(q, lengths, q_positions, causal, kv_heads, capacity)
     state = _attention_pallas.append_state(_to_rows(q, kv_heads), q.dtype, last, k, v, scale=scale,
                                            interpret=interpret, k_scale=k_scale, v_scale=v_scale)
     return _finish(q, state)
@@ -637,8 +643,7 @@ def _pallas_paged(q: Array, view: PagedView, q_positions: Array, *, causal: bool
     """A paged view (float, or quantized with its scale pages) read through its page table by the Pallas
     split-K kernel."""
     kv_heads = view.k_pages.shape[2]
-    held = view.page_table.shape[1] * view.page_size
-    last = _last_visible(jnp.minimum(view.lengths, held), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
+    last = _last_rows(q, view.lengths, q_positions, causal, kv_heads, view.page_table.shape[1] * view.page_size)
     state = _attention_pallas.paged_state(_to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
                                           view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret,
                                           k_scale_pages=view.k_scale, v_scale_pages=view.v_scale)

@@ -121,17 +121,21 @@ def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relat
 def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
     """On CPU :func:`_flash_bwd`; on GPU and TPU the VJP of the bucketed pass, recomputed (a few fused kernels per
     chunk of keys, not a dozen per block of 64)."""
-    q, k, v, lengths, q_positions, _, _ = residuals
-
-    def bucketed() -> tuple[Array, Array, Array]:
-        def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-            return _relative_bucketed(q, k, v, lengths, q_positions, causal=causal, scale=scale, relative=relative)
-
-        return jax.vjp(forward, q, k, v)[1](cotangents)
-
-    dq, dk, dv = lax.platform_dependent(cpu=lambda: _flash_bwd(causal, scale, relative, residuals, cotangents),
-                                        default=bucketed)
+    dq, dk, dv = lax.platform_dependent(
+        cpu=lambda: _flash_bwd(causal, scale, relative, residuals, cotangents),
+        default=lambda: _bucketed_vjp(residuals[:5], cotangents, causal=causal, scale=scale, relative=relative))
     return dq, dk, dv, None, None
+
+
+def _bucketed_vjp(operands: tuple, cotangents: Any, *, causal: bool, scale: float, relative: bool
+                  ) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)``: the VJP of the bucketed pass over ``(q, k, v, lengths, q_positions)``, recomputed."""
+    q, k, v, lengths, q_positions = operands
+
+    def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
+        return _relative_bucketed(q, k, v, lengths, q_positions, causal=causal, scale=scale, relative=relative)
+
+    return jax.vjp(forward, q, k, v)[1](cotangents)
 
 
 def _flash_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
@@ -185,12 +189,7 @@ def _pallas_or_bucketed_fwd(q, k, v, lengths, q_positions, causal, scale):
 
 
 def _pallas_or_bucketed_bwd(causal: bool, scale: float, residuals: Any, cotangents: Any) -> tuple:
-    q, k, v, lengths, q_positions = residuals
-
-    def forward(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-        return _bucketed_append(q, k, v, lengths, q_positions, causal=causal, scale=scale)
-
-    return (*jax.vjp(forward, q, k, v)[1](cotangents), None, None)
+    return (*_bucketed_vjp(residuals, cotangents, causal=causal, scale=scale, relative=False), None, None)
 
 
 _pallas_or_bucketed.defvjp(_pallas_or_bucketed_fwd, _pallas_or_bucketed_bwd)
