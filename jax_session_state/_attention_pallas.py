@@ -15,7 +15,9 @@ operands (queries of another dtype, softmax weights) as two parts of the
 cache's dtype, the nearest one and the rest, so every product is exact as
 in the bucketed pass; a float32 cache's dots are IEEE float32, not TF32.
 An int8 or fp8 cache's blocks are widened to bfloat16 (exactly) and read
-the same way, its row scales multiplying the scores and the weights.
+the same way, its row scales multiplying the scores and the weights; on a
+GPU with no float8 conversion (compute capability below 8.9, e.g. A100) an
+fp8 cache is read as its bytes and decoded by integer arithmetic.
 """
 
 from __future__ import annotations
@@ -80,6 +82,42 @@ def _read_dtype(dtype: Any) -> Any:
     return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize > 1 else jnp.dtype(jnp.bfloat16)
 
 
+def compute_capability() -> float:
+    """The compute capability Triton compiles for: the first GPU's, or 9.0 where none is attached (as Pallas
+    assumes)."""
+    try:
+        device, *_ = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        return 9.0
+    return float(device.compute_capability)
+
+
+def _fp8_as_bits(cache: Array) -> Array:
+    """A ``float8_e4m3fn`` cache as its bytes (``uint8``, a free bitcast) where the GPU has no float8 conversion
+    (compute capability below 8.9, e.g. A100); any other cache as it is."""
+    if cache.dtype == jnp.float8_e4m3fn and compute_capability() < 8.9:
+        return lax.bitcast_convert_type(cache, jnp.uint8)
+    return cache
+
+
+def _bfloat16_of_e4m3_bits(bits: Array) -> Array:
+    """``float8_e4m3fn`` values given as their bytes, in bfloat16 (exactly) by integer and float32 arithmetic."""
+    word = bits.astype(jnp.int32)
+    exponent, mantissa = (word >> 3) & 15, word & 7
+    power = lax.bitcast_convert_type((exponent + 117) << 23, _F32)  # 2^(exponent - 10)
+    magnitude = jnp.where(exponent == 0, mantissa.astype(_F32) * 2.0**-9, (mantissa + 8).astype(_F32) * power)
+    value = jnp.where(word >= 128, -magnitude, magnitude)
+    return jnp.where((word & 127) == 127, jnp.nan, value).astype(jnp.bfloat16)
+
+
+def _widen(block: Array) -> Array:
+    """A block of keys or values in the dtype the dots read (see :func:`_read_dtype`); ``uint8``: a
+    ``float8_e4m3fn`` block as its bytes (:func:`_fp8_as_bits`)."""
+    if block.dtype == jnp.uint8:
+        return _bfloat16_of_e4m3_bits(block)
+    return block.astype(_read_dtype(block.dtype))
+
+
 def _product(a: Array, b: Array, contract_b: int) -> Array:
     """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``), summed in float32."""
     return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=_F32)
@@ -110,7 +148,7 @@ def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tile
         start = i * block
         position = start + offsets
         k, v, *row_scales = load(inputs, row, head, start, position < keys)
-        k, v = k.astype(_read_dtype(k.dtype)), v.astype(_read_dtype(v.dtype))
+        k, v = _widen(k), _widen(v)
         sixteen = k.dtype in _SIXTEEN_BIT
         product = _split_product if sixteen and wide_queries else _product
         scores = product(queries.astype(k.dtype) if not wide_queries else queries, k, 1) * scale
@@ -196,7 +234,7 @@ def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cac
         compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
         interpret=interpret,
         name="jss_decode_attention",
-    )(qh if wide_queries else qh.astype(dtype), last, *caches)
+    )(qh if wide_queries else qh.astype(dtype), last, *map(_fp8_as_bits, caches))
     top_all = jnp.max(top, axis=2)
     safe = jnp.where(top_all == -jnp.inf, 0.0, top_all)
     weight = jnp.exp(top - safe[:, :, None])  # each share's softmax mass, rescaled to the common top

@@ -77,6 +77,33 @@ def test_pallas_matches_float64(cache, paged, shares, monkeypatch):
         (assert_close if q_dtype == jnp.float32 else assert_close_16_bit)(out, lse, *ref)
 
 
+def test_fp8_bytes_decode_to_bfloat16_exactly():
+    """All 256 ``float8_e4m3fn`` bytes (zeros, subnormals, 448, NaN) through the kernel's own decoding."""
+    bits = np.arange(256, dtype=np.uint8)
+    got = np.asarray(jax.jit(_attention_pallas._bfloat16_of_e4m3_bits)(bits), np.float32)
+    expected = bits.view(jnp.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, expected)
+    numbers = ~np.isnan(expected)
+    assert np.array_equal(np.signbit(got[numbers]), np.signbit(expected[numbers]))  # -0 stays -0
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_pallas_decodes_fp8_bytes_where_the_gpu_cannot_convert_them(paged, monkeypatch):
+    """Below compute capability 8.9 (A100) Triton has no float8 conversion: the kernel reads an fp8 cache as its
+    bytes and decodes them itself, to the same results, bit for bit."""
+    rng = np.random.default_rng(10)
+    dense, paged_cache = caches(rng, dim=DIM, lengths=[448, 301, 0], quantize="fp8")
+    view = paged_cache.view() if paged else dense.view()
+    q = jnp.asarray(3 * randn(rng, 3, 5, 8, DIM))
+    converted = jax.jit(lambda q, view: pallas_attend(q, view))(q, view)
+    monkeypatch.setattr(_attention_pallas, "compute_capability", lambda: 8.0)
+    decoded = jax.jit(lambda q, view: pallas_attend(q, view))(q, view)
+    for got, expected in zip(decoded, converted):
+        np.testing.assert_array_equal(got, expected)
+    assert_close(*decoded, *float64_reference(np.asarray(q, np.float64), dense.view()))
+    assert "bitcast_convert" in lowered(lambda q, view: pallas_attend(q, view), "cuda", q, view)
+
+
 def test_pallas_reads_explicit_query_positions():
     """Positions given per query, some before any key (exact zeros, ``lse = -inf``) and some past the length."""
     rng = np.random.default_rng(1)
