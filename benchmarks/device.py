@@ -30,9 +30,9 @@ JSON is rewritten after every case, so a run killed from outside still
 leaves its finished rows.
 
 ``--sweep`` measures only ``"pallas"`` at the bars' case, T = 1 and 16,
-for each setting of the kernel's block size, programs and pipeline stages
-(``SWEEP``: 12 compiles, about a minute), so the run after it can keep the
-fastest.
+for each setting of the kernel's block size, programs, warps and pipeline
+stages (``SWEEP``: 24 compiles, about two minutes), so the run after it can
+keep the fastest.
 
 Run:  python -m benchmarks.device [--tiny] [--sweep] [--budget SECONDS] [--out PATH]
 """
@@ -190,7 +190,7 @@ def attention_rows(*, batches: list[int], valids: list[int], capacity: int, call
     return rows
 
 
-SWEEP = {"BLOCK_KEYS": (32, 64, 128), "PROGRAMS": (256, 1024), "STAGES": (2, 3)}
+SWEEP = {"BLOCK_KEYS": (32, 64, 128), "PROGRAMS": (256, 1024), "WARPS": (4, 8), "STAGES": (2, 3)}
 """The Pallas kernel's settings ``--sweep`` tries (module constants of ``jax_session_state._attention_pallas``)."""
 
 

@@ -49,8 +49,12 @@ PROGRAMS = 256
 """Programs a call aims for, about two per streaming multiprocessor of a large GPU: short rows split into more
 shares."""
 
-WARPS, STAGES = 4, 2
-"""Triton's warps per program and software-pipeline stages of the block loop."""
+WARPS = 4
+"""Triton's warps per program holding up to 32 query rows; a tile of 64 rows takes twice as many (with four, its
+float32 accumulator and blocks spill registers when Triton compiles it for sm_90)."""
+
+STAGES = 2
+"""Software-pipeline stages of the block loop."""
 
 _SMALLEST = 16  # Triton's smallest dot side
 _FIRST = np.int32(0)  # a row scale's one column (an index Pallas' interpreter takes beside dynamic ones)
@@ -231,7 +235,7 @@ def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cac
         out_shape=[jax.ShapeDtypeStruct((B, kv_heads, splits, padded, D), _F32),
                    jax.ShapeDtypeStruct((B, kv_heads, splits, padded), _F32),
                    jax.ShapeDtypeStruct((B, kv_heads, splits, padded), _F32)],
-        compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS * max(1, tile // 32), num_stages=STAGES),
         interpret=interpret,
         name="jss_decode_attention",
     )(qh if wide_queries else qh.astype(dtype), last, *map(_fp8_as_bits, caches))

@@ -70,7 +70,7 @@ def test_the_pallas_sweep_measures_every_setting_and_restores_the_kernels():
 
     before = {name: getattr(kernel, name) for name in device.SWEEP}
     rows = device.sweep_rows(batch=1, valid=200, capacity=256, calls=1, peak=None)
-    assert len(rows) == 2 * 12 and len({row["measure"] for row in rows}) == 24
+    assert len(rows) == 2 * 24 and len({row["measure"] for row in rows}) == 48
     for row in rows:  # interpreted here: every setting reads what the buckets read
         assert row["max abs error"] < 2e-2 and row["us"] > 0, row
     assert {name: getattr(kernel, name) for name in device.SWEEP} == before
