@@ -44,9 +44,9 @@ def test_triton_compiles_the_kernel_for_the_gpu_without_spills(kind, T, arch, mo
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a fresh compile, not a cached one
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # multiplies and adds fused, as XLA's Triton does
     [module] = modules(kind, T, arch)
+    assert ("f8E4M3FN" in module.text) == (kind.endswith("fp8") and arch >= 89)  # below 8.9: fp8 as its bytes
     compiled = compile_for(module, arch)
     assert 0 < compiled.shared_bytes <= SHARED_MEMORY_PER_BLOCK[arch], compiled.shared_bytes
     assert compiled.spilled_bytes == 0, (compiled.registers, compiled.spilled_bytes)
-    assert compiled.registers <= 255
     assert SIXTEEN_BYTE_COPY.search(compiled.ptx)  # keys and values copied 16 bytes at a time, ahead of use
     assert ("wgmma.mma_async" if arch >= 90 and T > 1 else "mma.sync") in compiled.ptx
