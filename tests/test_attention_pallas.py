@@ -32,7 +32,7 @@ from tests.support.attention_reference import (
     reference,
     view_of,
 )
-from tests.support.triton_compile import lower_for_cuda, triton_call_count
+from tests.support.triton_compile import triton_call_count
 
 DIM = 16
 pallas_attend = functools.partial(jss.attend_with_lse, implementation="pallas")
@@ -98,11 +98,11 @@ def test_pallas_decodes_fp8_bytes_where_the_gpu_cannot_convert_them(paged, monke
     q = jnp.asarray(3 * randn(rng, 3, 5, 8, DIM))
     converted = jax.jit(lambda q, view: pallas_attend(q, view))(q, view)
     monkeypatch.setattr(_attention_pallas, "compute_capability", lambda: 8.0)
-    decoded = jax.jit(lambda q, view: pallas_attend(q, view))(q, view)
+    decoded = jax.jit(lambda q, view: pallas_attend(q, view))(q, view)  # a fresh function: traced anew
     for got, expected in zip(decoded, converted):
         np.testing.assert_array_equal(got, expected)
     assert_close(*decoded, *float64_reference(np.asarray(q, np.float64), dense.view()))
-    assert "bitcast_convert" in lower_for_cuda(lambda q, view: pallas_attend(q, view), q, view).as_text()
+    assert "bitcast_convert" in lowered(lambda q, view: pallas_attend(q, view), "cuda", q, view)
 
 
 def test_pallas_reads_explicit_query_positions():
@@ -124,7 +124,7 @@ def test_pallas_reads_pages_where_they_lie():
         view, dense = interleaved_paged(rng, page_size=page_size)
         q = jnp.asarray(randn(rng, 3, 2, 8, DIM))
         assert_close(*pallas_attend(q, view), *float64_reference(q, dense))
-        text = lower_for_cuda(pallas_attend, q, view).as_text()
+        text = lowered(pallas_attend, "cuda", q, view)
         pool = "x".join(map(str, view.k_pages.shape))
         assert not any("gather" in line and pool in line.split("->")[-1] for line in text.splitlines())
 
@@ -146,7 +146,7 @@ def test_pallas_under_vmap_over_caches_matches_float64():
     out, lse = jax.jit(pooled)(q, k, v, lengths, positions)
     for slot in range(4):
         assert_close(out[slot], lse[slot], *reference(q[slot], k[slot], v[slot], lengths[slot], positions[slot]))
-    text = lower_for_cuda(pooled, q, k, v, lengths, positions).as_text()
+    text = lowered(pooled, "cuda", q, k, v, lengths, positions)
     assert triton_call_count(text) == 1 and "stablehlo.while" not in text
 
 
@@ -167,7 +167,7 @@ def test_pallas_branch_lanes_share_one_prefix():
     got = jax.jit(functools.partial(lanes, implementation="pallas"))(prefix, q, k, v)
     np.testing.assert_allclose(got, jax.jit(functools.partial(lanes, implementation="auto"))(prefix, q, k, v),
                                rtol=1e-5, atol=1e-5)
-    text = lower_for_cuda(functools.partial(lanes, implementation="pallas"), prefix, q, k, v).as_text()
+    text = lowered(functools.partial(lanes, implementation="pallas"), "cuda", prefix, q, k, v)
     cache = "x".join(map(str, prefix.k.shape))
     assert triton_call_count(text) == 1 and f"5x{cache}" not in text  # the prefix is not copied per lane
 
@@ -198,13 +198,13 @@ def test_grad_through_paged_pallas_matches_the_page_loop():
 def test_pallas_lowers_to_one_triton_call_for_gpu_and_buckets_for_tpu(kind):
     view, _, dtype = view_of(kind, np.random.default_rng(8), dim=DIM)
     q = jnp.ones((3, 1, 4, DIM), dtype)
-    cuda = lower_for_cuda(pallas_attend, q, view).as_text()
+    cuda = lowered(pallas_attend, "cuda", q, view)
     assert triton_call_count(cuda) == 1 and "stablehlo.while" not in cuda
     tpu = lowered(pallas_attend, "tpu", q, view)
     assert "custom_call" not in tpu and "stablehlo.case" in tpu and "stablehlo.while" not in tpu
     if not view.quantized:  # quantized views have no gradients
-        grad = lower_for_cuda(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()),
-                              q.astype(jnp.float32), view).as_text()
+        grad = lowered(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()), "cuda",
+                       q.astype(jnp.float32), view)
         assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP
 
 

@@ -17,8 +17,8 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state import _attention_pallas
-from tests.support.attention_reference import VIEWS, view_of
-from tests.support.triton_compile import SHARED_MEMORY_PER_BLOCK, compile_for, lower_for_cuda, triton_modules
+from tests.support.attention_reference import VIEWS, lower, view_of
+from tests.support.triton_compile import SHARED_MEMORY_PER_BLOCK, compile_for, triton_modules
 
 pytest.importorskip("triton", reason="the triton package has no build for this platform")
 
@@ -34,7 +34,8 @@ def modules(kind, T, arch):
     view, _, dtype = view_of(kind, np.random.default_rng(0), dim=HEAD_DIM, page_size=64, batch=2, kv_heads=KV_HEADS)
     q = jnp.ones((2, T, GROUP * KV_HEADS, HEAD_DIM), dtype)
     with mock.patch.object(_attention_pallas, "compute_capability", lambda: arch / 10):
-        return triton_modules(lower_for_cuda(lambda q, view: pallas_attend(q, view), q, view))
+        # a fresh function, so jit traces it under this compute capability instead of reusing a trace
+        return triton_modules(lower(lambda q, view: pallas_attend(q, view), "cuda", q, view))
 
 
 @pytest.mark.parametrize("arch", sorted(SHARED_MEMORY_PER_BLOCK))

@@ -30,18 +30,6 @@ def triton_call_count(stablehlo: str) -> int:
     return stablehlo.count(f"@{XLA_TRITON_CALL}(") + stablehlo.count(f"@{COMPILED_TRITON_CALL}")
 
 
-def lower_for_cuda(f, *args) -> jax.stages.Lowered:
-    """``jax.jit(f)`` lowered for ``cuda``; skips where this jaxlib lowers a Pallas kernel only through its CUDA
-    plugin (it compiles the kernel while lowering), which a CPU-only install lacks."""
-    try:
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-    except RuntimeError as error:
-        if "Triton compilation handler" not in str(error):
-            raise
-        pytest.skip(f"this jaxlib ({jax.__version__}) compiles Pallas' Triton kernels while lowering, through a "
-                    f"CUDA plugin it does not have here: {error}")
-
-
 @dataclasses.dataclass(frozen=True)
 class TritonModule:
     """One Pallas call's Triton IR as text, and the launch settings it is compiled with."""
