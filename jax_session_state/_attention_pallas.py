@@ -13,7 +13,9 @@ interpreter (slow: for tests); TPU reads buckets instead.
 Dots sum in float32.  A 16-bit float cache's keys and values meet float32
 operands (queries of another dtype, softmax weights) as two parts of the
 cache's dtype, the nearest one and the rest, so every product is exact as
-in the bucketed pass; a float32 cache's dots are IEEE float32, not TF32.
+in the bucketed pass; a float32 cache's dots are three TF32 products on a
+GPU (about float32's accuracy; Triton's default is one), IEEE float32 in the
+interpreter.
 An int8 or fp8 cache's blocks are widened to bfloat16 (exactly) and read
 the same way, its row scales multiplying the scores and the weights; on a
 GPU with no float8 conversion (compute capability below 8.9, e.g. A100) an
@@ -36,11 +38,16 @@ from jax.experimental.pallas import triton as plgpu
 _F32 = jnp.float32
 _SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# The kernel's settings below are first guesses, not measurements (no GPU has run it yet);
-# ``python -m benchmarks.device --sweep`` measures the alternatives at the bars' case.
+# The kernel's settings below are the fastest of ``python -m benchmarks.device --sweep`` at the bars' case
+# (batch 8, 32k valid bfloat16 keys, T = 1 and 16) on an H200; see BENCHMARKS.md.
 
-BLOCK_KEYS = 64
-"""The most keys a program reads per step (fewer where the capacity or the page size asks)."""
+BLOCK_KEYS = 128
+"""The most keys a program reads per step: from a 16-bit cache into a tile of up to 32 query rows (fewer where
+the capacity or page size asks, or :func:`block_bytes`; see :func:`_most_keys`)."""
+
+WIDE_BLOCK_KEYS = 64
+"""The most keys per step into a tile of more than 32 query rows, or from an int8 or fp8 cache (its blocks
+widened in registers): more spill registers on sm_80 and sm_90."""
 
 ROW_TILE = 64
 """The most query rows (``T * G`` per kv head) one program holds."""
@@ -48,6 +55,10 @@ ROW_TILE = 64
 PROGRAMS = 256
 """Programs a call aims for, about two per streaming multiprocessor of a large GPU: short rows split into more
 shares."""
+
+FLOAT32_TILE = 32
+"""The most keys per step, and query rows per program, of a float32 cache: its dots are three TF32 products
+(:func:`_float32_dots`), whose operands' parts take registers that larger blocks or tiles spill (sm_80, sm_90)."""
 
 WARPS = 4
 """Triton's warps per program holding up to 32 query rows; a tile of 64 rows takes twice as many (with four, its
@@ -64,13 +75,39 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _block_keys(extent: int) -> int:
-    """The largest power of two up to :data:`BLOCK_KEYS` dividing ``extent`` (the capacity or page size); 0 where
-    none of at least 16 does."""
-    block = BLOCK_KEYS
-    while block >= _SMALLEST and extent % block:
+def block_bytes() -> int:
+    """The most bytes one block of keys (or values) may take: 32 KiB where a program has the shared memory of a
+    data-centre GPU (compute capability 8.0 or 9.0 and later: 164 KiB and more, for two blocks in each of
+    :data:`STAGES` stages), else 16 KiB."""
+    return 32 * 1024 if compute_capability() in (8.0, 8.7) or compute_capability() >= 9.0 else 16 * 1024
+
+
+def _tile(rows: int, cache_dtype: Any) -> int:
+    """The query rows one program holds, of ``rows`` per kv head: a power of two from 16 to :data:`ROW_TILE`
+    (:data:`FLOAT32_TILE` for a float32 cache)."""
+    most = min(ROW_TILE, FLOAT32_TILE) if jnp.dtype(cache_dtype) == _F32 else ROW_TILE
+    return min(most, max(_SMALLEST, _power_of_two_at_least(rows)))
+
+
+def _most_keys(cache_dtype: Any, dim: int, tile: int) -> int:
+    """The most keys one step reads from a cache of ``cache_dtype`` and head dim ``dim`` into a tile of ``tile``
+    query rows: :data:`BLOCK_KEYS` (16-bit, up to 32 rows), :data:`WIDE_BLOCK_KEYS` (more rows, or int8 and fp8)
+    or :data:`FLOAT32_TILE` (float32), within :func:`block_bytes` (at least 16)."""
+    dtype = jnp.dtype(cache_dtype)
+    if dtype == _F32:
+        return min(BLOCK_KEYS, FLOAT32_TILE)
+    keys = BLOCK_KEYS if dtype.itemsize == 2 and tile <= 32 else min(BLOCK_KEYS, WIDE_BLOCK_KEYS)
+    while keys > _SMALLEST and keys * dim * dtype.itemsize > block_bytes():
+        keys //= 2
+    return keys
+
+
+def _block_keys(runs: int, most: int) -> int:
+    """The largest power of two up to ``most`` dividing ``runs`` (the capacity or page size, a multiple of 16)."""
+    block = most
+    while block > _SMALLEST and runs % block:
         block //= 2
-    return block if block >= _SMALLEST else 0
+    return block
 
 
 def takes(k: Array, extent: int) -> bool:
@@ -78,7 +115,20 @@ def takes(k: Array, extent: int) -> bool:
     or the page size): a power-of-two head dim of at least 16, runs a multiple of 16 (any float, int8 or fp8
     cache)."""
     dim = k.shape[-1]
-    return dim >= _SMALLEST and dim == _power_of_two_at_least(dim) and _block_keys(extent) > 0
+    return dim >= _SMALLEST and dim == _power_of_two_at_least(dim) and extent % _SMALLEST == 0
+
+
+@functools.cache
+def gpu_attached() -> bool:
+    """Whether this process has a CUDA GPU, where ``attend(implementation="auto")`` reads through the kernel.
+
+    A CUDA lowering made without one (``jax.export`` on a CPU host) reads
+    buckets instead: compiling the kernel takes the GPU's plugin.
+    """
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
 
 
 def _read_dtype(dtype: Any) -> Any:
@@ -122,9 +172,19 @@ def _widen(block: Array) -> Array:
     return block.astype(_read_dtype(block.dtype))
 
 
-def _product(a: Array, b: Array, contract_b: int) -> Array:
-    """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``), summed in float32."""
-    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=_F32)
+def _float32_dots(interpret: bool) -> Any:
+    """How the kernel multiplies float32 operands: compiled, as three TF32 tensor-core products (about float32's
+    accuracy; Triton's default is one, 10 bits of mantissa, and IEEE float32 dots on the CUDA cores spill
+    registers); interpreted, in IEEE float32."""
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _product(a: Array, b: Array, contract_b: int, float32_dots: Any = None) -> Array:
+    """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``contract_b=1``), summed in float32; float32 operands
+    multiplied as ``float32_dots`` says (:func:`_float32_dots`)."""
+    precision = float32_dots if a.dtype == _F32 else None
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+                           preferred_element_type=_F32)
 
 
 def _split_product(a: Array, b: Array, contract_b: int) -> Array:
@@ -135,7 +195,7 @@ def _split_product(a: Array, b: Array, contract_b: int) -> Array:
 
 
 def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tiles: int, scale: float,
-            load: Callable[..., tuple[Array, ...]], wide_queries: bool) -> None:
+            load: Callable[..., tuple[Array, ...]], wide_queries: bool, float32_dots: Any) -> None:
     """One program: batch row ``program_id(0)``, kv head ``program_id(1)``, share and row tile ``program_id(2)``."""
     *inputs, acc_ref, top_ref, total_ref = refs
     row, head, share = pl.program_id(0), pl.program_id(1), pl.program_id(2) // tiles
@@ -154,7 +214,8 @@ def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tile
         k, v, *row_scales = load(inputs, row, head, start, position < keys)
         k, v = _widen(k), _widen(v)
         sixteen = k.dtype in _SIXTEEN_BIT
-        product = _split_product if sixteen and wide_queries else _product
+        product = _split_product if sixteen and wide_queries else functools.partial(_product,
+                                                                                      float32_dots=float32_dots)
         scores = product(queries.astype(k.dtype) if not wide_queries else queries, k, 1) * scale
         if row_scales:  # a quantized cache's row scales, on the scores and the weights (not on head_dim values)
             scores = scores * row_scales[0][None, :]
@@ -165,7 +226,7 @@ def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tile
         weights = jnp.exp(scores - safe_top[:, None])
         decay = jnp.exp(top - safe_top)
         scaled = weights * row_scales[1][None, :] if row_scales else weights
-        summed = _split_product(scaled, v, 0) if sixteen else _product(scaled, v, 0)
+        summed = _split_product(scaled, v, 0) if sixteen else _product(scaled, v, 0, float32_dots)
         return new_top, decay * total + jnp.sum(weights, axis=1), decay[:, None] * acc + summed
 
     rows, dim = queries.shape
@@ -205,12 +266,15 @@ def _load_paged(inputs: Any, row: Array, head: Array, start: Array, inside: Arra
 
 
 def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cache_dtype: Any, *, extent: int,
-            scale: float, load: Callable[..., tuple[Array, ...]], block: int, interpret: bool
+            runs: int, scale: float, load: Callable[..., tuple[Array, ...]], interpret: bool
             ) -> tuple[Array, Array, Array]:
-    """Runs the kernel over ``caches`` (read whole by ``load``) and merges its shares into one online-softmax
-    state ``(top, total, acc)`` of ``qh``'s rows."""
+    """Runs the kernel over ``caches`` (``extent`` keys in runs of ``runs``: the capacity or page size, read by
+    ``load`` in blocks that divide it) and merges its shares into one online-softmax state ``(top, total, acc)``
+    of ``qh``'s rows."""
     B, kv_heads, M, D = qh.shape
-    tile = min(ROW_TILE, max(_SMALLEST, _power_of_two_at_least(M)))
+    tile = _tile(M, cache_dtype)
+    block = _block_keys(runs, _most_keys(cache_dtype, D, tile))
+    load = functools.partial(load, block=block)
     tiles = -(-M // tile)
     padded = tiles * tile
     dtype = _read_dtype(cache_dtype)
@@ -219,7 +283,7 @@ def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cac
     last = jnp.pad(last, ((0, 0), (0, padded - M)), constant_values=-1)  # padding rows see nothing
     splits = min(_power_of_two_at_least(-(-PROGRAMS // (B * kv_heads * tiles))), -(-extent // block))
     kernel = functools.partial(_kernel, block=block, splits=splits, tiles=tiles, scale=scale, load=load,
-                               wide_queries=wide_queries)
+                               wide_queries=wide_queries, float32_dots=_float32_dots(interpret))
 
     def shares(*trailing: int) -> pl.BlockSpec:
         return pl.BlockSpec((None, None, None, tile, *trailing), lambda b, h, j: (b, h, j // tiles, j % tiles,
@@ -253,10 +317,9 @@ def append_state(qh: Array, q_dtype: Any, last: Array, k: Array, v: Array, *, sc
     ``q_dtype``) over a head-major cache ``[B, kv_heads, C, D]``; ``last``: ``Int[Array, "B M"]`` the last
     key each row sees (-1: none; at most ``C - 1``); a quantized cache's row scales ``[B, kv_heads, C, 1]``.
     See :func:`takes`."""
-    block = _block_keys(k.shape[2])
     scales = () if k_scale is None else (k_scale, v_scale)
-    return _decode(qh, q_dtype, last, (k, v, *scales), v.dtype, extent=k.shape[2], scale=scale,
-                   load=functools.partial(_load_append, block=block), block=block, interpret=interpret)
+    return _decode(qh, q_dtype, last, (k, v, *scales), v.dtype, extent=k.shape[2], runs=k.shape[2], scale=scale,
+                   load=_load_append, interpret=interpret)
 
 
 def paged_state(qh: Array, q_dtype: Any, last: Array, table: Array, k_pages: Array, v_pages: Array, *,
@@ -265,8 +328,7 @@ def paged_state(qh: Array, q_dtype: Any, last: Array, table: Array, k_pages: Arr
     """:func:`append_state` over pages ``[pages, page_size, kv_heads, D]`` (and scale pages
     ``[pages, page_size, kv_heads, 1]``) through the page table ``[B, pages per row]`` (``last`` at most the keys
     the table holds, less one)."""
-    block = _block_keys(page_size)
-    load = functools.partial(_load_paged, block=block, page_size=page_size)
+    load = functools.partial(_load_paged, page_size=page_size)
     scales = () if k_scale_pages is None else (k_scale_pages, v_scale_pages)
     return _decode(qh, q_dtype, last, (table.astype(jnp.int32), k_pages, v_pages, *scales), v_pages.dtype,
-                   extent=table.shape[1] * page_size, scale=scale, load=load, block=block, interpret=interpret)
+                   extent=table.shape[1] * page_size, runs=page_size, scale=scale, load=load, interpret=interpret)

@@ -4,7 +4,8 @@
 one Triton call; this checks that Triton's compiler takes that call at the benchmark's shapes (head dim 128,
 GQA 4, T = 1 and 16) with the kernel's settings, and that the machine code has what a kernel bound by memory
 bandwidth needs: shared memory within one program's limit, no registers spilled to local memory, keys and values
-streamed in 16-byte asynchronous copies, and tensor-core dots.
+streamed in 16-byte asynchronous copies, and tensor-core dots (a float32 cache's as three TF32 products each,
+about float32's accuracy, in tiles small enough not to spill).
 """
 
 import functools
@@ -31,7 +32,8 @@ pallas_attend = functools.partial(jss.attend, implementation="pallas")
 def modules(kind, T, arch):
     """The Triton modules of ``attend(..., implementation="pallas")`` over a view of ``kind`` at T, lowered for a
     GPU of compute capability ``arch / 10``."""
-    view, _, dtype = view_of(kind, np.random.default_rng(0), dim=HEAD_DIM, page_size=64, batch=2, kv_heads=KV_HEADS)
+    view, _, dtype = view_of(kind, np.random.default_rng(0), dim=HEAD_DIM, page_size=128, capacity=512, batch=2,
+                             kv_heads=KV_HEADS)
     q = jnp.ones((2, T, GROUP * KV_HEADS, HEAD_DIM), dtype)
     with mock.patch.object(_attention_pallas, "compute_capability", lambda: arch / 10):
         # a fresh function, so jit traces it under this compute capability instead of reusing a trace
@@ -46,8 +48,12 @@ def test_triton_compiles_the_kernel_for_the_gpu_without_spills(kind, T, arch, mo
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # multiplies and adds fused, as XLA's Triton does
     [module] = modules(kind, T, arch)
     assert ("f8E4M3FN" in module.text) == (kind.endswith("fp8") and arch >= 89)  # below 8.9: fp8 as its bytes
+    if kind.endswith("float32"):  # each dot three TF32 products (about float32's accuracy), never one
+        assert set(re.findall(r"inputPrecision = (\w+)", module.text)) == {"tf32x3"}
     compiled = compile_for(module, arch)
     assert 0 < compiled.shared_bytes <= SHARED_MEMORY_PER_BLOCK[arch], compiled.shared_bytes
     assert compiled.spilled_bytes == 0, (compiled.registers, compiled.spilled_bytes)
     assert SIXTEEN_BYTE_COPY.search(compiled.ptx)  # keys and values copied 16 bytes at a time, ahead of use
-    assert ("wgmma.mma_async" if arch >= 90 and T > 1 else "mma.sync") in compiled.ptx
+    # Hopper's warpgroup dots take tiles of 64 query rows (T = 16, GQA 4); a float32 cache's tiles hold 32.
+    wide_tile = T > 1 and not kind.endswith("float32")
+    assert ("wgmma.mma_async" if arch >= 90 and wide_tile else "mma.sync") in compiled.ptx
