@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -366,17 +367,29 @@ def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, 
                  pallas: Any = None) -> tuple[Array, Array]:
     """``"loop"`` and ``"bucketed"`` run everywhere; ``"pallas"`` runs ``pallas(*operands, interpret=...)`` where
     given (compiled on GPU, interpreted on CPU; else, and on TPU, ``bucketed``); otherwise (``"auto"``,
-    ``"native"``) ``native`` where given (else ``loop``) runs on CPU and ``bucketed`` (a handful of fused kernels)
-    on GPU and TPU."""
+    ``"native"``) ``native`` where given (else ``loop``) runs on CPU, ``pallas`` compiled where given on CUDA
+    (see :func:`_pallas_wanted`), and ``bucketed`` (a handful of fused kernels) elsewhere."""
     if implementation in ("loop", "bucketed"):
         return (loop if implementation == "loop" else bucketed)(*operands)
-    if implementation == "pallas":
-        if pallas is None:
+    if pallas is None:
+        if implementation == "pallas":
             return bucketed(*operands)
-        compiled = functools.partial(pallas, interpret=False)
+        return lax.platform_dependent(*operands, cpu=loop if native is None else native, default=bucketed)
+    compiled = functools.partial(pallas, interpret=False)
+    if implementation == "pallas":
         return lax.platform_dependent(*operands, cpu=functools.partial(pallas, interpret=True), cuda=compiled,
                                       rocm=compiled, default=bucketed)
-    return lax.platform_dependent(*operands, cpu=loop if native is None else native, default=bucketed)
+    return lax.platform_dependent(*operands, cpu=loop if native is None else native, cuda=compiled,
+                                  default=bucketed)
+
+
+def _pallas_wanted(implementation: str, k: Array, extent: int, scale: Any) -> bool:
+    """Whether ``implementation`` reads a cache of ``k``'s keys in runs of ``extent`` through the Pallas kernel:
+    ``"pallas"`` asked for, or ``"auto"`` (and ``"native"``, off CPU) where a CUDA GPU is attached (measured
+    faster than buckets there, see BENCHMARKS.md); a static scale (the kernel's constant) and a cache it reads
+    (``_attention_pallas.takes``).  Otherwise buckets off CPU."""
+    wanted = implementation == "pallas" or (implementation in ("auto", "native") and _attention_pallas.gpu_attached())
+    return wanted and isinstance(scale, numbers.Real) and _attention_pallas.takes(k, extent)
 
 
 def _paged_bucketed(q: Array, k_pages: Array, v_pages: Array, table: Array, lengths: Array, positions: Array, *,
@@ -412,7 +425,7 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
                              interpret=interpret)
 
     bucketed = functools.partial(_paged_bucketed, causal=causal, scale=scale, relative=relative, page_size=page_size)
-    takes = reader == "pallas" and _attention_pallas.takes(k_pages, page_size)
+    takes = _pallas_wanted(reader, k_pages, page_size, scale)
     return _by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
                         native=kernel if reader == "native" else None, pallas=pallas if takes else None)
 

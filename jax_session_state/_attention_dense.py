@@ -31,6 +31,7 @@ from jax_session_state._attention_blocks import (
     _from_rows,
     _last_visible,
     _pallas_append,
+    _pallas_wanted,
     _read_blocks,
     _relative_offsets,
     _scores,
@@ -55,7 +56,8 @@ def _default_positions(q: Array, lengths: Array, q_positions: Array | None) -> A
 
 def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: float,
                                    q_positions: Array | None) -> tuple[Array, Array]:
-    """A quantized append-mode view: the native kernel on CPU (scales applied inside), one bucketed pass elsewhere."""
+    """A quantized append-mode view: the native kernel on CPU (scales applied inside), the Pallas kernel on CUDA
+    where a GPU is attached (:func:`_pallas_wanted`), one bucketed pass elsewhere."""
     relative = q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
 
@@ -67,8 +69,13 @@ def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: 
         return _bucketed_append(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal,
                                 scale=scale, k_scale=k_scale, v_scale=v_scale)
 
+    def pallas(q, k, v, k_scale, v_scale, lengths, positions):
+        return _pallas_append(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal, scale=scale,
+                              interpret=False, k_scale=k_scale, v_scale=v_scale)
+
+    cuda = {"cuda": pallas} if _pallas_wanted("auto", view.k, view.k.shape[2], scale) else {}
     return lax.platform_dependent(q, view.k, view.v, view.k_scale, view.v_scale, view.lengths, positions,
-                                  cpu=native, default=bucketed)
+                                  cpu=native, default=bucketed, **cuda)
 
 
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -93,8 +100,9 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
                          scale: float, relative: bool) -> tuple[Array, Array]:
-    """Append-mode attention: the native kernel on CPU (:func:`_blockwise` under a ``vmap`` it does not fold), one
-    bucketed pass (:func:`_bucketed_append`) elsewhere.
+    """Append-mode attention: the native kernel on CPU (:func:`_blockwise` under a ``vmap`` it does not fold), the
+    Pallas kernel on CUDA where a GPU is attached (:func:`_pallas_wanted`), one bucketed pass
+    (:func:`_bucketed_append`) elsewhere.
 
     With ``relative`` the query positions are offsets from each row's length.
     """
@@ -102,9 +110,14 @@ def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positio
     def blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
         return _blockwise(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
 
+    def pallas(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
+        return _pallas_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
+                              scale=scale, interpret=False)
+
     native = _native.kernel(causal, scale, relative, blockwise)
     bucketed = functools.partial(_relative_bucketed, causal=causal, scale=scale, relative=relative)
-    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=bucketed)
+    cuda = {"cuda": pallas} if _pallas_wanted("auto", k, k.shape[2], scale) else {}
+    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=bucketed, **cuda)
 
 
 def _relative_bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -174,21 +187,24 @@ def _flash_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotan
 _native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _pallas_or_bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
-                        scale: float) -> tuple[Array, Array]:
-    """A float append-mode cache read by the Pallas split-K kernel (compiled on GPU, interpreted on CPU), one
-    bucketed pass on TPU; its VJP is the bucketed pass's, recomputed (a Pallas call has none)."""
+                        scale: float, reader: str) -> tuple[Array, Array]:
+    """A float append-mode cache read by the Pallas split-K kernel: on GPU compiled, on CPU interpreted
+    (``reader="pallas"``) or the block loop (``"auto"``, where a GPU is attached); one bucketed pass on TPU.  Its
+    VJP is the bucketed pass's, recomputed (a Pallas call has none)."""
+    loop = functools.partial(_blockwise, causal=causal, scale=scale)
     bucketed = functools.partial(_bucketed_append, causal=causal, scale=scale)
     pallas = functools.partial(_pallas_append, causal=causal, scale=scale)
-    return _by_platform("pallas", None, bucketed, q, k, v, lengths, q_positions, pallas=pallas)
+    return _by_platform(reader, loop, bucketed, q, k, v, lengths, q_positions, pallas=pallas)
 
 
-def _pallas_or_bucketed_fwd(q, k, v, lengths, q_positions, causal, scale):
-    return _pallas_or_bucketed(q, k, v, lengths, q_positions, causal, scale), (q, k, v, lengths, q_positions)
+def _pallas_or_bucketed_fwd(q, k, v, lengths, q_positions, causal, scale, reader):
+    out = _pallas_or_bucketed(q, k, v, lengths, q_positions, causal, scale, reader)
+    return out, (q, k, v, lengths, q_positions)
 
 
-def _pallas_or_bucketed_bwd(causal: bool, scale: float, residuals: Any, cotangents: Any) -> tuple:
+def _pallas_or_bucketed_bwd(causal: bool, scale: float, reader: str, residuals: Any, cotangents: Any) -> tuple:
     return (*_bucketed_vjp(residuals, cotangents, causal=causal, scale=scale, relative=False), None, None)
 
 

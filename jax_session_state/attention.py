@@ -30,7 +30,8 @@
   applies each row's scales to its scores and weights.
 
 ``implementation=`` picks how append-mode and paged views are read:
-``"auto"`` (above on CPU; ``"bucketed"`` on GPU and TPU), ``"native"``,
+``"auto"`` (above on CPU; ``"pallas"`` on CUDA where a GPU is attached;
+``"bucketed"`` on TPU and elsewhere), ``"native"``,
 ``"loop"``, ``"bucketed"`` (one fused dense pass over the valid prefix
 rounded up to a power of two, picked by ``lax.switch``: a handful of
 kernels, O(valid) work; its dots sum in float32 and read a bfloat16 or
@@ -44,14 +45,17 @@ page table for a paged view, and the shares merge by log-sum-exp; compiled
 through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float,
 int8 and fp8 caches with a power-of-two head dim of at least 16 and a
 capacity or page size a multiple of 16, and a static scale; other views,
-and TPU, read buckets); :data:`IMPLEMENTATIONS` lists them.
+and TPU, read buckets; a float32 cache's dots are three TF32 products on a
+GPU, about float32's accuracy); :data:`IMPLEMENTATIONS` lists them.
 :data:`BLOCK_SIZE` is the keys per block of the loop,
 :data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
 for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
-latency-bound by construction, so ``"auto"`` reads buckets there; no
-accelerator has measured buckets or the Pallas kernel yet
-(``benchmarks/device.py`` measures both), so ``"auto"`` does not pick the
-kernel.
+latency-bound by construction.  On an H200 the Pallas kernel read faster
+than buckets in every row of ``benchmarks/device.py`` (batch 1 to 32, 4k to
+128k valid, T = 1 and 16; BENCHMARKS.md), so ``"auto"`` reads it on CUDA
+where this process has a GPU; a CUDA lowering made without one
+(``jax.export`` on a CPU host: compiling the kernel takes the GPU's
+plugin), TPU and ROCm read buckets.
 
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
@@ -98,7 +102,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state import _attention_pallas, _native
+from jax_session_state import _native
 from jax_session_state._attention_blocks import (
     BLOCK_SIZE,
     BUCKET_SCORE_BYTES,
@@ -116,6 +120,7 @@ from jax_session_state._attention_blocks import (
     _paged_blockwise,
     _pallas_append,
     _pallas_paged,
+    _pallas_wanted,
     _read_blocks,
     _relative_offsets,
     _scores,
@@ -187,7 +192,8 @@ def attend(
       implementation: how append-mode and paged views are read (ring views
         and a branch's own rows are always one dense pass):
         ``"auto"``: on CPU the native kernel on a single device where
-        built, else ``"loop"``; on GPU and TPU ``"bucketed"``;
+        built, else ``"loop"``; on CUDA, where this process has a GPU,
+        ``"pallas"``; on TPU, and elsewhere, ``"bucketed"``;
         ``"native"``: the native kernel (an error where it is not
         available; CPU only); ``"loop"``: the pure-JAX blockwise loop;
         ``"bucketed"``: one fused dense pass over the valid prefix rounded
@@ -386,9 +392,9 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
         return _pallas_append(q, k, v, lengths, positions, causal=causal, scale=scale, interpret=interpret, **scales)
 
     positions = _default_positions(q, view.lengths, q_positions)
-    takes = _pallas_takes(implementation, view.k, view.k.shape[2], scale)
+    takes = _pallas_wanted(implementation, view.k, view.k.shape[2], scale)
     if takes and not view.quantized:  # float caches have gradients: through a VJP the kernel lacks
-        return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, scale)
+        return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, scale, implementation)
     return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales,
                         pallas=pallas if takes else None)
 
@@ -405,12 +411,6 @@ def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, k
     return takes
 
 
-def _pallas_takes(implementation: str, k: Array, extent: int, scale: Any) -> bool:
-    """Whether ``"pallas"`` runs the kernel here: asked for, a static scale (the kernel's constant), and a cache
-    it reads (``_attention_pallas.takes``); otherwise buckets."""
-    return implementation == "pallas" and isinstance(scale, numbers.Real) and _attention_pallas.takes(k, extent)
-
-
 def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
                     implementation: str) -> tuple[Array, Array]:
     """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
@@ -420,7 +420,7 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
         if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)
-        takes = _pallas_takes(implementation, view.k_pages, view.page_size, scale)
+        takes = _pallas_wanted(implementation, view.k_pages, view.page_size, scale)
         return _by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
                             functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
                             _default_positions(q, view.lengths, q_positions),
@@ -434,8 +434,8 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
 
 def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: float,
                             q_positions: Array | None) -> tuple[Array, Array]:
-    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), one bucketed
-    pass elsewhere."""
+    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), the Pallas
+    kernel on CUDA where a GPU is attached (:func:`_pallas_wanted`), one bucketed pass elsewhere."""
     relative = q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
 
@@ -447,8 +447,14 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
         paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
         return _bucketed_paged(q, paged, _absolute(lengths, positions, relative), causal, scale)
 
+    def pallas(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+        paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
+        return _pallas_paged(q, paged, _absolute(lengths, positions, relative), causal=causal, scale=scale,
+                             interpret=False)
+
+    cuda = {"cuda": pallas} if _pallas_wanted("auto", view.k_pages, view.page_size, scale) else {}
     return lax.platform_dependent(q, view.k_pages, view.v_pages, view.k_scale, view.v_scale, view.page_table,
-                                  view.lengths, positions, cpu=kernel, default=bucketed)
+                                  view.lengths, positions, cpu=kernel, default=bucketed, **cuda)
 
 
 def _ring_with_lse(

@@ -1,6 +1,8 @@
-"""attend() as it reads on GPU and TPU: one bucketed pass, lowered for them here and run on CPU explicitly.
+"""attend() as it reads on TPU, and on GPU where the Pallas kernel does not: one bucketed pass, lowered for them
+here and run on CPU explicitly.
 
-Off CPU, ``implementation="auto"`` reads every append-mode and paged view
+On TPU, and on CUDA where no GPU is attached (a CUDA lowering made on a
+CPU host), ``implementation="auto"`` reads every append-mode and paged view
 (float, 16-bit or quantized, alone or under ``jax.vmap``) in one
 ``lax.switch`` over static buckets of the valid prefix, and rings in one
 dense pass, under ``vmap`` too: no loop over key blocks.  Those lowerings
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_blocks
+from jax_session_state import _attention_blocks, _attention_pallas
 from tests.support.attention_reference import (
     VIEWS,
     assert_close,
@@ -37,6 +39,20 @@ from tests.support.attention_reference import (
 )
 
 ACCELERATORS = ["cuda", "tpu"]
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_attached(monkeypatch):
+    """``"auto"`` as it reads on TPU, and on CUDA where no GPU is attached (``jax.export`` on a CPU host): buckets.
+    Where one is, it reads the Pallas kernel instead (``test_attention_pallas.py``): programs traced with that
+    choice are cleared before and after."""
+    attached = _attention_pallas.gpu_attached()
+    if attached:
+        jax.clear_caches()
+    monkeypatch.setattr(_attention_pallas, "gpu_attached", lambda: False)
+    yield
+    if attached:
+        jax.clear_caches()
 
 
 def shrink_score_budget(monkeypatch, q, kv_heads, keys=_attention_blocks.SMALLEST_BUCKET):

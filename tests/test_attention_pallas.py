@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_pallas
+from jax_session_state import _attention_pallas, _native
 from tests.support.attention_reference import (
     VIEWS,
     assert_close,
@@ -204,6 +204,38 @@ def test_pallas_lowers_to_one_triton_call_for_gpu_and_buckets_for_tpu(kind):
     assert "custom_call" not in tpu and "stablehlo.case" in tpu and "stablehlo.while" not in tpu
     if not view.quantized:  # quantized views have no gradients
         grad = lowered(jax.grad(lambda q, view: pallas_attend(q.astype(jnp.float32), view)[0].sum()), "cuda",
+                       q.astype(jnp.float32), view)
+        assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP
+
+
+@pytest.fixture(params=["native", "no native"])
+def gpu_attached(request, monkeypatch):
+    """``"auto"`` as it chooses in a process with a CUDA GPU, with the native CPU kernel built and without."""
+    jax.clear_caches()
+    monkeypatch.setattr(_attention_pallas, "gpu_attached", lambda: True)
+    if request.param == "no native":
+        monkeypatch.setattr(_native, "enabled", lambda: False)
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("kind", VIEWS)
+def test_auto_reads_the_kernel_on_cuda_where_a_gpu_is_attached(kind, gpu_attached):
+    """Measured faster than buckets on a GPU (BENCHMARKS.md), the kernel is ``"auto"``'s CUDA reader: one Triton
+    call, no loop; TPU still reads buckets, CPU what it read before (checked against float64), and the gradient
+    lowered for CUDA has no loop either."""
+    rng = np.random.default_rng(12)
+    view, dense, dtype = view_of(kind, rng, dim=DIM)
+    q = jnp.asarray(randn(rng, 3, 2, 4, DIM), dtype)
+    cuda = lowered(jss.attend_with_lse, "cuda", q, view)
+    assert triton_call_count(cuda) == 1 and "stablehlo.while" not in cuda
+    tpu = lowered(jss.attend_with_lse, "tpu", q, view)
+    assert "custom_call" not in tpu and "stablehlo.case" in tpu and "stablehlo.while" not in tpu
+    out, lse = jax.jit(jss.attend_with_lse)(q, view)
+    expected = float64_reference(np.asarray(q, np.float64), dense)
+    (assert_close if dtype == jnp.float32 else assert_close_16_bit)(out, lse, *expected)
+    if not view.quantized:  # quantized views have no gradients
+        grad = lowered(jax.grad(lambda q, view: jss.attend(q.astype(jnp.float32), view).sum()), "cuda",
                        q.astype(jnp.float32), view)
         assert "stablehlo.while" not in grad  # the backward: the bucketed pass's VJP
 
