@@ -29,7 +29,7 @@ def test_device_benchmark_smoke_run_writes_every_row_with_a_small_error(tmp_path
 
 
 def _attention_rows(**kwargs):
-    return device.attention_rows(batches=[1], valids=[200], capacity=256, calls=1, peak=None, copy=1e9, **kwargs)
+    return device.attention_rows(batches=[1], valids=[200], capacity=256, rounds=1, peak=None, copy=1e9, **kwargs)
 
 
 def test_a_failing_implementation_is_recorded_and_the_run_goes_on(tmp_path):
@@ -69,7 +69,7 @@ def test_the_pallas_sweep_measures_every_setting_and_restores_the_kernels():
     from jax_session_state import _attention_pallas as kernel
 
     before = {name: getattr(kernel, name) for name in device.SWEEP}
-    rows = device.sweep_rows(batch=1, valid=200, capacity=256, calls=1, peak=None)
+    rows = device.sweep_rows(batch=1, valid=200, capacity=256, rounds=1, peak=None)
     assert len(rows) == 2 * 24 and len({row["measure"] for row in rows}) == 48
     for row in rows:  # interpreted here: every setting reads what the buckets read
         assert row["max abs error"] < 2e-2 and row["us"] > 0, row
