@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +110,33 @@ def _description(module: Path) -> str:
     return doc.split("\nRun:")[0].strip()
 
 
-def _markdown_table(rows: list[dict[str, Any]]) -> str:
-    columns = ["measure", "value", "bar", "holds"]
+DEVICE_COLUMNS = ["measure", "us", "GB/s", "of peak", "over dot_product_attention", "over raw", "bar", "holds",
+                  "not measured"]
+
+
+def _markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    columns = columns or ["measure", "value", "bar", "holds"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _device_runs(figures: Path) -> list[str]:
+    """A section for the committed runs of ``benchmarks/device.py`` on accelerators (``device_*.json``, in the
+    order of their names), which ``python -m benchmarks`` does not run."""
+    runs = sorted(figures.glob("device_*.json"))
+    if not runs:
+        return []
+    lines = ["## On accelerators", "", _description(figures / "device.py"), "",
+             "Each run was made on a lent accelerator and its JSON committed; `python -m benchmarks` does not run "
+             "them.", ""]
+    for path in runs:
+        run = json.loads(path.read_text())
+        env = run["environment"]
+        lines += [f"### `benchmarks/{path.name}` ({run['seconds']:.0f} s)", "", run["run"], "",
+                  f"Measured on {run['device_kind']} (jax {env['jax']}, jaxlib {env['jaxlib']}; host {env['cpu']}).",
+                  "", _markdown_table(run["rows"], DEVICE_COLUMNS), ""]
+    return lines
 
 
 def write(document: dict[str, Any], markdown: Path, figures: Path) -> None:
@@ -147,4 +170,5 @@ def write(document: dict[str, Any], markdown: Path, figures: Path) -> None:
         machine = f"Measured on {result['machine']}." if "machine" in result else ""
         lines += [f"### `benchmarks/{name}.py` ({result['seconds']:.0f} s)", "",
                   _description(figures / f"{name}.py"), "", machine, "", _markdown_table(result["rows"]), ""]
+    lines += _device_runs(figures)
     markdown.write_text("\n".join(lines))

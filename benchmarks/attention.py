@@ -17,12 +17,11 @@ Measures, in one run (batch 1, 8 query heads over 8 kv-heads x 64, float32):
     against its logical bytes (bar <= 1.25).
 
 The table names the CPU (model, AVX2 and AVX-512 yes/no) in its first row.
-GPU and TPU rows are not measured here: ``benchmarks/device.py`` is the
-script for one accelerator, and until it has run on one the accelerator
-bars (decode attention >= 50% of peak HBM bandwidth, <= 1.2 x cuDNN) stay
-open; ``attend`` reads one bucketed pass there by default (chosen by
-construction, unmeasured), and ``implementation="pallas"`` is the split-K
-Pallas kernel the script measures beside it.  Nor are aarch64 rows: the kernel's aarch64
+GPU rows come from ``benchmarks/device.py``, run on a lent GPU (its JSON
+committed; "On accelerators" below): there ``attend`` reads the split-K
+Pallas kernel by default where a CUDA GPU is attached, faster than the
+bucketed pass in every row measured; TPU reads buckets, unmeasured.  Nor
+are aarch64 rows: the kernel's aarch64
 build passes its tests under emulation (``benchmarks/NOTES.md``), which
 says nothing of its speed.  XLA's own dots in the pure loop dispatch to
 the widest vectors the CPU has whatever path is forced, so on an AVX-512
