@@ -371,16 +371,15 @@ def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, 
     (see :func:`_pallas_wanted`), and ``bucketed`` (a handful of fused kernels) elsewhere."""
     if implementation in ("loop", "bucketed"):
         return (loop if implementation == "loop" else bucketed)(*operands)
-    if pallas is None:
+    branches = {"cpu": loop if native is None else native}
+    if pallas is not None:
+        compiled = functools.partial(pallas, interpret=False)
+        branches["cuda"] = compiled
         if implementation == "pallas":
-            return bucketed(*operands)
-        return lax.platform_dependent(*operands, cpu=loop if native is None else native, default=bucketed)
-    compiled = functools.partial(pallas, interpret=False)
-    if implementation == "pallas":
-        return lax.platform_dependent(*operands, cpu=functools.partial(pallas, interpret=True), cuda=compiled,
-                                      rocm=compiled, default=bucketed)
-    return lax.platform_dependent(*operands, cpu=loop if native is None else native, cuda=compiled,
-                                  default=bucketed)
+            branches.update(cpu=functools.partial(pallas, interpret=True), rocm=compiled)
+    elif implementation == "pallas":
+        return bucketed(*operands)
+    return lax.platform_dependent(*operands, default=bucketed, **branches)
 
 
 def _pallas_wanted(implementation: str, k: Array, extent: int, scale: Any) -> bool:

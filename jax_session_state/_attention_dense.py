@@ -69,13 +69,13 @@ def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: 
         return _bucketed_append(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal,
                                 scale=scale, k_scale=k_scale, v_scale=v_scale)
 
-    def pallas(q, k, v, k_scale, v_scale, lengths, positions):
+    def pallas(q, k, v, k_scale, v_scale, lengths, positions, *, interpret):
         return _pallas_append(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal, scale=scale,
-                              interpret=False, k_scale=k_scale, v_scale=v_scale)
+                              interpret=interpret, k_scale=k_scale, v_scale=v_scale)
 
-    cuda = {"cuda": pallas} if _pallas_wanted("auto", view.k, view.k.shape[2], scale) else {}
-    return lax.platform_dependent(q, view.k, view.v, view.k_scale, view.v_scale, view.lengths, positions,
-                                  cpu=native, default=bucketed, **cuda)
+    wanted = _pallas_wanted("auto", view.k, view.k.shape[2], scale)
+    return _by_platform("auto", None, bucketed, q, view.k, view.v, view.k_scale, view.v_scale, view.lengths,
+                        positions, native=native, pallas=pallas if wanted else None)
 
 
 def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
@@ -110,14 +110,16 @@ def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positio
     def blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
         return _blockwise(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
 
-    def pallas(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array) -> tuple[Array, Array]:
+    def pallas(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *,
+               interpret: bool) -> tuple[Array, Array]:
         return _pallas_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
-                              scale=scale, interpret=False)
+                              scale=scale, interpret=interpret)
 
     native = _native.kernel(causal, scale, relative, blockwise)
     bucketed = functools.partial(_relative_bucketed, causal=causal, scale=scale, relative=relative)
-    cuda = {"cuda": pallas} if _pallas_wanted("auto", k, k.shape[2], scale) else {}
-    return lax.platform_dependent(q, k, v, lengths, q_positions, cpu=native, default=bucketed, **cuda)
+    wanted = _pallas_wanted("auto", k, k.shape[2], scale)
+    return _by_platform("auto", None, bucketed, q, k, v, lengths, q_positions, native=native,
+                        pallas=pallas if wanted else None)
 
 
 def _relative_bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,

@@ -79,7 +79,8 @@ def block_bytes() -> int:
     """The most bytes one block of keys (or values) may take: 32 KiB where a program has the shared memory of a
     data-centre GPU (compute capability 8.0 or 9.0 and later: 164 KiB and more, for two blocks in each of
     :data:`STAGES` stages), else 16 KiB."""
-    return 32 * 1024 if compute_capability() in (8.0, 8.7) or compute_capability() >= 9.0 else 16 * 1024
+    capability = compute_capability()
+    return 32 * 1024 if capability in (8.0, 8.7) or capability >= 9.0 else 16 * 1024
 
 
 def _tile(rows: int, cache_dtype: Any) -> int:

@@ -447,14 +447,14 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
         paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
         return _bucketed_paged(q, paged, _absolute(lengths, positions, relative), causal, scale)
 
-    def pallas(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+    def pallas(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions, *, interpret):
         paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
         return _pallas_paged(q, paged, _absolute(lengths, positions, relative), causal=causal, scale=scale,
-                             interpret=False)
+                             interpret=interpret)
 
-    cuda = {"cuda": pallas} if _pallas_wanted("auto", view.k_pages, view.page_size, scale) else {}
-    return lax.platform_dependent(q, view.k_pages, view.v_pages, view.k_scale, view.v_scale, view.page_table,
-                                  view.lengths, positions, cpu=kernel, default=bucketed, **cuda)
+    wanted = _pallas_wanted("auto", view.k_pages, view.page_size, scale)
+    return _by_platform("auto", None, bucketed, q, view.k_pages, view.v_pages, view.k_scale, view.v_scale,
+                        view.page_table, view.lengths, positions, native=kernel, pallas=pallas if wanted else None)
 
 
 def _ring_with_lse(
