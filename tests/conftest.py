@@ -9,6 +9,10 @@ them directly instead.
 
 import os
 
+# On a GPU each test process takes memory as it needs it: by default XLA takes 75% of the GPU per process, and the
+# suite's test processes share one GPU.  Set before jax starts a backend (a value given outside is kept).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import chex
 import jax
 import pytest

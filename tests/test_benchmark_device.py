@@ -74,3 +74,10 @@ def test_the_pallas_sweep_measures_every_setting_and_restores_the_kernels():
     for row in rows:  # interpreted here: every setting reads what the buckets read
         assert row["max abs error"] < 2e-2 and row["us"] > 0, row
     assert {name: getattr(kernel, name) for name in device.SWEEP} == before
+
+
+def test_the_warm_up_keeps_the_device_busy_for_its_seconds():
+    start = time.perf_counter()
+    copies = device.warm_up(0.2, 1 << 16)
+    assert time.perf_counter() - start >= 0.2 and copies > 1
+    assert device.warm_up(0.0, 1 << 16) == 1  # a tiny run: one copy, no waiting
