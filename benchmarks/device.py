@@ -28,7 +28,7 @@ host's round trip, and the candidates share the device's clocks.
 Bars (GPU, when measured): 32k valid, batch 8, T = 1: >= 50% of peak HBM
 bandwidth and <= 1.2 x ``dot_product_attention`` on the valid tokens.
 
-Before anything is timed the device copies for :data:`WARM_UP_S` seconds,
+Before anything is timed the device copies for 3 s (``WARM_UP_S``),
 so that the first case does not meet a GPU's idle clock.
 
 An accelerator is lent for minutes, so one run must bring back what it
