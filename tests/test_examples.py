@@ -1,5 +1,6 @@
 """Every example runs end to end at a tiny size, in its own process, and produces what it promises."""
 
+import importlib
 import itertools
 import json
 import re
@@ -68,6 +69,24 @@ def test_rollout_demo_with_trained_weights(trained, tmp_path):
     assert "LatentBuffer" in rows["frames"] and "FixedState" in rows["carry"]
     assert "40 frames (640 tokens)" in done.stdout
     assert_png(tmp_path / "rollout.png", 400)
+
+
+@pytest.mark.parametrize("steps", [8, 9])
+def test_rollout_demo_times_each_frame_over_its_iteration(monkeypatch, steps):
+    """The callbacks of one iteration's steps reach the host together: each frame reads its iteration's mean."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    demo = importlib.import_module("world_model_rollout")
+    per_iteration, rng = 2, np.random.default_rng(steps)
+    groups = [list(range(i, min(i + per_iteration, steps))) for i in range(0, steps, per_iteration)]
+    start, ends, times = 100.0, [], np.zeros(steps)
+    for group in groups:  # an iteration's callbacks run one after another once its steps are done
+        end = (ends[-1] if ends else start) + rng.uniform(1e-3, 5e-3)
+        times[group] = end - 1e-5 * np.arange(len(group))[::-1]
+        ends.append(end)
+    expected = []
+    for group, end, before in zip(groups, ends, [start, *ends]):
+        expected += [(end - before) * 1e3 / len(group)] * len(group)
+    np.testing.assert_allclose(demo.frame_ms(start, times, per_iteration), expected, rtol=1e-9)
 
 
 def test_rollout_refuses_more_steps_than_capacity(tmp_path):
