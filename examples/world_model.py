@@ -364,7 +364,9 @@ def rollout(
         instead of the predictions (teacher forcing), or None.
       on_step: called on the host after every step with the step's index and
         the tokens written so far (``jax.debug.callback``, in order), e.g. to
-        drive a progress bar; None for no callback.
+        drive a progress bar; None for no callback.  Each call is a round
+        trip to the host: on XLA:CPU an empty one costs about 0.3-0.5 ms, more
+        than half of this model's step at 4k tokens.
       unroll: steps per iteration of the compiled loop (``lax.scan``'s
         ``unroll``); see :data:`STEPS_PER_ITERATION`.
 
