@@ -93,7 +93,7 @@ def frame_ms(start: float, times: np.ndarray, steps_per_iteration: int = STEPS_P
     iteration ends, not each step: timed step by step, the frames of one
     iteration would read a full iteration and nearly nothing in turn.
     """
-    ends = np.unique(np.append(np.arange(steps_per_iteration - 1, len(times), steps_per_iteration), len(times) - 1))
+    ends = np.append(np.arange(steps_per_iteration - 1, len(times) - 1, steps_per_iteration), len(times) - 1)
     durations = np.diff(np.concatenate([[start], times[ends]])) * 1e3
     frames = np.diff(np.concatenate([[-1], ends]))
     return np.repeat(durations / frames, frames)
