@@ -128,8 +128,8 @@ def _device_runs(figures: Path) -> list[str]:
     if not runs:
         return []
     lines = ["## On accelerators", "", _description(figures / "device.py"), "",
-             "Each run was made on a lent accelerator and its JSON committed; `python -m benchmarks` does not run "
-             "them.", ""]
+             "Each run was made on an accelerator at hand for minutes and its JSON committed; "
+             "`python -m benchmarks` does not run them.", ""]
     for path in runs:
         run = json.loads(path.read_text())
         env = run["environment"]

@@ -4,7 +4,8 @@ Measures, in one run (batch 1, 8 query heads over 8 kv-heads x 64, float32):
 
 (a) ``attend`` over a 32k-capacity cache holding 1k tokens against a
     1k-capacity cache holding the same tokens (bar <= 1.5);
-(b) the rollout step, rollouts, a bfloat16 cache and (e) the byte bound,
+(b) the rollout step, rollouts, bfloat16 caches (one read again and
+    again, and eight layers' read in turn) and (e) the byte bound,
     once per path of the native kernel the CPU runs (``baseline``,
     ``avx2``, ``avx512``; ``benchmarks.attention_steps`` in a process per
     path, ``JSS_NATIVE_ISA`` set, and PyTorch limited to the same vector
@@ -17,7 +18,7 @@ Measures, in one run (batch 1, 8 query heads over 8 kv-heads x 64, float32):
     against its logical bytes (bar <= 1.25).
 
 The table names the CPU (model, AVX2 and AVX-512 yes/no) in its first row.
-GPU rows come from ``benchmarks/device.py``, run on a lent GPU (its JSON
+GPU rows come from ``benchmarks/device.py``, run on a GPU (its JSON
 committed; "On accelerators" below): there ``attend`` reads the split-K
 Pallas kernel by default where a CUDA GPU is attached, faster than the
 bucketed pass in every row measured; TPU reads buckets, unmeasured.  Nor
@@ -30,7 +31,9 @@ would be on a CPU of that kind.  On the ``baseline`` (SSE2) path a
 bfloat16 cache is bound by its instructions (no FMA, no one-instruction
 widening) while float32 reads near memory speed, so its bar (<= 0.7 of
 float32) holds only while float32 waits on memory for more than half its
-time; ``benchmarks/NOTES.md`` has the measurements.
+time: about 0.86 with float32's rows in L2 and 0.5-0.6 with them in main
+memory, as a model's layers are (the eight-layer row);
+``benchmarks/NOTES.md`` has the measurements.
 
 Steps timed at a fixed valid length append after it and then rewind the
 length (one integer, inside the same jitted call), so every call writes the

@@ -12,7 +12,9 @@ x 64, float32, capacity 32k:
   ``scaled_dot_product_attention`` over the valid prefix (bar <= 1.5);
 - whole rollouts 0 -> 4096: the step in a Python loop and as one
   ``lax.scan`` (T = 16: bar <= 1.5 x PyTorch);
-- a bfloat16 cache against float32 at T = 1, 4k valid (bar <= 0.7);
+- a bfloat16 cache against float32 at T = 1, 4k valid (bar <= 0.7): one
+  cache read again and again, and eight layers' caches read in turn, as a
+  model's step reads them;
 - the byte bound: valid K/V bytes over the measured copy bandwidth (T = 1,
   4k: bar <= 1.5).
 
@@ -160,21 +162,38 @@ def rollout_rows(T: int, tokens: int, rounds: int) -> list[dict]:
             note=note, **({"bar": BARS["rollout"]} if T == 16 else {})),
     ]
 
+# A model's step reads each layer's cache once: eight layers of 4k valid
+# tokens are 134 MB of float32, past the last-level cache of most CPUs.
+LAYERS = 8
+
+
 def bf16_rows(length: int, rounds: int) -> list[dict]:
     """``attend`` at T = 1 over a bfloat16 cache against the same rows in float32, in the same rounds.
 
-    The read alone: a bfloat16 cache's append is timed by ``benchmarks.append``.
+    Twice: one cache read again and again, whose rows stay in the CPU's
+    caches where they fit, and ``LAYERS`` caches read in turn by one jitted
+    call, as a model's step reads its layers (per layer).  The read alone: a
+    bfloat16 cache's append is timed by ``benchmarks.append``.
     """
     rows = randn(2, 1, length, HEADS, HEAD_DIM)
-    views = {name: filled_cache(CAPACITY, rows, dtype).view()
-             for name, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16))}
+    dtypes = (("f32", jnp.float32), ("bf16", jnp.bfloat16))
     q = jnp.asarray(randn(BATCH, 1, HEADS, HEAD_DIM))
+    views = {name: filled_cache(CAPACITY, rows, dtype).view() for name, dtype in dtypes}
     attend = jax.jit(jss.attend)
     calls = {name: (lambda view=view: attend(q, view).block_until_ready()) for name, view in views.items()}
     assert relative_error(calls["bf16"](), calls["f32"]()) < 2e-2  # bf16 rounding of the rows
-    t = timed(calls, rounds)
+    layers = {name: [filled_cache(length, rows, dtype).view() for _ in range(LAYERS)] for name, dtype in dtypes}
+    attend_layers = jax.jit(lambda q, views: [jss.attend(q, view) for view in views])
+    layer_calls = {name: (lambda views=views: jax.block_until_ready(attend_layers(q, views)))
+                   for name, views in layers.items()}
+    assert relative_error(layer_calls["bf16"]()[-1], calls["f32"]()) < 2e-2
+    t = timed({**calls, **{f"{name} layers": call for name, call in layer_calls.items()}}, rounds)
+    float_bytes = LAYERS * 2 * BATCH * HEADS * length * HEAD_DIM * FLOAT
     return [row("b", f"attend T=1, {length} valid: bfloat16 cache vs float32", t["bf16"] * 1e6, t["f32"] * 1e6,
-                "us", bar=BARS["bf16"])]
+                "us", bar=BARS["bf16"]),
+            row("b", f"attend T=1, {length} valid, {LAYERS} layers read in turn ({float_bytes / 1e6:.0f} MB of "
+                     "float32): bfloat16 caches vs float32, per layer",
+                t["bf16 layers"] / LAYERS * 1e6, t["f32 layers"] / LAYERS * 1e6, "us", bar=BARS["bf16"])]
 
 
 def limit_rows(step_rows_: list[dict], bandwidth: float) -> list[dict]:

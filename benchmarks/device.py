@@ -31,12 +31,12 @@ bandwidth and <= 1.2 x ``dot_product_attention`` on the valid tokens.
 Before anything is timed the device copies for 3 s (``WARM_UP_S``),
 so that the first case does not meet a GPU's idle clock.
 
-An accelerator is lent for minutes, so one run must bring back what it
-could measure: the bars' case goes first, a case that fails (out of memory,
-a kernel that does not lower) is recorded with its error and the run goes
-on, cases past ``--budget`` seconds are recorded as not measured, and the
-JSON is rewritten after every case, so a run killed from outside still
-leaves its finished rows.
+An accelerator is often at hand for minutes only, so one run must bring
+back what it could measure: the bars' case goes first, a case that fails
+(out of memory, a kernel that does not lower) is recorded with its error
+and the run goes on, cases past ``--budget`` seconds are recorded as not
+measured, and the JSON is rewritten after every case, so a run killed
+from outside still leaves its finished rows.
 
 ``--sweep`` measures only ``"pallas"`` at the bars' case, T = 1 and 16,
 for each setting of the kernel's block size, programs, warps and pipeline
