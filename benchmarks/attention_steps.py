@@ -179,15 +179,17 @@ def bf16_rows(length: int, rounds: int) -> list[dict]:
     dtypes = (("f32", jnp.float32), ("bf16", jnp.bfloat16))
     q = jnp.asarray(randn(BATCH, 1, HEADS, HEAD_DIM))
     views = {name: filled_cache(CAPACITY, rows, dtype).view() for name, dtype in dtypes}
+    stacks = {f"{name} layers": [filled_cache(length, rows, dtype).view() for _ in range(LAYERS)]
+              for name, dtype in dtypes}
     attend = jax.jit(jss.attend)
-    calls = {name: (lambda view=view: attend(q, view).block_until_ready()) for name, view in views.items()}
-    assert relative_error(calls["bf16"](), calls["f32"]()) < 2e-2  # bf16 rounding of the rows
-    layers = {name: [filled_cache(length, rows, dtype).view() for _ in range(LAYERS)] for name, dtype in dtypes}
     attend_layers = jax.jit(lambda q, views: [jss.attend(q, view) for view in views])
-    layer_calls = {name: (lambda views=views: jax.block_until_ready(attend_layers(q, views)))
-                   for name, views in layers.items()}
-    assert relative_error(layer_calls["bf16"]()[-1], calls["f32"]()) < 2e-2
-    t = timed({**calls, **{f"{name} layers": call for name, call in layer_calls.items()}}, rounds)
+    calls = {name: (lambda view=view: attend(q, view).block_until_ready()) for name, view in views.items()}
+    calls.update({name: (lambda views=views: jax.block_until_ready(attend_layers(q, views)))
+                  for name, views in stacks.items()})
+    reference = calls["f32"]()
+    assert relative_error(calls["bf16"](), reference) < 2e-2  # bf16 rounding of the rows
+    assert relative_error(calls["bf16 layers"]()[-1], reference) < 2e-2
+    t = timed(calls, rounds)
     float_bytes = LAYERS * 2 * BATCH * HEADS * length * HEAD_DIM * FLOAT
     return [row("b", f"attend T=1, {length} valid: bfloat16 cache vs float32", t["bf16"] * 1e6, t["f32"] * 1e6,
                 "us", bar=BARS["bf16"]),
