@@ -41,7 +41,7 @@ from benchmarks._attention_parts import (
     torch_candidates,
     torch_reference,
 )
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 
 def _hlo_categories(hlo: str) -> dict[str, str]:
@@ -94,7 +94,7 @@ def _hlo_categories(hlo: str) -> dict[str, str]:
                     categories[op_name] = "softmax and state update"
             elif op == "while":
                 categories[op_name] = "while"
-            elif op == "custom-call" and _native.TARGET in line:
+            elif op == "custom-call" and _library.TARGET in line:
                 categories[op_name] = NATIVE_CALL
             elif any(write in inner or op == write for write in ("dynamic-update-slice", "scatter")):
                 categories[op_name] = "write (append)"
@@ -151,7 +151,7 @@ def breakdown_rows(T: int, length: int, rounds: int, bandwidth: float, kernel: s
         state.cache, out = fn(state.cache, q, k, v)
         out.block_until_ready()
 
-    with _native.use(kernel == "native"):
+    with _library.use(kernel == "native"):
         hlo = (step_in_place if kernel == "native" else pure_step_in_place).lower(state.cache, q, k, v)
         categories = _hlo_categories(hlo.compile().as_text())
     profiled = _profile(functools.partial(call, fn))

@@ -19,7 +19,7 @@ from jax import lax
 
 import jax_session_state as jss
 from benchmarks._common import cpu_name, interleaved, vector_isas, with_lengths
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 torch: Any = None  # imported by load_torch(), not by the memory child
 
@@ -98,7 +98,7 @@ def pure_kernel(fn):
     """``fn`` traced (at its first call) without the native kernel: the pure-JAX loop."""
 
     def run(*args):
-        with _native.use(False):
+        with _library.use(False):
             return fn(*args)
 
     return run

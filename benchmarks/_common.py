@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_session_state as jss
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -232,14 +232,14 @@ def report(name: str, rows: list[dict[str, Any]], columns: list[str], out: Path 
 
 def native_paths() -> list[str | None]:
     """Every path of the native kernel this CPU runs, or ``[None]`` (the kernel off) where it is not built."""
-    return [name for name, ok in _native.ISAS.items() if ok] if _native.AVAILABLE else [None]
+    return [name for name, ok in _library.ISAS.items() if ok] if _library.AVAILABLE else [None]
 
 
 def path_env(path: str | None) -> dict[str, str]:
     """This process's environment with the native kernel forced onto ``path`` (None: turned off)."""
     env = dict(os.environ)
     if path is None:
-        env[_native.ENV_SWITCH] = "0"
+        env[_library.ENV_SWITCH] = "0"
     else:
-        env[_native.ENV_ISA] = path
+        env[_library.ENV_ISA] = path
     return env

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import jax_session_state as jss
 from benchmarks._common import interleaved, with_lengths
 from benchmarks._rollout_memory import _status_bytes
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 HEADS, TIME_DIM, MEMORY_DIM, PAGE_SIZE = 8, 64, 128, 16
 
@@ -81,13 +81,13 @@ def timing(capacity: int, kind: str) -> dict:
         run()
     seconds = interleaved(runs, rounds=9, repeat=5, best_of=True, pause=0.005)
     float_target, int8_target = {
-        "dense": (_native.TARGET, _native.QUANTIZED_TARGET),
-        "paged": (_native.PAGED_TARGET, _native.QUANTIZED_PAGED_TARGET),
+        "dense": (_library.TARGET, _library.QUANTIZED_TARGET),
+        "paged": (_library.PAGED_TARGET, _library.QUANTIZED_PAGED_TARGET),
     }[kind]
     targets = {"float32": (f32, float_target), "int8": (int8, int8_target)}
     kernels = {name: "native kernel" if f'"{target}"' in step.lower(q, cache).compile().as_text() else "pure loop"
                for name, (cache, target) in targets.items()}
-    return {"seconds": seconds, "kernels": kernels, "status": _native.status()}
+    return {"seconds": seconds, "kernels": kernels, "status": _library.status()}
 
 
 def memory(capacity: int, kind: str) -> dict:

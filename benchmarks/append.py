@@ -29,7 +29,7 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import cli, interleaved, with_lengths
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "bf16_donated_32k_over_1k": 1.3,
@@ -111,7 +111,7 @@ def bf16_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[str,
     prefix = jnp.zeros((1, PREFIX, HEADS, HEAD_DIM), jnp.bfloat16)
     steps, state = {}, {}
     for writer, sizes in (("native", capacities), ("xla", (1024, 32768))):
-        with _native.use(writer == "native" and _native.AVAILABLE):  # traced now: the writer asked for
+        with _library.use(writer == "native" and _library.AVAILABLE):  # traced now: the writer asked for
             step = jax.jit(lambda cache, chunk: _append_then_forget(cache, chunk), donate_argnums=0)  # its own trace
             for capacity in sizes:
                 empty = jss.KVCache.allocate(batch=1, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=capacity,
@@ -186,7 +186,7 @@ def run(*, full: bool) -> list[dict]:
         for mode in ("donated", "copied")
         for capacity in capacities
     ]
-    native_writer = "native row writer" if _native.AVAILABLE else "XLA (native kernel not built)"
+    native_writer = "native row writer" if _library.AVAILABLE else "XLA (native kernel not built)"
     rows += [{"measure": f"bfloat16 append 16 tokens, cap {capacity // 1024}k, donated, {native_writer} (us)",
               "value": bf16["native", capacity] * 1e6} for capacity in capacities]
     rows += [{"measure": f"bfloat16 append 16 tokens, cap {capacity // 1024}k, donated, XLA writes (us)",

@@ -59,7 +59,7 @@ from benchmarks import _attention_parts as parts
 from benchmarks._attention_breakdown import breakdown_rows
 from benchmarks._attention_others import capacity_rows, memory_rows, nnx_rows
 from benchmarks._common import cli, native_paths, path_env
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2"}  # ATEN_CPU_CAPABILITY per path; avx512: its own
 
@@ -87,15 +87,15 @@ def run(*, full: bool) -> list[dict]:
         print(parts.NO_TORCH)
     cpu = parts.cpu_description()
     print(f"CPU: {cpu}; native kernel paths this CPU runs: "
-          f"{[name for name, ok in _native.ISAS.items() if ok] or 'none (not built)'}")
+          f"{[name for name, ok in _library.ISAS.items() if ok] or 'none (not built)'}")
     rows = [{"measure": f"CPU: {cpu}", "value": "; ".join(f"{name}: {'runs' if ok else 'lacks'}"
-                                                          for name, ok in _native.ISAS.items())}]
+                                                          for name, ok in _library.ISAS.items())}]
     rows += capacity_rows(rounds)
     for path in native_paths():
         rows += path_rows(path, full=full)
     rows += nnx_rows([256, 1024, 4096], rounds)
     cached = parts.copy_bandwidth(16 << 20)
-    kernels = ["native", "pure"] if _native.enabled() else ["pure"]
+    kernels = ["native", "pure"] if _library.enabled() else ["pure"]
     for T in (16, 1):
         for kernel in kernels:
             rows += breakdown_rows(T, 4096 - T, rounds, cached, kernel)

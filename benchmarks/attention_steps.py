@@ -58,7 +58,8 @@ from benchmarks._attention_parts import (
     torch_step,
 )
 from benchmarks._common import interleaved
-from jax_session_state import _native
+from jax_session_state.attention import _native
+from jax_session_state.core import _library
 
 
 def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
@@ -74,7 +75,7 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
             return out.block_until_ready()
 
         candidates = {"jax": jax_call}
-        takes = _native.enabled() and _native.supports(qj, state.cache.k, state.cache.v)
+        takes = _library.enabled() and _native.supports(qj, state.cache.k, state.cache.v)
         if takes:
 
             def pure_call():
@@ -98,9 +99,9 @@ def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:
         if "jax pure" in t:
             rows.append(row("b", f"{case}: native kernel vs pure-JAX loop", t["jax"] * 1e6, t["jax pure"] * 1e6,
                             "us", bar=BARS["native_vs_pure"]))
-        elif _native.enabled():
+        elif _library.enabled():
             rows.append(row("b", f"{case}: the kernel declines, the pure loop runs", t["jax"] * 1e6, None, "us",
-                            note=f"{_native.ISA}: slower than the loop from {_native.DECLINED_ROWS[_native.ISA]} "
+                            note=f"{_library.ISA}: slower than the loop from {_native.DECLINED_ROWS[_library.ISA]} "
                                  "query rows per kv head"))
         if parts.torch is None:
             rows.append(row("b", case, t["jax"] * 1e6, None, "us", note=NO_TORCH))
@@ -227,5 +228,5 @@ if __name__ == "__main__":
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # as in benchmarks.attention
     results = run(full="--full" in sys.argv[1:])
     for r in results:
-        r["path"] = _native.ISA or "pure JAX"
+        r["path"] = _library.ISA or "pure JAX"
     print(json.dumps(results, default=float))

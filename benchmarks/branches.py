@@ -44,7 +44,7 @@ import numpy as np
 import jax_session_state as jss
 from benchmarks import paged
 from benchmarks._common import cli, interleaved
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 HEADS, HEAD_DIM = 8, 64
 PREFIX, LANES, WINDOW, CHUNK = 32768, 64, 256, 16
@@ -170,7 +170,7 @@ def prefix_read_once(session: jss.Session) -> dict:
     cache_shape = f"f32[1,{HEADS},{session['kv'].capacity},{HEAD_DIM}]"
     shapes = dict(re.findall(r"(%[\w.-]+) = (\S+?)\{", hlo))  # instruction -> shape (names are unique)
     calls = [re.findall(r"%[\w.-]+", line.split("custom-call(", 1)[1].split(")", 1)[0])
-             for line in hlo.splitlines() if f'custom_call_target="{_native.TARGET}"' in line]
+             for line in hlo.splitlines() if f'custom_call_target="{_library.TARGET}"' in line]
     native_reads = [[shapes.get(name) for name in operands] for operands in calls]
     native_reads = [operands for operands in native_reads if cache_shape in operands]
     if native_reads:

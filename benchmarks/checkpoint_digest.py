@@ -29,7 +29,8 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import cli, timed_rounds
-from jax_session_state import _digest, _manifest, checkpoint
+from jax_session_state import checkpoint
+from jax_session_state.checkpoint import _digest, _manifest
 
 BAR = 1.2
 DIGESTS = "digests (format 4: CRC-32 chunks, BLAKE2b root)"

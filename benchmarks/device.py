@@ -63,7 +63,8 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import RESULTS, interleaved, report
-from jax_session_state import _attention_pallas as kernel
+from jax_session_state.attention import _pallas as kernel
+from jax_session_state.core import _library
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 PEAK_HBM = {  # bytes per second, by jax.Device.device_kind (the vendors' figures)
@@ -178,7 +179,7 @@ def default_implementations(*, tiny: bool) -> list[str]:
     timing) and ``"auto"`` there (what a user gets); ``"native"`` where the native kernel is in use."""
     gpu = jax.default_backend() == "gpu"
     pallas = gpu or (tiny and jax.default_backend() == "cpu")
-    native = jss.attention._native.enabled()
+    native = _library.enabled()
     return (["loop", "bucketed"] + (["pallas"] if pallas else []) + (["auto"] if gpu else [])
             + (["native"] if native else []))
 
@@ -260,7 +261,7 @@ def attention_rows(*, batches: list[int], valids: list[int], capacity: int, roun
 
 
 SWEEP = {"BLOCK_KEYS": (32, 64, 128), "PROGRAMS": (256, 1024), "WARPS": (4, 8), "STAGES": (2, 3)}
-"""The Pallas kernel's settings ``--sweep`` tries (module constants of ``jax_session_state._attention_pallas``)."""
+"""The Pallas kernel's settings ``--sweep`` tries (module constants of ``jax_session_state.attention._pallas``)."""
 
 
 def sweep_rows(*, batch: int, valid: int, capacity: int, rounds: int, peak: float | None,

@@ -53,7 +53,7 @@ from examples.world_model import (
     moving_patterns,
     start_session,
 )
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 SESSIONS = 16
 EQUAL_FRAMES = 32
@@ -234,8 +234,8 @@ def attention_rows(*, rounds: int, long: int = 8192, short: int = 256, even: int
             caches.append(jss.KVCache.allocate(batch=1, kv_heads=c.kv_heads, head_dim=c.head_dim, capacity=long)
                           .append(jss.KVChunk(rows[0], rows[1])))
         stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *caches)
-        for native in ([True, False] if _native.AVAILABLE else [False]):
-            with _native.use(native):
+        for native in ([True, False] if _library.AVAILABLE else [False]):
+            with _library.use(native):
                 one = jax.jit(lambda cache, q: jss.attend(q, cache.view()))
                 pooled = jax.jit(jax.vmap(lambda cache, q: jss.attend(q, cache.view())))
                 jax.block_until_ready((pooled(stacked, q), [one(cache, q[i]) for i, cache in enumerate(caches)]))

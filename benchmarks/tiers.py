@@ -56,7 +56,7 @@ import jax_session_state as jss
 from benchmarks._attention_parts import cpu_description
 from benchmarks._common import cli, native_paths, path_env
 from benchmarks._tiers_child import HEADS, MAKERS
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 CAPACITY = 32768
 BARS = {"bytes": 0.3, "error": 2e-2, "time": 0.5, "memory": 1.3}
@@ -159,7 +159,7 @@ def run(*, full: bool, smoke: bool = False) -> list[dict[str, Any]]:
     cpu = cpu_description()
     capacity = 1024 if smoke else CAPACITY
     rows = [{"measure": f"CPU: {cpu}", "value": "; ".join(f"{name}: {'runs' if ok else 'lacks'}"
-                                                          for name, ok in _native.ISAS.items())}]
+                                                          for name, ok in _library.ISAS.items())}]
     rows += byte_rows()
     rows += error_rows(3 if smoke else 100, capacity, (256, capacity) if smoke else (1024, capacity))
     rows += time_rows(capacity, cpu)

@@ -23,6 +23,7 @@ from jax_session_state.errors import (
 )
 from jax_session_state.kinds import Fill, ManagedOptions
 from jax_session_state.manager import Held, ManagerEvent, SessionStateManager
+from jax_session_state.manager.offload import Parked
 from jax_session_state.objects import (
     BranchKVView,
     EncodeOnceKV,
@@ -38,7 +39,6 @@ from jax_session_state.objects import (
     RetrievalView,
     Retrieved,
 )
-from jax_session_state.offload import Parked
 from jax_session_state.pool import SessionPool
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard

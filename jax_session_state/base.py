@@ -28,15 +28,16 @@ import abc
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_session_state._plan_records import non_negative
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
+from jax_session_state.core import _validation as v
+from jax_session_state.core._validation import non_negative
 from jax_session_state.errors import (
     CapacityError,
     DonatedError,
@@ -45,10 +46,8 @@ from jax_session_state.errors import (
     NotResidentError,
     PayloadTypeError,
 )
-from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec
-
-if TYPE_CHECKING:
-    from jax_session_state.sharding import ShardingRules
+from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, LaneDefaults, check_same_spec
+from jax_session_state.sharding import ShardingRules, rules_or_none
 
 __all__ = [
     "StateObject", "check", "is_state_object",
@@ -56,7 +55,7 @@ __all__ = [
 
 Self = TypeVar("Self", bound="StateObject")
 
-class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
+class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
     """Abstract base of every kind of session state.
 
     Subclasses declare their storage as pytree fields and their spec as static
@@ -114,14 +113,12 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         (``allocate`` itself is wrapped by :func:`allocator`, which refuses
         unknown keywords first).
         """
-        from jax_session_state import _validation as v  # it imports sharding, which imports this module
-
         owner = f"{cls.__name__}.allocate"
         spec_object = cls(
             **spec,
             recompute_source=v.source_names(owner, options.get("recompute_source", ())),
             recompute_cost=float(non_negative(owner, "recompute_cost", options.get("recompute_cost", 0.0))),
-            sharding=v.sharding_rules(owner, options.get("sharding")),
+            sharding=rules_or_none(owner, options.get("sharding")),
         )
         return spec_object.empty()
 
@@ -192,6 +189,14 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
                 {name: axes[name] for name in storage}, storage, owner=self.describe()
             )
         return self.replace(**storage)
+
+    def with_sharding(self: Self, rules: ShardingRules) -> Self:
+        """This object placed by ``rules``, which it keeps in its spec (what :func:`~jax_session_state.shard` calls).
+
+        ``empty()`` and every write then keep the placement, resident or not.
+        """
+        storage = {name: getattr(self, name) for name in self.storage_fields()} if self.resident else {}
+        return self.replace(sharding=rules).with_storage(**storage)
 
     @classmethod
     @functools.cache
@@ -313,32 +318,6 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
             return Fill(None, None, self.capacity, self.staging_margin)
         self._require_not_donated("fill")
         return Fill(self.committed.tolist(), self.staged.tolist(), self.capacity, self.staging_margin)
-
-    # ------------------------------------------------------------- branches
-    def branch_window(self, size: int | None) -> StateObject | None:
-        """An empty window for one speculative lane's writes, or None if shared.
-
-        Lanes made by :meth:`Session.branch` share this object's committed
-        data and write only into their own window (a small object of a kind
-        that stages in place).  None means lanes read this object but cannot
-        write it.
-
-        Args:
-          size: how many entries (rows, items) one lane may write; kinds that
-            replace their value ignore it.
-        """
-        del size
-        return None
-
-    def branch_view(self, window: StateObject | None) -> Any:
-        """What a lane reads: the committed data, then the lane's window."""
-        del window
-        return self.view(include_staged=False)
-
-    def commit_window(self: Self, window: StateObject | None) -> Self:
-        """This object with a lane's window written after its committed data."""
-        del window
-        return self
 
     # ---------------------------------------------------------------- tiers
     @property

@@ -27,18 +27,20 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_session_state._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
+from jax_session_state.core._validation import is_integer_scalar, positive_int
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.session import Session
+
+if TYPE_CHECKING:  # annotations only; at run time Session.branch imports this module
+    from jax_session_state.session import Session
 
 __all__ = ["Branches", "Lane", "branch"]
 
@@ -218,24 +220,12 @@ def _split_attr(value: Any, lanes: int) -> Any:
 
 
 def branch(session: Session, lanes: int, *, window: int | Mapping[str, int] | None = None) -> Branches:
-    """``lanes`` speculative lanes over ``session``'s committed data.
+    """``lanes`` speculative lanes over ``session``'s committed data: what :meth:`Session.branch` calls.
 
-    Args:
-      session: the session to branch; it must hold no staged data (commit or
-        discard first).  Under ``jit`` this cannot be checked: lanes then read
-        the committed data only, and adopting a lane discards what was staged.
-      lanes: how many lanes.
-      window: entries one lane may write, per object name or one number for
-        all (K/V rows, latent items).  Kinds that replace their value need
-        none; kinds that cannot branch (write-once conditioning, retrieval
-        banks) are shared read-only by every lane.
-
-    Returns:
-      The :class:`Branches`.
-
-    Raises:
-      PayloadTypeError: ``lanes`` is not an int (a bool is not one).
-      PayloadError: the session holds staged data, or ``lanes`` < 1.
+    Arguments, result and errors as :meth:`~jax_session_state.Session.branch`
+    says: ``session`` must hold no staged data (under ``jit`` this cannot be
+    checked: lanes then read the committed data only), and ``window`` gives
+    the entries one lane may write, per object name or one number for all.
 
     Example:
       >>> import jax.numpy as jnp

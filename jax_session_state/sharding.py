@@ -44,15 +44,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jax_session_state.base import StateObject, is_state_object
 from jax_session_state.errors import PayloadError, PayloadTypeError
 
 __all__ = ["LogicalAxes", "ShardingRules", "shard"]
+
+
+@runtime_checkable
+class _Placeable(Protocol):
+    """What :func:`shard` places as one: a StateObject (:meth:`~jax_session_state.StateObject.with_sharding`)."""
+
+    def with_sharding(self, rules: ShardingRules) -> Any: ...
 
 LogicalAxes = tuple["str | None", ...]
 """The logical name of each axis of one array; None for an axis never sharded."""
@@ -277,11 +283,24 @@ def shard(tree: T, rules: ShardingRules) -> T:
         raise PayloadTypeError(f"shard() takes ShardingRules; got {type(rules).__name__}.")
 
     def place(x: Any) -> Any:
-        if isinstance(x, StateObject):
-            storage = {name: getattr(x, name) for name in x.storage_fields()} if x.resident else {}
-            return x.replace(sharding=rules).with_storage(**storage)
+        if isinstance(x, _Placeable):
+            return x.with_sharding(rules)
         if isinstance(x, jax.Array):
             return jax.device_put(x, rules.replicated())
         return x
 
-    return jax.tree_util.tree_map(place, tree, is_leaf=is_state_object)
+    return jax.tree_util.tree_map(place, tree, is_leaf=lambda x: isinstance(x, _Placeable))
+
+
+def rules_or_none(owner: str, sharding: Any) -> ShardingRules | None:
+    """Returns ``sharding`` when it is ShardingRules or None, else raises naming the argument.
+
+    Raises:
+      PayloadTypeError: ``sharding`` is something else.
+    """
+    if sharding is not None and not isinstance(sharding, ShardingRules):
+        raise PayloadTypeError(
+            f"{owner}: sharding must be jax_session_state.ShardingRules (logical axes -> mesh axes) "
+            f"or None; got {type(sharding).__name__}."
+        )
+    return sharding

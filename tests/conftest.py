@@ -18,7 +18,7 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
-from jax_session_state import _native
+from jax_session_state.attention import _native
 
 settings.register_profile(
     "ci",

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from jax_session_state import _attention_blocks, _native
+from jax_session_state.attention import _blocks, _bucketed
+from jax_session_state.core import _library
 from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 EXAMPLES = settings(max_examples=25)
@@ -26,11 +27,11 @@ EXAMPLES = settings(max_examples=25)
 def kernel(request):
     """Runs the module with the native kernel, then without it (jit caches cleared in between)."""
     native = request.param == "native"
-    if native and not _native.AVAILABLE:
-        pytest.skip(f"the native kernel is not available here ({_native.STATUS}); the pure run covers attend()")
+    if native and not _library.AVAILABLE:
+        pytest.skip(f"the native kernel is not available here ({_library.STATUS}); the pure run covers attend()")
     jax.clear_caches()
     jitted.cache_clear()
-    with _native.use(native):
+    with _library.use(native):
         yield request.param
 
 
@@ -206,7 +207,7 @@ def test_paged_step_reads_pages_in_place_with_no_pool_sized_gather(dtype):
     for shape in re.findall(r"= \w+\[([\d,]*)\]\S* gather\(", hlo):
         rows = np.prod([int(d) for d in shape.split(",") if d]) // (2 * 8)  # rows of kv_heads x head_dim
         assert rows <= 3 * jss.attention.BLOCK_SIZE, f"a gather of {rows} rows in a step over a pool of {pages * size}"
-    assert "gather(" in hlo or _native.PAGED_TARGET in hlo
+    assert "gather(" in hlo or _library.PAGED_TARGET in hlo
     assert f"[{pages * size}," not in hlo and f",{pages * size}," not in hlo  # nothing the size of the dense view
     view = dense.view()
     ref = reference(q, np.asarray(view.k, np.float64), np.asarray(view.v, np.float64), view.lengths, view.positions)
@@ -235,7 +236,7 @@ def test_bucketed_implementation_is_a_switch_over_static_prefixes_and_compiles_o
         return jss.attend(q, view, implementation="bucketed")
 
     capacity = 2000
-    assert _attention_blocks._buckets(capacity) == [256, 512, 1024, capacity]
+    assert _bucketed._buckets(capacity) == [256, 512, 1024, capacity]
     rng = np.random.default_rng(9)
     q, k, v = randn(rng, 1, 1, 2, 8), randn(rng, 1, 2, capacity, 8), randn(rng, 1, 2, capacity, 8)
     hlo = f.lower(q, append_view(k, v, [5])).compile().as_text()
@@ -274,7 +275,7 @@ def test_bucketed_implementation_does_not_widen_a_16_bit_cache(paged):
     rng = np.random.default_rng(13)
     paged_cache, dense = _paged_and_dense(rng, page_size=16, num_pages=40, steps=40, dtype=jnp.bfloat16)
     view = paged_cache.view() if paged else dense.view()
-    sizes = _attention_blocks._buckets(view.page_table.shape[1] * view.page_size if paged else view.k.shape[2])
+    sizes = _bucketed._buckets(view.page_table.shape[1] * view.page_size if paged else view.k.shape[2])
     assert len(sizes) > 1
     for q_dtype, widened in ((jnp.bfloat16, 0), (jnp.float32, len(sizes))):
         q = jnp.asarray(randn(rng, 3, 1, 4, 8), q_dtype)
@@ -287,7 +288,7 @@ def test_unknown_or_unavailable_implementations_are_named():
     view = append_view(np.ones((1, 1, 8, 4), np.float32), np.ones((1, 1, 8, 4), np.float32), [3])
     with pytest.raises(jss.PayloadError, match=r"implementation must be one of .*'fused'"):
         jss.attend(jnp.ones((1, 1, 1, 4)), view, implementation="fused")
-    if not _native.enabled():
+    if not _library.enabled():
         with pytest.raises(RuntimeError, match="the native kernel is not in use"):
             jss.attend(jnp.ones((1, 1, 1, 4)), view, implementation="native")
 
@@ -395,9 +396,9 @@ def test_branch_lanes_read_the_prefix_once():
     reads = [(op, shape) for shape, op, operand in re.findall(r"= (\S+?)\{\S* (dynamic-slice|gather)\((%[\w.-]+)", hlo)
              if shapes.get(operand) == prefix]
     calls = re.findall(
-        rf"= \(f32\[([\d,]+)\][^)]*\) custom-call\(([^)]*)\), custom_call_target=\"{_native.TARGET}\"", hlo
+        rf"= \(f32\[([\d,]+)\][^)]*\) custom-call\(([^)]*)\), custom_call_target=\"{_library.TARGET}\"", hlo
     )
-    if _native.enabled():
+    if _library.enabled():
         assert not reads, reads
         assert len(calls) == 1 and calls[0][0] == f"1,{lanes * 3},4,8", calls  # every lane's queries, one call
         assert [shapes.get(x) for x in calls[0][1].split(", ")[1:3]] == [prefix, prefix]  # k, v: the parameters
@@ -415,8 +416,8 @@ def test_quantized_cache_matches_float64_attention_over_its_dequantized_rows(qua
     """
     rng = np.random.default_rng(7)
     B, kv_heads, groups, D, T = 2, 2, 2, 16, 3
-    capacity = 2 * _attention_blocks.QUANTIZED_BLOCK_SIZE + 37
-    lengths = np.array([capacity, _attention_blocks.QUANTIZED_BLOCK_SIZE + 5], np.int32)
+    capacity = 2 * _blocks.QUANTIZED_BLOCK_SIZE + 37
+    lengths = np.array([capacity, _blocks.QUANTIZED_BLOCK_SIZE + 5], np.int32)
     k, v = randn(rng, B, capacity, kv_heads, D) * 3, randn(rng, B, capacity, kv_heads, D)
     cache = jss.KVCache.allocate(batch=B, kv_heads=kv_heads, head_dim=D, capacity=capacity, quantize=quantize)
     cache = cache.append(jss.KVChunk(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths)))

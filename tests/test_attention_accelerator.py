@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_blocks, _attention_pallas
+from jax_session_state.attention import _bucketed, _paged, _pallas as _attention_pallas
 from tests.support.attention_reference import (
     VIEWS,
     assert_close,
@@ -55,11 +55,11 @@ def _no_gpu_attached(monkeypatch):
         jax.clear_caches()
 
 
-def shrink_score_budget(monkeypatch, q, kv_heads, keys=_attention_blocks.SMALLEST_BUCKET):
+def shrink_score_budget(monkeypatch, q, kv_heads, keys=_bucketed.SMALLEST_BUCKET):
     """Makes ``"bucketed"`` read any bucket longer than ``keys`` in chunks of ``keys`` for queries like ``q``."""
     score_rows = q.shape[0] * q.shape[1] * q.shape[2]  # batch x kv_heads x (T x groups)
     assert kv_heads * (q.shape[2] // kv_heads) == q.shape[2]
-    monkeypatch.setattr(_attention_blocks, "BUCKET_SCORE_BYTES", keys * score_rows * 4)
+    monkeypatch.setattr(_bucketed, "BUCKET_SCORE_BYTES", keys * score_rows * 4)
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
@@ -240,8 +240,8 @@ def test_accelerator_backward_is_the_vjp_of_buckets_and_matches_the_flash_backwa
         kv_view = with_operands(k, v)
         positions = kv_view.lengths[:, None] - 2 + jnp.arange(2)
         if paged:
-            return loss(*_attention_blocks._bucketed_paged(q, kv_view, positions, True, 8**-0.5))
-        return loss(*_attention_blocks._bucketed_append(q, kv_view.k, kv_view.v, kv_view.lengths, positions,
+            return loss(*_paged._bucketed_paged(q, kv_view, positions, True, 8**-0.5))
+        return loss(*_bucketed._bucketed_append(q, kv_view.k, kv_view.v, kv_view.lengths, positions,
                                                         causal=True, scale=8**-0.5))
 
     shrink_score_budget(monkeypatch, q, kv_heads=2)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _native
+from jax_session_state.core import _library
 from tests.support.attention_reference import central_difference, reference
 
 SLOTS, KV_HEADS, GROUPS, D, PAGE = 3, 2, 2, 8, 4
@@ -39,8 +39,8 @@ def reference_loss(q, k_pages, v_pages, table, lengths, q_positions, weights):
 @pytest.mark.parametrize("implementation", ["auto", "loop"])
 @pytest.mark.parametrize("T, explicit_positions", [(1, False), (3, False), (3, True)])
 def test_grad_through_paged_attention_matches_float64_finite_differences(implementation, T, explicit_positions):
-    if implementation == "auto" and not _native.enabled():
-        pytest.skip(f"the native kernel is not in use: {_native.status()}")
+    if implementation == "auto" and not _library.enabled():
+        pytest.skip(f"the native kernel is not in use: {_library.status()}")
     rng = np.random.default_rng(T + 10 * explicit_positions)
     cache = forked_cache(rng)
     view = cache.view()

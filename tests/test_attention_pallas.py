@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_pallas, _native
+from jax_session_state.attention import _pallas as _attention_pallas
+from jax_session_state.core import _library
 from tests.support.attention_reference import (
     VIEWS,
     assert_close,
@@ -214,7 +215,7 @@ def gpu_attached(request, monkeypatch):
     jax.clear_caches()
     monkeypatch.setattr(_attention_pallas, "gpu_attached", lambda: True)
     if request.param == "no native":
-        monkeypatch.setattr(_native, "enabled", lambda: False)
+        monkeypatch.setattr(_library, "enabled", lambda: False)
     yield
     jax.clear_caches()
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_blocks, _attention_pooled, _native
+from jax_session_state.attention import _blocks as _attention_blocks, _dense, _pooled as _attention_pooled
+from jax_session_state.core import _library
 from tests.support.attention_reference import assert_close, assert_directional_derivatives, randn, reference
 
 SLOTS, BATCH, KV_HEADS, GROUPS, DIM, T = 6, 2, 2, 2, 8, 3
@@ -83,8 +84,8 @@ def test_the_cost_model_reads_ragged_slots_one_by_one_even_ones_together_and_ful
 @pytest.mark.parametrize("implementation", ["loop", "native"])
 @pytest.mark.usefixtures("kernel_takes_every_step")
 def test_append_mode_under_vmap_over_independent_caches_matches_float64(implementation):
-    if implementation == "native" and not _native.enabled():
-        pytest.skip(f"the native kernel is not in use here: {_native.status()}")
+    if implementation == "native" and not _library.enabled():
+        pytest.skip(f"the native kernel is not in use here: {_library.status()}")
     q, k, v = inputs(1)
     f = pooled_attend(implementation)
     for lengths in (RAGGED, EVEN):
@@ -116,7 +117,7 @@ def test_the_pooled_loop_compiles_once_for_both_choices_and_has_no_gather():
     assert " gather(" not in hlo and "conditional(" in hlo
     # plain vmap of the same loop (a batched trip count) reads every block by a gather of the whole cache
     plain = jax.jit(jax.vmap(lambda q, k, v, n: _attention_blocks._read_blocks(
-        q, jss.attention._default_positions(q, n, None), {"k": k, "v": v, "lengths": n}, None,
+        q, _dense._default_positions(q, n, None), {"k": k, "v": v, "lengths": n}, None,
         causal=True, scale=DIM ** -0.5, n=64)))
     assert " gather(" in plain.lower(q, k, v, RAGGED).compile().as_text()
 
@@ -222,13 +223,13 @@ def test_paged_views_under_vmap_fold_their_pools(page_size):
         assert rows <= SLOTS * BATCH * max(jss.attention.BLOCK_SIZE, page_size) < pool_rows
 
 
-@pytest.mark.skipif(not _native.AVAILABLE, reason="the native kernel is not built here")
+@pytest.mark.skipif(not _library.AVAILABLE, reason="the native kernel is not built here")
 @pytest.mark.usefixtures("kernel_takes_every_step")
 def test_native_kernel_folds_independent_caches_into_one_call_with_every_slot_in_its_batch():
     q, k, v = inputs(7)
-    with _native.use(True):
+    with _library.use(True):
         hlo = pooled_attend("native").lower(q, k, v, RAGGED).compile().as_text()
-    calls = re.findall(r"= \((f32\[[\d,]+\])[^\n]*custom_call_target=\"" + _native.TARGET + '"', hlo)
+    calls = re.findall(r"= \((f32\[[\d,]+\])[^\n]*custom_call_target=\"" + _library.TARGET + '"', hlo)
     assert len(calls) == 1 and calls[0] == f"f32[{SLOTS * BATCH},{T},{KV_HEADS * GROUPS},{DIM}]"
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_pallas
+from jax_session_state.attention import _pallas as _attention_pallas
 from tests.support.attention_reference import VIEWS, lower, view_of
 from tests.support.triton_compile import SHARED_MEMORY_PER_BLOCK, compile_for, triton_modules
 

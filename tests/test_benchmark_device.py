@@ -66,7 +66,7 @@ def test_the_bars_case_is_measured_first_and_each_batch_together():
 
 
 def test_the_pallas_sweep_measures_every_setting_and_restores_the_kernels():
-    from jax_session_state import _attention_pallas as kernel
+    from jax_session_state.attention import _pallas as kernel
 
     before = {name: getattr(kernel, name) for name in device.SWEEP}
     rows = device.sweep_rows(batch=1, valid=200, capacity=256, rounds=1, peak=None)

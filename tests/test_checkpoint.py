@@ -20,7 +20,8 @@ import pytest
 from jax.sharding import AxisType
 
 import jax_session_state as jss
-from jax_session_state import _digest, checkpoint
+from jax_session_state import checkpoint
+from jax_session_state.checkpoint import _digest
 from tests.support.devices import DEVICE
 
 B, H, D = 2, 2, 4

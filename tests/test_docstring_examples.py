@@ -91,7 +91,7 @@ MODULES_WITH_EXAMPLES = [module for module in _modules(public=False) if _example
 
 def test_examples_are_found_in_every_kind_of_module():
     names = {module.__name__ for module in MODULES_WITH_EXAMPLES}
-    assert {"jax_session_state.errors", "jax_session_state._manager_snapshot",
+    assert {"jax_session_state.errors", "jax_session_state.manager._snapshot",
             "jax_session_state.objects.kv_views"} <= names, sorted(names)
 
 

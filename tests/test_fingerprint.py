@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_session_state import _digest
+from jax_session_state.checkpoint import _digest
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.bool_, jnp.complex64, jnp.uint32]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _manager_core
+from jax_session_state.manager import _core as _manager_core
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import (
     TRACES,

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from jax_session_state import _native
+from jax_session_state.attention import _native
+from jax_session_state.core import _library
 from tests.support.attention_reference import (
     append_view,
     assert_close,
@@ -29,26 +30,26 @@ from tests.support.attention_reference import (
 )
 
 needs_native = pytest.mark.skipif(
-    not _native.AVAILABLE or jax.default_backend() != "cpu",
-    reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_native.STATUS}",
+    not _library.AVAILABLE or jax.default_backend() != "cpu",
+    reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_library.STATUS}",
 )
 
 
 @functools.cache
 def native_attend(causal):
     """attend_with_lse jitted with the native kernel; q_positions may be None."""
-    with _native.use(True):
+    with _library.use(True):
         f = jax.jit(lambda q, view, q_positions: jss.attend_with_lse(q, view, causal=causal, q_positions=q_positions))
         return lambda *args: _traced_with(True, f, *args)
 
 
 def _traced_with(native, f, *args):
-    with _native.use(native):  # a first call traces: with the switch as asked
+    with _library.use(native):  # a first call traces: with the switch as asked
         return f(*args)
 
 
 def calls_native(hlo):
-    return hlo.count(f'custom_call_target="{_native.TARGET}"')
+    return hlo.count(f'custom_call_target="{_library.TARGET}"')
 
 
 @needs_native
@@ -157,7 +158,7 @@ def grad_inputs(seed, T=5):
 
 def pure_grad(*args):
     """The pure kernel's own autodiff (eager, concrete lengths: its loop is then a scan)."""
-    with _native.use(False):
+    with _library.use(False):
         return jax.grad(loss, argnums=(0, 1, 2))(*map(jnp.asarray, args))
 
 
@@ -189,7 +190,7 @@ def test_grad_and_vmap_compose_both_ways():
 
     # grad of a vmap over lanes that share the cache: into the shared K and into each lane's queries
     native = _traced_with(True, jax.jit(jax.grad(lanes_loss, argnums=(0, 1))), k, lanes, lane_positions)
-    with _native.use(False):
+    with _library.use(False):
         expected = jax.grad(lanes_loss, argnums=(0, 1))(*map(jnp.asarray, (k, lanes, lane_positions)))
     rng = np.random.default_rng(150)
     f = lambda x: sum(reference_loss(x[1][lane], x[0], v, lengths, lane_positions[lane], weights)  # noqa: E731
@@ -236,7 +237,7 @@ def test_default_positions_reach_the_kernel_as_offsets_from_each_rows_length():
                      *reference(q[lane], ks[lane], vs[lane], lane_lengths[lane], positions))
         assert_close(*(x[lane] for x in got_only_k), *reference(q[lane], ks[lane], v, lengths, positions))
     q1, k1, v1, lengths1, _, weights = grad_inputs(18)
-    with _native.use(False):
+    with _library.use(False):
         expected = jax.grad(loss, argnums=(0, 1, 2))(*map(jnp.asarray, (q1, k1, v1, lengths1)), None, weights)
     native = _traced_with(True, jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q1, k1, v1, lengths1, None, weights)
     f = lambda x: reference_loss(*x, lengths1, None, weights)  # noqa: E731  (default positions: the last T)
@@ -321,7 +322,8 @@ def test_ring_views_stay_on_the_pure_path():
 FORCED_ISA = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_session_state as jss
-    from jax_session_state import _native
+    from jax_session_state.core import _library
+    from jax_session_state.attention import _native
     from tests.support.attention_reference import append_view, randn, reference
     rng = np.random.default_rng(3)
     worst = 0.0
@@ -335,33 +337,33 @@ FORCED_ISA = textwrap.dedent("""
         view = append_view(jnp.asarray(k), jnp.asarray(v), lengths)
         k, v = k.astype(np.float64), v.astype(np.float64)
         f = jax.jit(lambda q, view: jss.attend_with_lse(q, view))
-        native = f.lower(jnp.asarray(q), view).compile().as_text().count(_native.TARGET) > 0
+        native = f.lower(jnp.asarray(q), view).compile().as_text().count(_library.TARGET) > 0
         out, _ = f(jnp.asarray(q), view)
         ref, _ = reference(q, k, v, lengths, view.positions)
         worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
         print("native" if native else "pure", T * groups, dtype)
-    print(_native.ISA, "|", jss.attention.native_status(), "|", worst)
+    print(_library.ISA, "|", jss.attention.native_status(), "|", worst)
 """)
 
 
 def _run_with_isa(isa):
-    env = {**os.environ, _native.ENV_ISA: isa}
+    env = {**os.environ, _library.ENV_ISA: isa}
     return subprocess.run([sys.executable, "-c", FORCED_ISA], capture_output=True, text=True, env=env, check=False)
 
 
 @needs_native
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_every_isa_path_the_cpu_runs_matches_float64_and_is_named(isa):
-    if isa not in _native.ISAS:
-        pytest.skip(f"this build has the paths {sorted(_native.ISAS)}")
+    if isa not in _library.ISAS:
+        pytest.skip(f"this build has the paths {sorted(_library.ISAS)}")
     done = _run_with_isa(isa)
-    if not _native.ISAS[isa]:
-        assert done.returncode != 0 and f"{_native.ENV_ISA}='{isa}': this CPU lacks" in done.stderr
+    if not _library.ISAS[isa]:
+        assert done.returncode != 0 and f"{_library.ENV_ISA}='{isa}': this CPU lacks" in done.stderr
         return
     assert done.returncode == 0, done.stderr
     *kinds, summary = done.stdout.strip().splitlines()
     used, status, worst = summary.split(" | ")
-    assert used == isa and status.startswith(f"native kernel ({isa}):") and f"forced by {_native.ENV_ISA}" in status
+    assert used == isa and status.startswith(f"native kernel ({isa}):") and f"forced by {_library.ENV_ISA}" in status
     assert float(worst) < 1e-5
     declined = _native.DECLINED_ROWS.get(isa)
     for kind in kinds:  # where the path is slower than the pure loop over float32, the pure loop runs
@@ -371,45 +373,46 @@ def test_every_isa_path_the_cpu_runs_matches_float64_and_is_named(isa):
 
 
 def test_an_unknown_isa_is_a_clear_error():
-    if not _native.AVAILABLE:
-        pytest.skip(_native.STATUS)
+    if not _library.AVAILABLE:
+        pytest.skip(_library.STATUS)
     done = _run_with_isa("avx1024")
     assert done.returncode != 0
-    assert f"{_native.ENV_ISA}='avx1024': the native attention kernel has the paths" in done.stderr
+    assert f"{_library.ENV_ISA}='avx1024': the native attention kernel has the paths" in done.stderr
 
 
 SWITCHED_OFF = textwrap.dedent("""
     import jax, jax.numpy as jnp, re
     import jax_session_state as jss
-    from jax_session_state import _native
+    from jax_session_state.core import _library
+    from jax_session_state.attention import _native
     cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64)
     step = lambda cache, q: jss.attend(q, cache.append((q[:, :, :2], q[:, :, :2])).view())
     hlo = jax.jit(step).lower(cache, jnp.ones((1, 3, 4, 8))).compile().as_text()
     try:
-        with _native.use(True):
+        with _library.use(True):
             pass
     except RuntimeError as error:
         refused = str(error)
-    print(_native.AVAILABLE, "|", _native.STATUS, "|", hlo.count(_native.TARGET), "|", refused, "|",
+    print(_library.AVAILABLE, "|", _library.STATUS, "|", hlo.count(_library.TARGET), "|", refused, "|",
           jss.attention.native_status())
 """)
 
 
 def test_environment_switch_leaves_the_kernel_unregistered():
-    env = {**os.environ, _native.ENV_SWITCH: "0"}
+    env = {**os.environ, _library.ENV_SWITCH: "0"}
     done = subprocess.run([sys.executable, "-c", SWITCHED_OFF], capture_output=True, text=True, env=env, check=True)
     available, status, calls, refused, public = done.stdout.strip().splitlines()[-1].split(" | ")
-    assert available == "False" and status == f"disabled by {_native.ENV_SWITCH}=0" and calls == "0"
+    assert available == "False" and status == f"disabled by {_library.ENV_SWITCH}=0" and calls == "0"
     assert refused == f"the native attention kernel is not available: {status}"
     assert public == f"pure JAX: {status}"
 
 
 @needs_native
 def test_native_status_says_which_kernel_functions_traced_now_use():
-    assert jss.attention.native_status() == f"native kernel ({_native.ISA}): {_native.STATUS}"
-    assert _native.ISAS.get(_native.ISA)
-    with _native.use(False):
-        assert jss.attention.native_status() == "pure JAX: turned off by _native.use(False)"
+    assert jss.attention.native_status() == f"native kernel ({_library.ISA}): {_library.STATUS}"
+    assert _library.ISAS.get(_library.ISA)
+    with _library.use(False):
+        assert jss.attention.native_status() == "pure JAX: turned off by _library.use(False)"
 
 
 @needs_native

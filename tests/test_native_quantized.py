@@ -19,12 +19,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from jax_session_state import _native
+from jax_session_state.attention import _native
+from jax_session_state.core import _library
 from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 needs_native = pytest.mark.skipif(
-    not _native.AVAILABLE or jax.default_backend() != "cpu",
-    reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_native.STATUS}",
+    not _library.AVAILABLE or jax.default_backend() != "cpu",
+    reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_library.STATUS}",
 )
 
 
@@ -90,7 +91,7 @@ def test_a_quantized_cache_takes_the_kernel_in_a_compiled_step_without_a_dequant
     step = jax.jit(step, donate_argnums=0)
     q, rows = jnp.asarray(randn(rng, B, T, H * groups, D)), jnp.asarray(randn(rng, B, T, H, D))
     hlo = step.lower(cache, q, rows).compile().as_text()
-    assert hlo.count(_native.QUANTIZED_TARGET) == 1 and " while(" not in hlo
+    assert hlo.count(_library.QUANTIZED_TARGET) == 1 and " while(" not in hlo
     assert not re.search(rf"f32\[{B},{H},{capacity},{D}\]", hlo)  # never dequantized whole
     cache, out = step(cache, q, rows)
     view = cache.view()
@@ -110,7 +111,7 @@ def test_vmap_over_lanes_of_one_quantized_cache_runs_the_kernel_per_lane():
     q = randn(rng, 3, 2, 4, 4, 32)  # 3 lanes
     q_positions = rng.integers(-2, 90, (3, 2, 4)).astype(np.int32)
     f = jax.jit(jax.vmap(lambda q, p: jss.attend_with_lse(q, view, q_positions=p)))
-    assert _native.QUANTIZED_TARGET in f.lower(jnp.asarray(q), jnp.asarray(q_positions)).compile().as_text()
+    assert _library.QUANTIZED_TARGET in f.lower(jnp.asarray(q), jnp.asarray(q_positions)).compile().as_text()
     out, lse = f(jnp.asarray(q), jnp.asarray(q_positions))
     for lane in range(3):
         ref = reference(q[lane], k64, v64, lengths, view.positions, q_positions=q_positions[lane])
@@ -167,7 +168,8 @@ def test_mismatched_scales_are_a_clear_error():
 FORCED_ISA = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_session_state as jss
-    from jax_session_state import _native
+    from jax_session_state.core import _library
+    from jax_session_state.attention import _native
     from tests.support.attention_reference import randn, reference
     from tests.test_native_quantized import paged_case, quantized_rows, quantized_view
     rng = np.random.default_rng(7)
@@ -179,7 +181,7 @@ FORCED_ISA = textwrap.dedent("""
         lengths = np.asarray([capacity, capacity // 3], np.int32)
         view = quantized_view(k, v, ks, vs, lengths)
         f = jax.jit(lambda q, view: jss.attend_with_lse(q, view))
-        native = f.lower(jnp.asarray(q), view).compile().as_text().count(_native.QUANTIZED_TARGET) > 0
+        native = f.lower(jnp.asarray(q), view).compile().as_text().count(_library.QUANTIZED_TARGET) > 0
         out, _ = f(jnp.asarray(q), view)
         ref, _ = reference(q, k64, v64, lengths, view.positions)
         worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
@@ -204,16 +206,16 @@ FORCED_ISA = textwrap.dedent("""
     out, _ = jax.jit(lambda q, view: jss.attend_with_lse(q, view))(jnp.asarray(q), view)
     ref, _ = reference(q, k64, v64, np.asarray([300, 211], np.int32), view.positions)
     worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
-    print(_native.ISA, "|", worst)
+    print(_library.ISA, "|", worst)
 """)
 
 
 @needs_native
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_every_isa_path_reads_quantized_caches_to_float32_rounding(isa):
-    if not _native.ISAS.get(isa):
-        pytest.skip(f"this CPU runs the paths {[name for name, ok in _native.ISAS.items() if ok]}")
-    env = {**os.environ, _native.ENV_ISA: isa}
+    if not _library.ISAS.get(isa):
+        pytest.skip(f"this CPU runs the paths {[name for name, ok in _library.ISAS.items() if ok]}")
+    env = {**os.environ, _library.ENV_ISA: isa}
     done = subprocess.run([sys.executable, "-c", FORCED_ISA], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr
     *kinds, summary = done.stdout.strip().splitlines()

@@ -3,7 +3,7 @@
 XLA:CPU converts a bfloat16 or float8 operand whole to float32 for any op on
 it, so its own in-place writes copy the whole buffer.  These tests hold the
 row writer to a plain numpy model on random data, hold every kind's write
-through it to the same write in XLA ops (``_native.use(False)``), and check
+through it to the same write in XLA ops (``_library.use(False)``), and check
 by buffer pointer and compiled HLO that a donated write moves only its rows.
 The tests of the writer skip, saying why, where the native kernel was not
 built; the kinds then write in XLA ops, which the rest of the suite covers.
@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
-from jax_session_state import _native, _writes
+from jax_session_state.core import _library, _writes
 
 needs_native = pytest.mark.skipif(
-    not _native.AVAILABLE or jax.default_backend() != "cpu",
-    reason=f"the native row writer runs on CPU only; here: {jax.default_backend()}, {_native.STATUS}",
+    not _library.AVAILABLE or jax.default_backend() != "cpu",
+    reason=f"the native row writer runs on CPU only; here: {jax.default_backend()}, {_library.STATUS}",
 )
 CONVERTED = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2]
 
@@ -71,7 +71,7 @@ def test_the_row_writer_matches_numpy_jitted_and_under_vmap(seed, dtype, lead, t
         return np.asarray(buffer), slots, np.asarray(rows)
 
     def write(b, s, r):
-        return _native.write_rows(b, s, r, axis=axis)
+        return _library.write_rows(b, s, r, axis=axis)
 
     buffer, slots, rows = operands()
     np.testing.assert_array_equal(as_f32(jax.jit(write)(buffer, slots, rows)),
@@ -89,7 +89,7 @@ def test_scatter_rows_in_xla_ops_is_the_same_write():
     rows = jnp.asarray(rng.normal(size=(2, 3, 5, 4)), jnp.bfloat16)
     slots = jnp.asarray([[0, 6, 7, -1, 3], [2, 9, 4, 5, 1]], jnp.int32)
     np.testing.assert_array_equal(as_f32(_writes.scatter_rows(buffer, slots, rows, axis=2)),
-                                  as_f32(_native.write_rows(buffer, slots, rows, axis=2)))
+                                  as_f32(_library.write_rows(buffer, slots, rows, axis=2)))
 
 
 def random_kv(rng, cache, T, counts=None):
@@ -109,10 +109,10 @@ def both_ways(fn, *args):
     """``fn(*args)`` jitted with the native row writer and with XLA's writes, and whether the first called it."""
     results, calls = [], []
     for native in (True, False):
-        with _native.use(native):
+        with _library.use(native):
             jitted = jax.jit(lambda *a: fn(*a))  # its own trace, with the switch as set
             results.append(jitted(*args))
-            calls.append(f'custom_call_target="{_native.WRITE_TARGET}"' in jitted.lower(*args).compile().as_text())
+            calls.append(f'custom_call_target="{_library.WRITE_TARGET}"' in jitted.lower(*args).compile().as_text())
     assert not calls[1]
     return results, calls[0]
 
@@ -198,7 +198,7 @@ def test_a_donated_bfloat16_append_writes_its_rows_in_place_and_compiles_once():
     chunks = [random_kv(rng, cache, 16) for _ in range(4)]
     append = jax.jit(chex.assert_max_traces(lambda c, x: c.append(x), n=1), donate_argnums=0)
     text = append.lower(cache, chunks[0]).compile().as_text()
-    assert f'custom_call_target="{_native.WRITE_TARGET}"' in text
+    assert f'custom_call_target="{_library.WRITE_TARGET}"' in text
     assert "f32[1,8,4096,64]" not in text  # no float32 copy of the cache
     assert "bf16[1,8,4096,64]{3,2,1,0} copy(" not in text
     cache = append(cache, chunks[0])
@@ -230,7 +230,7 @@ def test_gradients_flow_through_a_native_write_as_through_xla_writes():
 
     grads = []
     for native in (True, False):
-        with _native.use(native):
+        with _library.use(native):
             grad = jax.jit(jax.grad(lambda *a: loss(*a), argnums=(0, 1)))
             grads.append(grad(jnp.float32(1.5), jnp.float32(0.5), cache))
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
@@ -252,13 +252,13 @@ def bf16_step(session: jss.Session, rows: jax.Array) -> tuple[jss.Session, jax.A
 
 @needs_native
 def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
-    from jax_session_state._masked_step import run_masked
+    from jax_session_state.core._masked_step import run_masked
 
     rows = jnp.asarray(np.random.default_rng(5).normal(size=(1, 2, 2, 8)), jnp.bfloat16)
     session = bf16_session(0)
     written = [i for i, leaf in enumerate(jax.tree_util.tree_leaves(session)) if leaf.dtype == jnp.bfloat16]
     for live in (True, False):
-        with _native.use(True):
+        with _library.use(True):
             (stepped, _), origins = run_masked(bf16_step, jnp.bool_(live), session, rows)
         assert [origins[i] for i in written] == written  # written in place by masked writes: no select needed
         if not live:  # the rest (counters) the pool selects against the old leaves
@@ -271,7 +271,7 @@ def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
     per_slot = jnp.asarray(np.random.default_rng(6).normal(size=(4, 1, 2, 2, 8)), jnp.bfloat16)
     results = []
     for native in (True, False):
-        with _native.use(native):
+        with _library.use(native):
             map_step = jax.jit(lambda p, r: p.map(bf16_step, r), donate_argnums=0)
             fresh = jax.tree_util.tree_map(jnp.copy, pool)
             before = [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(fresh)]
@@ -313,5 +313,5 @@ def test_gpu_and_tpu_lowerings_keep_xla_writes(platform):
     module = jax.export.export(jax.jit(step), platforms=[platform])(cache, frames, rows).mlir_module()
     assert "stablehlo.custom_call @jax_session_state" not in module
     assert "dynamic_update_slice" in module
-    if _native.enabled():  # the same step lowered for this CPU does call it
-        assert f"custom_call @{_native.WRITE_TARGET}" in jax.jit(step).lower(cache, frames, rows).as_text()
+    if _library.enabled():  # the same step lowered for this CPU does call it
+        assert f"custom_call @{_library.WRITE_TARGET}" in jax.jit(step).lower(cache, frames, rows).as_text()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _native
+from jax_session_state.core import _library
 from tests.support.attention_reference import assert_close, reference
 from tests.support.pooled import CAPACITY, CHUNK, DIM, HEADS, KV_HEADS, new_session, step, steps_fit
 
@@ -90,7 +90,7 @@ def test_per_slot_rng_keys_stay_per_slot():
     assert not np.allclose(np.asarray(out[0]), np.asarray(out[1]))
 
 
-@pytest.mark.parametrize("native", [True, False] if _native.AVAILABLE else [False])
+@pytest.mark.parametrize("native", [True, False] if _library.AVAILABLE else [False])
 def test_attend_under_the_pool_reads_each_slots_own_valid_length(native):
     rng = np.random.default_rng(5)
     lengths = np.array([0, 1, 17, 40, CAPACITY])  # ragged, one empty, one full
@@ -104,7 +104,7 @@ def test_attend_under_the_pool_reads_each_slots_own_valid_length(native):
         view = jss.KVView(k=k, v=v, lengths=length[None], positions=None, window=None, sink=0)
         return jss.attend_with_lse(q, view)
 
-    with _native.use(native):
+    with _library.use(native):
         out, lse = jax.jit(jax.vmap(one))(q, k_dirty, v, jnp.asarray(lengths, jnp.int32))
     for slot, length in enumerate(lengths):
         positions = np.where(np.arange(CAPACITY) < length, np.arange(CAPACITY), -1)[None]
@@ -196,14 +196,14 @@ def test_insert_writes_one_slot_in_place_and_extract_reads_one_slot():
     assert [int(pool.sessions["kv"].lengths[s, 0]) for s in (2, 4)] == [3 * CHUNK, 5 * CHUNK]
 
 
-@pytest.mark.parametrize("native", [True, False] if _native.AVAILABLE else [False])
+@pytest.mark.parametrize("native", [True, False] if _library.AVAILABLE else [False])
 def test_a_donated_pool_step_writes_every_leaf_in_place(native):
     """Every buffer of the pool (caches, carries, flags) is where it was after a donated ``map``."""
     pool = jss.SessionPool.allocate(new_session(0), slots=SLOTS)
     for slot in range(SLOTS - 1):  # one empty slot; the others at different lengths
         pool = pool.insert(slot, stepped(new_session(slot), slot % 3))
     held = jax.tree_util.tree_map(jnp.copy, pool.sessions)  # copies: a reference to the pool would stop donation
-    with _native.use(native):
+    with _library.use(native):
         map_step = jax.jit(lambda pool, scales: pool.map(step, scales), donate_argnums=0)
         pool, _ = map_step(pool, jnp.ones(SLOTS))
         before = [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(pool)]

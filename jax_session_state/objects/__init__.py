@@ -1,4 +1,15 @@
-"""The kinds of session state, one module each."""
+"""The kinds of session state, one module each, and the views attention reads from them.
+
+Owns ``kv`` (``KVCache``: append mode or a sink + window ring), ``kv_views``
+(the chunks written and the views read), ``encode_once``, ``fixed``,
+``latent``, ``retrieval`` and ``paged`` (``PagedKVCache``), with private
+helpers: ``_ring`` (ring slot arithmetic), ``_quantize`` (int8 / fp8 rows and
+their scales) and ``_items`` (the bookkeeping of item buffers).
+
+May import: ``errors``, ``accounting``, ``sharding``, ``core``, ``base`` and
+``kinds``. Objects know nothing of sessions, attention, pools or the
+manager.
+"""
 
 from jax_session_state.objects.encode_once import EncodeOnceKV
 from jax_session_state.objects.fixed import FixedState

@@ -9,8 +9,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state import _validation as v, _writes
 from jax_session_state.base import StateObject
+from jax_session_state.core import _validation as v, _writes
 from jax_session_state.errors import CapacityError
 from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if
 from jax_session_state.objects import _ring
@@ -92,16 +92,8 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
     @classmethod
     @allocator("length")
-    def allocate(
-        cls,
-        *,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        capacity: int | None = None,
-        dtype: Any = jnp.float32,
-        **options: Any,
-    ) -> EncodeOnceKV:
+    def allocate(cls, *, batch: int, kv_heads: int, head_dim: int, capacity: int | None = None,
+                 dtype: Any = jnp.float32, **options: Any) -> EncodeOnceKV:
         """An empty, unwritten conditioning cache.
 
         Args:
@@ -120,14 +112,8 @@ class EncodeOnceKV(StateObject, kw_only=True):
         """
         owner = "EncodeOnceKV.allocate"
         capacity = v.required(owner, "capacity", v.renamed(owner, options, "length", "capacity", capacity))
-        return cls._allocated(
-            options,
-            batch=v.positive_int(owner, "batch", batch),
-            kv_heads=v.positive_int(owner, "kv_heads", kv_heads),
-            head_dim=v.positive_int(owner, "head_dim", head_dim),
-            capacity=v.positive_int(owner, "capacity", capacity),
-            dtype=np.dtype(dtype),
-        )
+        sizes = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity)
+        return cls._allocated(options, **sizes, dtype=np.dtype(dtype))
 
     def storage_axes(self) -> dict[str, Any]:
         kv = ("batch", "kv_heads", "capacity", "head_dim")

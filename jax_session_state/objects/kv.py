@@ -9,8 +9,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state import _validation as v, _writes
 from jax_session_state.base import StateObject
+from jax_session_state.core import _validation as v, _writes
 from jax_session_state.errors import CapacityError, PayloadTypeError
 from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _quantize, _ring
@@ -188,9 +188,7 @@ class KVCache(StateObject, kw_only=True):
         """
         owner = "KVCache.allocate"
         max_staged = v.renamed(owner, options, "max_chunk", "max_staged", max_staged)
-        batch = v.positive_int(owner, "batch", batch)
-        kv_heads = v.positive_int(owner, "kv_heads", kv_heads)
-        head_dim = v.positive_int(owner, "head_dim", head_dim)
+        heads = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
         if window is None:
             if sink or max_staged is not None:
                 raise PayloadTypeError(f"{owner}: sink= and max_staged= apply only to ring mode (window=...).")
@@ -213,8 +211,8 @@ class KVCache(StateObject, kw_only=True):
         dtype = np.dtype(dtype)
         quantize, tiers = _quantize.check_args(owner, dtype, quantize, tiers)
         return cls._allocated(
-            options, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
-            dtype=dtype, window=window, sink=sink, max_staged=max_staged, quantize=quantize, tiers=tiers,
+            options, **heads, capacity=capacity, dtype=dtype, window=window, sink=sink, max_staged=max_staged,
+            quantize=quantize, tiers=tiers,
         )
 
     def storage_axes(self) -> dict[str, Any]:

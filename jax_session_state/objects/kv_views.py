@@ -12,8 +12,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state import _validation as v
 from jax_session_state.base import StateObject
+from jax_session_state.core import _validation as v
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.kinds import refuse_now_if
 from jax_session_state.objects._quantize import dequantize
@@ -185,12 +185,12 @@ class BranchKVView(struct.PyTreeNode):
       window: the lane's rows, positions absolute (after the prefix's).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> import jax_session_state as jss
-      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
-      >>> session = jss.Session(objects={"kv": kv.append((jnp.ones((1, 3, 1, 2)),) * 2)})
-      >>> branches = session.branch(2, window=4)
-      >>> branches = branches.map(lambda lane: lane.stage(kv=(jnp.ones((1, 1, 1, 2)),) * 2))
+      >>> rows = jnp.ones((1, 3, 1, 2))
+      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8).append((rows, rows))
+      >>> branches = jss.Session(objects={"kv": kv}).branch(2, window=4)
+      >>> branches = branches.map(lambda lane: lane.stage(kv=(rows[:, :1],) * 2))
       >>> view = branches.lane(0).view()["kv"]
       >>> type(view).__name__, view.prefix.lengths.tolist(), view.window.lengths.tolist()
       ('BranchKVView', [3], [4])

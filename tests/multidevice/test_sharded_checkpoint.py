@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_session_state as jss
-from jax_session_state import _digest, checkpoint
+from jax_session_state import checkpoint
+from jax_session_state.checkpoint import _digest
 from tests.support.meshes import auto_mesh, shard_pointers, shardings
 
 B, H, D, CAPACITY = 2, 8, 4, 32

@@ -399,9 +399,9 @@ def test_the_manager_budgets_each_device_of_a_sharded_session():
 
 def test_native_attention_kernel_stays_off_on_several_cpu_devices():
     """The FFI kernel has no partitioning rule: on a CPU mesh attention runs the pure loop."""
-    from jax_session_state import _native
+    from jax_session_state.core import _library
 
     status = jss.attention.native_status()
     assert status.startswith("pure JAX")
-    if _native.AVAILABLE:
+    if _library.AVAILABLE:
         assert status == f"pure JAX: {len(jax.devices('cpu'))} CPU devices (the kernel has no partitioning rule)"

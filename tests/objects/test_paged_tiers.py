@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import _attention_blocks, _native
+from jax_session_state.attention import _blocks as _attention_blocks
+from jax_session_state.core import _library
 from tests.support.attention_reference import assert_close, reference
 
 SLOTS, H, D, PAGE = 3, 2, 32, 4
@@ -169,7 +170,7 @@ def _quantized_paged_view(quantize, page_size, slots_lengths, rng):
 @pytest.mark.parametrize("quantize, bound", [("int8", 2e-2), ("fp8", 8e-2)])
 @pytest.mark.parametrize("implementation", [
     "auto", "loop", "bucketed",
-    pytest.param("native", marks=pytest.mark.skipif(not _native.enabled(), reason="the native kernel is not built")),
+    pytest.param("native", marks=pytest.mark.skipif(not _library.enabled(), reason="the native kernel is not built")),
 ])
 def test_attend_over_quantized_pages_matches_float64_over_the_dequantized_rows(quantize, bound, implementation):
     """Several page blocks of the loop, the last partial; ragged slots; grouped queries; scales applied per block.
@@ -207,7 +208,7 @@ def test_quantized_pages_are_read_in_place_by_the_kernel_and_the_loop():
         hlo = hlo.as_text()
         assert f"f32[{view.k_pages.shape[0]},16,{H},{D}]" not in hlo  # no float copy of the pool
         assert f"[{pool_rows}," not in hlo and f"f32[3,{H},{view.page_table.shape[1] * 16},{D}]" not in hlo
-        assert (f'"{_native.QUANTIZED_PAGED_TARGET}"' in hlo) == (implementation == "auto" and _native.enabled())
+        assert (f'"{_library.QUANTIZED_PAGED_TARGET}"' in hlo) == (implementation == "auto" and _library.enabled())
     loop = jss.attend(q, view, implementation="loop")
     np.testing.assert_allclose(np.asarray(jss.attend(q, view)), np.asarray(loop), rtol=1e-4, atol=1e-5)
 

@@ -20,8 +20,8 @@ import jax
 
 from jax_session_state.accounting import Storage, tree_storages
 from jax_session_state.base import StateObject
-from jax_session_state.offload import Parked, Placement
-from jax_session_state.planner import ObjectUsage, SessionUsage
+from jax_session_state.manager.offload import Parked, Placement
+from jax_session_state.manager.planner import ObjectUsage, SessionUsage
 from jax_session_state.session import Session
 
 RecordState = Literal["resident", "parked", "evicted", "absent"]

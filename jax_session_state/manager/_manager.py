@@ -40,21 +40,19 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal
 
-from jax_session_state import offload
-from jax_session_state._checkout import PoolCheckouts
-from jax_session_state._manager_core import ManagerCore, checked_session
-from jax_session_state._manager_events import ManagerEvent
-from jax_session_state._manager_snapshot import (
+from jax_session_state.base import StateObject
+from jax_session_state.core._validation import non_negative, positive_int
+from jax_session_state.errors import BudgetExceededError, PayloadError, PayloadTypeError, SessionStateLostError
+from jax_session_state.manager._checkout import PoolCheckouts
+from jax_session_state.manager._core import ManagerCore, checked_session
+from jax_session_state.manager._events import ManagerEvent
+from jax_session_state.manager._snapshot import (
     Held,
     ManagerSnapshot,
     ManagerSnapshots,
     SnapshotSession,
 )
-from jax_session_state._plan_records import non_negative
-from jax_session_state._table import Entry, Rebuild
-from jax_session_state._validation import positive_int
-from jax_session_state.base import StateObject
-from jax_session_state.errors import BudgetExceededError, PayloadError, PayloadTypeError, SessionStateLostError
+from jax_session_state.manager._table import Entry, Rebuild
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "SnapshotSession"]
@@ -399,8 +397,8 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         Example:
           >>> import jax
           >>> import jax_session_state as jss
-          >>> manager = jss.SessionStateManager()
-          >>> manager.create("a", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))}))
+          >>> manager, carry = jss.SessionStateManager(), jss.FixedState.allocate(shapes=(2,))
+          >>> manager.create("a", jss.Session(objects={"carry": carry}))
           >>> step = jax.jit(lambda s: s.commit(carry=s.view()["carry"] + 1), donate_argnums=0)
           >>> session = manager.put("a", step(manager.get("a")))  # the stored copy was donated: put it back
           >>> manager.get("a").view()["carry"]
@@ -493,62 +491,3 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         with self._lock:
             self._rebuilds[name] = Rebuild(fn, cost)
             self._rebuilds_version += 1
-
-    # ------------------------------------------------------------ reports
-    def nbytes_by_device(self) -> dict[str, int]:
-        """Bytes held by device key (parked bytes under ``"cpu:0/pinned_host"`` etc.), each buffer once."""
-        with self._lock:
-            return dict(self._ledger.totals)
-
-    def stats(self) -> dict[str, Any]:
-        """Counters and bytes.
-
-        Returns:
-          ``sessions``; ``hits`` and ``misses`` (lookups by get, update and
-          pin: a miss found the id lost or had to bring objects back) and
-          their sum ``lookups``; ``evictions`` (objects evicted to be
-          rebuilt), ``demotions`` (objects replaced by their lower tier),
-          ``preemptions`` (whole sessions released), ``parks``, ``restores``
-          (parked objects copied back), ``rebuilds``, ``refusals``;
-          ``bytes`` by device key.
-
-        Example:
-          >>> import jax_session_state as jss
-          >>> manager = jss.SessionStateManager()
-          >>> manager.create("a", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(1, 4))}))
-          >>> session = manager.get("a")  # a hit
-          >>> try:
-          ...     manager.get("b")  # a miss
-          ... except jss.SessionStateLostError:
-          ...     pass
-          >>> manager.stats()
-          {'sessions': 1, 'lookups': 2, 'hits': 1, 'misses': 1, 'evictions': 0, 'demotions': 0,
-           'preemptions': 0, 'parks': 0, 'restores': 0, 'rebuilds': 0, 'refusals': 0, 'bytes': {'cpu:0': 33}}
-        """
-        with self._lock:
-            return {
-                "sessions": len(self._entries),
-                "lookups": self._hits + self._misses,
-                "hits": self._hits,
-                "misses": self._misses,
-                **self._counts,
-                "bytes": dict(self._ledger.totals),
-            }
-
-    def held(self) -> dict[Hashable, Held]:
-        """How every session is held now, least recently used first, without bringing anything back.
-
-        For reports (``jss.summary(manager)``): a parked object's arrays are
-        in host memory and stay out of the sessions here.
-        """
-        with self._lock:
-            return {
-                session_id: Held(
-                    entry.session,
-                    {name: entry.records[name].parked for name in entry.names("parked")},
-                    frozenset(entry.names("evicted")),
-                    offload.is_donated(entry.session),
-                    bool(entry.pins),
-                )
-                for session_id, entry in self._by_recency()
-            }

@@ -1,100 +1,11 @@
-"""Attention over state views: reads cost what is valid, never what is allocated.
+"""``attend`` and ``attend_with_lse``: the checks, the dispatch by view, and ``merge_attention``.
 
-``attend(q, view)`` dispatches on the view:
-
-- :class:`KVView` in append mode: blockwise over the keys up to the longest
-  row's length with an online softmax (flash-decoding style), so a
-  32k-capacity cache holding 1k tokens attends like a 1k cache;
-  ``positions`` is not read.  On a single CPU device, where the native
-  kernel was built (``jax_session_state._native``: float32, bfloat16 and
-  float16 caches, and int8 / fp8 ones whose row scales it applies to the
-  scores and weights; one build per instruction set), it runs as one XLA FFI
-  call that reads the cache in place on every core; elsewhere a
-  ``lax.fori_loop`` over 64-key blocks whose trip count is computed at run
-  time (``lax.platform_dependent``).
-- :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
-  one dense, masked pass over its slots using ``positions``.
-- Under ``jax.vmap`` over independent caches (a ``SessionPool``'s slots,
-  each with its own length), the pure readers have a batching rule
-  (``_attention_pooled``): the slots fold into the batch, or are read one
-  by one to each slot's own length when the lengths are ragged, or (rings)
-  in one dense pass when full -- picked at run time, never a gather.
-- :class:`BranchKVView` (a speculative lane): cascade attention -- the shared
-  prefix and the lane's own rows separately, merged by log-sum-exp.  Under
-  ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
-  once for every lane.
-- :class:`PagedView`: read page by page through the page table where the
-  pages lie (the native kernel, or a loop over blocks of whole pages), never
-  gathered into a dense copy.  A quantized view (int8 / fp8 pages and
-  their scale pages) is read the same way: the native kernel or the loop
-  applies each row's scales to its scores and weights.
-
-``implementation=`` picks how append-mode and paged views are read:
-``"auto"`` (above on CPU; ``"pallas"`` on CUDA where a GPU is attached;
-``"bucketed"`` on TPU and elsewhere), ``"native"``,
-``"loop"``, ``"bucketed"`` (one fused dense pass over the valid prefix
-rounded up to a power of two, picked by ``lax.switch``: a handful of
-kernels, O(valid) work; its dots sum in float32 and read a bfloat16 or
-float16 cache's values as stored, and its keys too where the queries have
-the cache's dtype, instead of a float32 copy of the bucket; a bucket whose
-float32 scores would pass :data:`BUCKET_SCORE_BYTES` is read in chunks
-that fit, a loop of static length) or ``"pallas"`` (split-K flash
-decoding in one Pallas kernel: each program reads one kv head of one row
-over its share of the blocks up to that row's valid length, through the
-page table for a paged view, and the shares merge by log-sum-exp; compiled
-through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float,
-int8 and fp8 caches with a power-of-two head dim of at least 16 and a
-capacity or page size a multiple of 16, and a static scale; other views,
-and TPU, read buckets; a float32 cache's dots are three TF32 products on a
-GPU, about float32's accuracy); :data:`IMPLEMENTATIONS` lists them.
-:data:`BLOCK_SIZE` is the keys per block of the loop,
-:data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
-for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
-latency-bound by construction.  On an H200 the Pallas kernel read faster
-than buckets in every row of ``benchmarks/device.py`` (batch 1 to 32, 4k to
-128k valid, T = 1 and 16; BENCHMARKS.md), so ``"auto"`` reads it on CUDA
-where this process has a GPU; a CUDA lowering made without one
-(``jax.export`` on a CPU host: compiling the kernel takes the GPU's
-plugin), TPU and ROCm read buckets.
-
-A query at position ``qp`` sees a key at position ``p`` when
-``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
-``p < sink or qp - p < window``.  A query that sees nothing returns exact
-zeros (and ``lse = -inf``), never NaN.  Accumulation is float32 whatever the
-cache dtype.
-
-Why no ``jax.nn.dot_product_attention`` here: it wants token-major K/V (a
-transposed copy of the whole cache), its ``local_window_size`` counts slots,
-not positions, so it is wrong once a ring wraps, it cannot express sinks,
-returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
-computes over the whole capacity.
-
-Gradients: append-mode attention through the native kernel or the Pallas
-kernel and float paged attention (native paged kernel, page loop or Pallas
-kernel) have a ``jax.custom_vjp`` (on CPU a flash-attention backward in pure
-JAX, blockwise like the forward; a paged one scatter-adds into the pages; on
-GPU and TPU, and for the dense Pallas kernel everywhere, the VJP of the
-bucketed pass, recomputed), so ``jax.grad`` works under ``jit`` with traced
-lengths; forward-mode ``jax.jvp`` of them does not, nor do quantized views
-have gradients.  ``"bucketed"`` itself is differentiable as it stands (its
-chunks recompute their scores rather than keep them).  Measurements and what
-was tried are in ``benchmarks/NOTES.md``.
-
-Example:
-  >>> import jax, jax.numpy as jnp
-  >>> import jax_session_state as jss
-  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=1024)
-  >>> rows = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
-  >>> kv = kv.append((rows, rows))
-  >>> q = jax.random.normal(jax.random.key(1), (1, 16, 4, 8))  # 4 query heads over 2 kv heads
-  >>> jss.attend(q, kv.view()).shape
-  (1, 16, 4, 8)
+What each view is read by is told in the package docstring (:mod:`jax_session_state.attention`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from typing import Any
 
@@ -102,52 +13,39 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state import _native
-from jax_session_state._attention_blocks import (
-    BLOCK_SIZE,
-    BUCKET_SCORE_BYTES,
-    SMALLEST_BUCKET,
+from jax_session_state.attention import _native
+from jax_session_state.attention._blocks import (
     _absolute,
     _append_block,
-    _bucketed_append,
-    _bucketed_paged,
     _by_platform,
     _cache_blocks,
+    _checked,
+    _checked_scale,
     _empty_state,
     _finish,
+    _grouped,
     _online_update,
-    _paged_attention,
-    _paged_blockwise,
     _pallas_append,
     _pallas_paged,
     _pallas_wanted,
     _read_blocks,
     _relative_offsets,
     _scores,
-    _to_rows,
 )
-from jax_session_state._attention_dense import (
+from jax_session_state.attention._bucketed import _bucketed_append
+from jax_session_state.attention._dense import (
     _blockwise,
     _default_positions,
     _native_or_blockwise,
     _pallas_or_bucketed,
     _quantized_native_or_blockwise,
 )
-from jax_session_state._attention_pooled import fold_slots
+from jax_session_state.attention._paged import _bucketed_paged, _paged_attention, _paged_blockwise
+from jax_session_state.attention._pooled import fold_slots
+from jax_session_state.core import _library
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
-
-__all__ = [
-    "BLOCK_SIZE",
-    "BUCKET_SCORE_BYTES",
-    "IMPLEMENTATIONS",
-    "SMALLEST_BUCKET",
-    "attend",
-    "attend_with_lse",
-    "merge_attention",
-    "native_status",
-]
 
 IMPLEMENTATIONS = ("auto", "native", "loop", "bucketed", "pallas")
 """The ways :func:`attend` reads append-mode and paged views."""
@@ -166,7 +64,7 @@ def native_status() -> str:
       >>> jss.attention.native_status().startswith(("native kernel", "pure JAX"))
       True
     """
-    return _native.status()
+    return _library.status()
 
 
 def attend(
@@ -268,8 +166,8 @@ def attend_with_lse(
         raise PayloadError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
     if implementation not in IMPLEMENTATIONS:
         raise PayloadError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
-    if implementation == "native" and not _native.enabled():
-        raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_native.status()}")
+    if implementation == "native" and not _library.enabled():
+        raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_library.status()}")
     if not isinstance(view, (KVView, BranchKVView, PagedView)):
         raise PayloadTypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
     if _eager(q, view, q_positions, scale):  # one compiled program per signature, not one per call
@@ -340,29 +238,6 @@ def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
 
 
 # ---------------------------------------------------------------- internals
-def _checked_scale(q: Array, k: Array, scale: float | None) -> tuple[int, float]:
-    """Checks q against the view's head-major ``k``; returns the query heads per kv head and the scale."""
-    view_batch, kv_heads, _, view_dim = k.shape
-    return _checked(q, view_batch, kv_heads, view_dim, scale)
-
-
-def _checked(q: Array, view_batch: int, kv_heads: int, view_dim: int, scale: float | None) -> tuple[int, float]:
-    B, _, q_heads, D = q.shape
-    if B != view_batch:
-        raise PayloadError(f"attend(): q has batch {B} but the view has batch {view_batch}.")
-    if D != view_dim:
-        raise PayloadError(f"attend(): q has head_dim {D} but the view has head_dim {view_dim}.")
-    if q_heads % kv_heads:
-        raise PayloadError(f"attend(): q_heads={q_heads} is not a multiple of the view's kv_heads={kv_heads}.")
-    return q_heads // kv_heads, 1.0 / math.sqrt(D) if scale is None else scale
-
-
-def _grouped(q: Array, k: Array, scale: float | None) -> tuple[Array, int, float]:
-    """:func:`_checked_scale`, and q as ``[B, kv_heads, T*G, D]`` float32."""
-    groups, scale = _checked_scale(q, k, scale)
-    return _to_rows(q, k.shape[1]), groups, scale
-
-
 def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
                  implementation: str) -> tuple[Array, Array]:
     if view.window is not None:
@@ -404,9 +279,9 @@ def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, k
     """Whether this call runs the native kernel ("auto" where it takes the operands, or "native")."""
     if implementation not in ("auto", "native") or not isinstance(scale, numbers.Real):
         return False
-    takes = _native.enabled() and _native.supports(q, k, v, kv_heads=kv_heads, quantized=quantized)
+    takes = _library.enabled() and _native.supports(q, k, v, kv_heads=kv_heads, quantized=quantized)
     if implementation == "native" and not takes:
-        raise PayloadError(f"attend(implementation='native'): the kernel on its {_native.ISA} path does not take a "
+        raise PayloadError(f"attend(implementation='native'): the kernel on its {_library.ISA} path does not take a "
                          f"{k.dtype} cache with q of shape {list(q.shape)} (see _native.supports).")
     return takes
 

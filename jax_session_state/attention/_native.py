@@ -1,165 +1,40 @@
-"""The native CPU kernel of decode attention, and its row writer, called through the XLA FFI.
+"""The native CPU kernel of decode attention, bound for ``attend``: which steps it takes, and its calls.
 
-``csrc/decode_attention.cc`` and ``csrc/write_rows.cc`` are compiled at
-install time into the shared library ``_decode_attention`` next to this
-module.  The build is optional:
-without a C++ compiler the install still succeeds and attention stays pure
-JAX.  At import the library, when present, is loaded and its handlers (a
-head-major cache, a paged one, the row writer of :mod:`._writes`) are
-registered as XLA FFI targets for the ``"cpu"`` platform; attention and the
-bfloat16 / float8 writes then call them through ``lax.platform_dependent``,
-so GPU and TPU lowering never see them.
-``JSS_NATIVE_ATTENTION=0`` in the environment leaves them unregistered.
-
-The library holds the kernel once per instruction set (``baseline`` x86-64,
-``avx2`` = x86-64-v3 with FMA, ``avx512`` = x86-64-v4) and uses the best one
-the CPU runs; ``JSS_NATIVE_ISA=baseline|avx2|avx512`` forces one (an error at
-import where the CPU lacks it).  Float32, bfloat16 and float16 caches are
-read, and quantized ones (int8 or ``float8_e4m3fn`` values with one float32
-scale per row and kv head, applied inside the kernel to the scores and the
-weights); accumulation is float32.
+The kernel (``csrc/decode_attention.cc``) is loaded and registered by
+:mod:`jax_session_state.core._library`, once per process; this module says
+which operands it reads (:func:`supports`, :data:`DECLINED_ROWS`) and calls
+it through the XLA FFI over a head-major cache (:func:`kernel`,
+:func:`quantized_kernel`) or a paged pool (:func:`paged_kernel`), with the
+batching rules that fold speculative lanes into query rows.
 
 Example:
-  >>> from jax_session_state import _native
-  >>> isinstance(_native.AVAILABLE, bool) and isinstance(_native.STATUS, str)
+  >>> from jax_session_state.attention import _native
+  >>> import jax.numpy as jnp
+  >>> q = k = v = jnp.zeros((1, 1, 2, 8))  # [batch, T, heads, dim]; k, v [batch, kv_heads, capacity, dim]
+  >>> isinstance(_native.supports(q, k, v), bool)
   True
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import importlib.machinery
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jax_session_state.core._library import ISA, ISAS, PAGED_TARGET, QUANTIZED_PAGED_TARGET, QUANTIZED_TARGET, TARGET
 from jax_session_state.errors import PayloadError
 
-__all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "kernel", "paged_kernel", "quantized_kernel", "status",
-           "supports", "use", "write_rows"]
+__all__ = ["DECLINED_ROWS", "DTYPES", "QUANTIZED_DTYPES", "kernel", "paged_kernel", "quantized_kernel", "supports"]
 
-TARGET = "jax_session_state_decode_attention"
-PAGED_TARGET = "jax_session_state_paged_decode_attention"
-QUANTIZED_TARGET = "jax_session_state_quantized_decode_attention"
-QUANTIZED_PAGED_TARGET = "jax_session_state_quantized_paged_decode_attention"
-WRITE_TARGET = "jax_session_state_write_rows"
-ENV_SWITCH = "JSS_NATIVE_ATTENTION"
-ENV_ISA = "JSS_NATIVE_ISA"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 """The stored values of a quantized cache the kernel reads (with its float32 row scales)."""
 
 Kernel = Callable[[Array, Array, Array, Array, Array], tuple[Array, Array]]
-
-
-def _select_isa(library: ctypes.CDLL) -> tuple[dict[str, bool], str]:
-    """The library's instruction-set paths (name -> whether this CPU runs it), and the one selected.
-
-    Raises:
-      RuntimeError: ``JSS_NATIVE_ISA`` names an unknown path or one this CPU lacks.
-    """
-    library.JssIsaName.restype = library.JssCurrentIsa.restype = ctypes.c_char_p
-    names = [library.JssIsaName(i).decode() for i in range(library.JssIsaCount())]
-    paths = {name: bool(library.JssIsaSupported(i)) for i, name in enumerate(names)}
-    wanted = os.environ.get(ENV_ISA, "")
-    if wanted:
-        if wanted not in paths:
-            raise RuntimeError(f"{ENV_ISA}={wanted!r}: the native attention kernel has the paths {names}.")
-        if not paths[wanted]:
-            runs = [name for name, ok in paths.items() if ok]
-            raise RuntimeError(f"{ENV_ISA}={wanted!r}: this CPU lacks the instructions of that path; it runs {runs}.")
-        library.JssSelectIsa(names.index(wanted))
-    return paths, library.JssCurrentIsa().decode()
-
-
-def _load() -> tuple[bool, str, dict[str, bool], str | None]:
-    """Registers the FFI targets; returns whether they are available and why (not), the ISA paths and the one used."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False, f"disabled by {ENV_SWITCH}=0", {}, None
-    here = Path(__file__).parent
-    found = [here / f"_decode_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
-    path = next((path for path in found if path.exists()), None)
-    if path is None:
-        return False, "the extension _decode_attention was not built (no C++ compiler at install time?)", {}, None
-    try:
-        library = ctypes.cdll.LoadLibrary(str(path))
-        handlers = (library.JssDecodeAttention, library.JssPagedDecodeAttention, library.JssQuantizedDecodeAttention,
-                    library.JssQuantizedPagedDecodeAttention, library.JssWriteRows)
-    except (OSError, AttributeError) as error:
-        return False, f"{path.name} could not be loaded: {error}", {}, None
-    paths, isa = _select_isa(library)
-    targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET)
-    for target, handler in zip(targets, handlers):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
-    return True, f"{path.name}, {isa} path ({how})", paths, isa
-
-
-AVAILABLE, STATUS, ISAS, ISA = _load()
-"""Whether the native kernel is registered and a line saying why (not); its
-instruction-set paths (name -> whether this CPU runs it) and the one in use."""
-
-_use_native = AVAILABLE
-
-
-def enabled() -> bool:
-    """Whether functions traced now call the native kernels on CPU: ``attend``, and bfloat16 / float8 writes.
-
-    Never where the CPU backend has several devices: the FFI call has no
-    partitioning rule, so XLA would gather a sharded cache onto every device
-    to call it; there the pure loop runs, which partitions like any XLA op.
-    """
-    return _use_native and _one_cpu_device()
-
-
-@functools.cache
-def _cpu_devices() -> int:
-    try:
-        return len(jax.devices("cpu"))
-    except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out: nothing runs there
-        return 0
-
-
-def _one_cpu_device() -> bool:
-    return _cpu_devices() == 1
-
-
-def status() -> str:
-    """Whether functions traced now call the native kernel on CPU, and why (not)."""
-    if not AVAILABLE:
-        return f"pure JAX: {STATUS}"
-    if not _one_cpu_device():
-        return f"pure JAX: {_cpu_devices()} CPU devices (the kernel has no partitioning rule)"
-    if not _use_native:
-        return "pure JAX: turned off by _native.use(False)"
-    return f"native kernel ({ISA}): {STATUS}"
-
-
-@contextlib.contextmanager
-def use(native: bool) -> Iterator[None]:
-    """Within the block, functions traced call the native kernels on CPU (attention, row writes) or not.
-
-    Functions jitted before keep what they were traced with (clear them, e.g.
-    ``jax.clear_caches()``, to retrace).
-
-    Raises:
-      RuntimeError: ``native`` is True but the kernel is not available.
-    """
-    global _use_native
-    if native and not AVAILABLE:
-        raise RuntimeError(f"the native attention kernel is not available: {STATUS}")
-    before, _use_native = _use_native, native
-    try:
-        yield
-    finally:
-        _use_native = before
 
 
 def _cores() -> int:
@@ -248,19 +123,6 @@ def quantized_kernel(q: Array, k: Array, v: Array, k_scale: Array, v_scale: Arra
                     q_positions.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal),
                     relative=bool(relative))
     return out.astype(q.dtype), lse
-
-
-def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int) -> Array:
-    """``buffer`` with ``rows`` written at ``slots`` along ``axis``, by the native row writer, in place.
-
-    Operands as :func:`jax_session_state._writes.scatter_rows` (a slot
-    outside ``[0, S)`` drops its row); the result aliases ``buffer``, so a
-    donated buffer is written where it lies and only the rows' bytes move.
-    Under ``jax.vmap`` every operand gets the mapped axis first.
-    """
-    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                            input_output_aliases={0: 0}, vmap_method="broadcast_all")
-    return call(buffer, slots.astype(jnp.int32), rows, tail_rank=np.int64(buffer.ndim - 1 - axis))
 
 
 def _scales(k_scale: Array | None, v_scale: Array | None) -> tuple[Array, ...]:

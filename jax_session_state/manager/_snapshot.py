@@ -3,7 +3,8 @@
 :class:`ManagerSnapshots` is the part of
 :class:`~jax_session_state.SessionStateManager` that exports its table
 (``snapshot()``) and imports one (``load()``, ``from_snapshot()``): what
-checkpoints save and restore.
+checkpoints save and restore; and its reports (``held()``, ``stats()``,
+``nbytes_by_device()``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple, Self
 
-from jax_session_state import offload
-from jax_session_state._manager_core import COUNTERS, ManagerCore
 from jax_session_state.errors import DonatedError, PayloadError
+from jax_session_state.manager import offload
+from jax_session_state.manager._core import COUNTERS, ManagerCore
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerSnapshot", "ManagerSnapshots", "SnapshotSession"]
@@ -110,7 +111,7 @@ class ManagerSnapshot:
 
 
 class ManagerSnapshots(ManagerCore):
-    """Exports and imports of the manager's whole table."""
+    """Exports and imports of the manager's whole table, and reports of it."""
 
     def settings(self) -> dict[str, Any]:
         """The constructor's settings that describe this manager (not the lock or ``on_event``)."""
@@ -204,3 +205,62 @@ class ManagerSnapshots(ManagerCore):
         with self._lock:
             self._hits = self._misses = 0
             self._counts = dict.fromkeys(COUNTERS, 0)
+
+    # ------------------------------------------------------------ reports
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes held by device key (parked bytes under ``"cpu:0/pinned_host"`` etc.), each buffer once."""
+        with self._lock:
+            return dict(self._ledger.totals)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and bytes.
+
+        Returns:
+          ``sessions``; ``hits`` and ``misses`` (lookups by get, update and
+          pin: a miss found the id lost or had to bring objects back) and
+          their sum ``lookups``; ``evictions`` (objects evicted to be
+          rebuilt), ``demotions`` (objects replaced by their lower tier),
+          ``preemptions`` (whole sessions released), ``parks``, ``restores``
+          (parked objects copied back), ``rebuilds``, ``refusals``;
+          ``bytes`` by device key.
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> manager = jss.SessionStateManager()
+          >>> manager.create("a", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(1, 4))}))
+          >>> session = manager.get("a")  # a hit
+          >>> try:
+          ...     manager.get("b")  # a miss
+          ... except jss.SessionStateLostError:
+          ...     pass
+          >>> manager.stats()
+          {'sessions': 1, 'lookups': 2, 'hits': 1, 'misses': 1, 'evictions': 0, 'demotions': 0,
+           'preemptions': 0, 'parks': 0, 'restores': 0, 'rebuilds': 0, 'refusals': 0, 'bytes': {'cpu:0': 33}}
+        """
+        with self._lock:
+            return {
+                "sessions": len(self._entries),
+                "lookups": self._hits + self._misses,
+                "hits": self._hits,
+                "misses": self._misses,
+                **self._counts,
+                "bytes": dict(self._ledger.totals),
+            }
+
+    def held(self) -> dict[Hashable, Held]:
+        """How every session is held now, least recently used first, without bringing anything back.
+
+        For reports (``jss.summary(manager)``): a parked object's arrays are
+        in host memory and stay out of the sessions here.
+        """
+        with self._lock:
+            return {
+                session_id: Held(
+                    entry.session,
+                    {name: entry.records[name].parked for name in entry.names("parked")},
+                    frozenset(entry.names("evicted")),
+                    offload.is_donated(entry.session),
+                    bool(entry.pins),
+                )
+                for session_id, entry in self._by_recency()
+            }

@@ -10,7 +10,7 @@ released.
 
 The state:
 
-- ``_entries``: session id -> :class:`~jax_session_state._table.Entry`
+- ``_entries``: session id -> :class:`~jax_session_state.manager._table.Entry`
   (the session, per-object records, pins, the update() hold);
 - ``_recency``: ids least recently used first; the value is the session
   while a lookup may hand it out at once, else None;
@@ -37,15 +37,6 @@ from typing import Any
 
 import jax
 
-from jax_session_state import offload
-from jax_session_state._manager_events import ManagerEvent, deliver
-from jax_session_state._table import (
-    Entry,
-    Ledger,
-    ObjectRecord,
-    Rebuild,
-    distinct_bytes,
-)
 from jax_session_state.accounting import Storage
 from jax_session_state.base import StateObject
 from jax_session_state.errors import (
@@ -55,7 +46,16 @@ from jax_session_state.errors import (
     SessionAdmissionError,
     SessionStateLostError,
 )
-from jax_session_state.planner import (
+from jax_session_state.manager import offload
+from jax_session_state.manager._events import ManagerEvent, deliver
+from jax_session_state.manager._table import (
+    Entry,
+    Ledger,
+    ObjectRecord,
+    Rebuild,
+    distinct_bytes,
+)
+from jax_session_state.manager.planner import (
     Action,
     DemoteObject,
     EvictObject,

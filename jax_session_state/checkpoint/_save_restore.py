@@ -1,56 +1,6 @@
-"""Crash-safe, verified checkpoints of sessions and managers, written with Orbax.
+"""``save`` and ``restore``: the tree of a session or a manager they walk, and its manifest's entries.
 
-A checkpoint is a directory::
-
-    path/
-      ckpt-000007/           the newest complete checkpoint
-        manifest.json        format and version, what is saved ("session" or
-                             "manager"), its record (kinds, specs, residency,
-                             attrs structure, RNG key implementations), a table
-                             of its arrays with shapes, dtypes and digests, and
-                             a digest of the whole manifest
-        arrays/              an Orbax PyTree checkpoint of those arrays
-      .partial-000008/       a save in progress, or one that crashed: never read
-      .superseded-000006/    an older checkpoint being deleted: never read
-
-:func:`save` writes a whole checkpoint into a partial directory, flushes it,
-renames it to the next ``ckpt-N`` (a rename is atomic) and only then removes
-older ones: a crash at any moment leaves the previous checkpoint complete.
-
-**What a restore verifies.**  :func:`restore` reads the newest ``ckpt-N`` and
-checks, before it returns anything: that ``manifest.json`` parses, is of this
-format and version, and matches its BLAKE2b digest (so every name, spec,
-attr value, key implementation and array entry is the one saved); and that
-every array's bytes, in row-major order, match their digest in the manifest
-(CRC-32 of each 1 MiB chunk under a BLAKE2b root: every changed byte is
-found, and any swapped or moved values but for one chance in 2**32 per
-chunk).  A
-:class:`~jax_session_state.errors.CheckpointError` means the checkpoint was
-not restored, and says which file and what was wrong: none found, another
-format or version, a damaged or truncated file, or a ``target`` that does not
-match.  Nothing is half-restored.  The digests detect damage, not forgery:
-whoever can write the files can write matching digests.
-
-Arrays are placed on restore, not as they were saved, so a checkpoint written
-on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
-every object, attrs replicated), or a ``target`` session to copy placement
-from, or neither for the default device.
-
-:data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
-format version this library writes and reads (``CHANGELOG.md`` lists each).
-
-Example:
-  >>> import tempfile
-  >>> import jax, jax.numpy as jnp
-  >>> import jax_session_state as jss
-  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
-  >>> rows = jnp.ones((1, 3, 2, 4))
-  >>> session = jss.Session(objects={"kv": kv.append((rows, rows))}, attrs={"rng": jax.random.key(0)})
-  >>> path = tempfile.mkdtemp()
-  >>> jss.checkpoint.save(path, session).name
-  'ckpt-000001'
-  >>> jss.checkpoint.restore(path)["kv"].view().lengths
-  Array([3], dtype=int32)
+The format is told in the package docstring (:mod:`jax_session_state.checkpoint`).
 """
 
 from __future__ import annotations
@@ -68,18 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_session_state import _atomic, _codec, _manifest, _orbax_io
-from jax_session_state._digest import array_digests
-from jax_session_state._manifest import FORMAT, VERSION, ArrayTable
-from jax_session_state._orbax_io import AS_NUMPY, Destination
 from jax_session_state.base import StateObject
+from jax_session_state.checkpoint import _atomic, _codec, _manifest, _orbax_io
+from jax_session_state.checkpoint._digest import array_digests
+from jax_session_state.checkpoint._manifest import FORMAT, VERSION, ArrayTable
+from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
 from jax_session_state.errors import CheckpointError, PayloadTypeError
 from jax_session_state.manager import (
     ManagerSnapshot,
     SessionStateManager,
     SnapshotSession,
 )
-from jax_session_state.offload import place
+from jax_session_state.manager.offload import place
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 

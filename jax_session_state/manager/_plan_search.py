@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:  # annotations only: the planner imports this module
-    from jax_session_state.planner import Action, ObjectUsage, Plan, SessionUsage
+from jax_session_state.manager._plan_records import Action, ObjectUsage, Plan, PreemptSession, SessionUsage
 
 PINNED_HOST_SUFFIX = "/pinned_host"
 
@@ -30,7 +29,7 @@ def parking_destination(device_key: str) -> str | None:
     ``"host"`` give None.
 
     Example:
-      >>> from jax_session_state.planner import parking_destination
+      >>> from jax_session_state.manager.planner import parking_destination
       >>> parking_destination("cuda:1"), parking_destination("cpu:0/pinned_host"), parking_destination("host")
       ('cuda:1/pinned_host', None, None)
     """
@@ -277,7 +276,6 @@ class Projection:
 
     def to_plan(self) -> Plan:
         """The plan so far, less evictions and parks superseded by a preemption."""
-        from jax_session_state.planner import Plan, PreemptSession  # the planner imports this module
         preempted = {a.session_id for a in self.actions if isinstance(a, PreemptSession)}
         actions = tuple(
             a for a in self.actions if isinstance(a, PreemptSession) or a.session_id not in preempted

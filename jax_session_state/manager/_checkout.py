@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jax_session_state._table import Entry, distinct_bytes
 from jax_session_state.accounting import Storage, tree_storages
 from jax_session_state.errors import PayloadError, PayloadTypeError, SessionCheckedOutError
-from jax_session_state.planner import SessionUsage
+from jax_session_state.manager._table import Entry, distinct_bytes
+from jax_session_state.manager.planner import SessionUsage
 from jax_session_state.pool import SessionPool
 from jax_session_state.session import Session
 
 if TYPE_CHECKING:
-    from jax_session_state._manager_events import ManagerEvent
+    from jax_session_state.manager._events import ManagerEvent
 
 __all__ = ["PoolCheckouts"]
 

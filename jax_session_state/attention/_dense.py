@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state import _native
-from jax_session_state._attention_blocks import (
+from jax_session_state.attention import _native
+from jax_session_state.attention._blocks import (
     BLOCK_SIZE,
     _absolute,
     _append_block,
@@ -25,18 +25,18 @@ from jax_session_state._attention_blocks import (
     _block,
     _block_count,
     _block_f32,
-    _bucketed_append,
     _by_platform,
     _cache_blocks,
-    _from_rows,
+    _flash_block_grads,
+    _flash_loop,
     _last_visible,
     _pallas_append,
     _pallas_wanted,
     _read_blocks,
     _relative_offsets,
-    _scores,
 )
-from jax_session_state._attention_pooled import fold_slots
+from jax_session_state.attention._bucketed import _bucketed_append
+from jax_session_state.attention._pooled import fold_slots
 from jax_session_state.errors import PayloadError
 from jax_session_state.objects.kv import KVView
 
@@ -87,7 +87,7 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
     row scales multiply the block's scores and softmax weights (``M`` per
     key, not ``head_dim``), so no dequantized copy is ever made.  Under
     ``jax.vmap`` over independent caches the slots fold into the batch, or
-    are read one by one where that is cheaper (``_attention_pooled``).
+    are read one by one where that is cheaper (``_pooled``).
     """
     cache = {"k": k, "v": v, "lengths": lengths}
     if k_scale is not None:
@@ -169,21 +169,14 @@ def _flash_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotan
     last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, groups)
 
     def body(i: Array, grads: Any) -> Any:
-        dq, dk, dv = grads
         start, key_position, first = _block(k, i, n)
         keys, values = _block_f32(k, start, n), _block_f32(v, start, n)
         visible = (key_position >= first) & (key_position <= last)
-        p = jnp.where(visible, jnp.exp(_scores(keys, qh) * scale - lse_rows), 0.0)
-        ds = p * (jnp.einsum("bhmd,bhnd->bhmn", d_rows, values) - delta) * scale
         add = lambda grad, block: lax.dynamic_update_slice_in_dim(  # noqa: E731
             grad, lax.dynamic_slice_in_dim(grad, start, n, axis=2) + block, start, axis=2)
-        dk = add(dk, jnp.einsum("bhmn,bhmd->bhnd", ds, qh))
-        dv = add(dv, jnp.einsum("bhmn,bhmd->bhnd", p, d_rows))
-        return dq + jnp.einsum("bhmn,bhnd->bhmd", ds, keys), dk, dv
+        return _flash_block_grads(grads, keys, values, visible, qh, (d_rows, lse_rows, delta), scale, add)
 
-    zeros = (jnp.zeros_like(qh), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-    dq, dk, dv = lax.fori_loop(0, _block_count(lengths, capacity, n), body, zeros)
-    return _from_rows(dq, q.shape[1]).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return _flash_loop(q, qh, k, v, _block_count(lengths, capacity, n), body)
 
 
 _native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)

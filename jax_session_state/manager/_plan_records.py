@@ -10,52 +10,17 @@ import dataclasses
 import types
 import warnings
 from collections.abc import Hashable, Mapping
-from typing import Any, Literal
+from typing import Literal
 
+from jax_session_state.core._validation import is_number, non_negative
 from jax_session_state.errors import PayloadError, PayloadTypeError
-
-__all__ = [
-    "Action",
-    "DemoteObject",
-    "EvictObject",
-    "ObjectState",
-    "ObjectUsage",
-    "ParkObject",
-    "Plan",
-    "PreemptSession",
-    "Refusal",
-    "SessionUsage",
-]
 
 ObjectState = Literal["resident", "evicted", "parked"]
 
 
-def _is_number(value: Any) -> bool:
-    """Whether ``value`` compares with 0 as a number (Python, numpy or 0-d jax scalar); duck-typed: no jax here."""
-    try:
-        bool(value >= 0)
-    except (TypeError, ValueError):  # not comparable (a str, None), or not a scalar (an array of several)
-        return False
-    return True
-
-
-def non_negative(owner: str, name: str, value: Any) -> Any:
-    """``value`` when it is a number >= 0 (NaN is not), else raises naming the argument.
-
-    Raises:
-      PayloadTypeError: ``value`` is not a number.
-      PayloadError: ``value`` is below 0, or NaN.
-    """
-    if not _is_number(value):
-        raise PayloadTypeError(f"{owner}: {name} must be a number >= 0; got {value!r}.")
-    if not value >= 0:
-        raise PayloadError(f"{owner}: {name} must be >= 0; got {value!r}.")
-    return value
-
-
 def _frozen_bytes(owner: str, field: str, bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
     # A byte count is an int count, so a bool is not one.
-    wrong = {key: count for key, count in bytes_by_device.items() if isinstance(count, bool) or not _is_number(count)}
+    wrong = {key: count for key, count in bytes_by_device.items() if isinstance(count, bool) or not is_number(count)}
     if wrong:
         raise PayloadTypeError(f"{owner}: {field} must map device keys to byte counts (ints >= 0); got {wrong}.")
     negative = {key: count for key, count in bytes_by_device.items() if count < 0}
@@ -87,7 +52,7 @@ class ObjectUsage:
         ``state`` is not one of the three.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage
+      >>> from jax_session_state.manager.planner import ObjectUsage
       >>> kv = ObjectUsage("kv", {"cpu:0": 1000, "cpu:1": 0}, demoted_bytes_by_device={"cpu:0": 270})
       >>> dict(kv.bytes_by_device), kv.demotion_frees  # keys with no bytes are dropped
       ({'cpu:0': 1000}, {'cpu:0': 730})
@@ -144,7 +109,7 @@ class SessionUsage:
       PayloadError: an attrs byte count is below 0.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> old = SessionUsage("old", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=1)
       >>> new = SessionUsage("new", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=2)
       >>> plan([old, new], budgets={"cpu:0": 1000}, allow_preempt=True).actions  # least recently used goes
@@ -176,7 +141,7 @@ class EvictObject(_FreeingObject):
     """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> cond = ObjectUsage("cond", {"cpu:0": 300}, sources=("prompt",), rebuildable=True)
       >>> session = SessionUsage("s", (cond, ObjectUsage("prompt", {"cpu:0": 100})), last_used=0)
       >>> plan([session], budgets={"cpu:0": 200}).actions
@@ -190,7 +155,7 @@ class DemoteObject(_FreeingObject):
     """Replace an object by its next lower tier (lossy, not undone); ``freed`` is the bytes it saves per device key.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> kv = ObjectUsage("kv", {"cpu:0": 1000}, demoted_bytes_by_device={"cpu:0": 270})
       >>> plan([SessionUsage("s", (kv,), last_used=0)], budgets={"cpu:0": 500}).actions
       (DemoteObject(session_id='s', name='kv', freed=mappingproxy({'cpu:0': 730})),)
@@ -204,7 +169,7 @@ class ParkObject:
     """Move an object to host memory; ``moved[k]`` bytes go from k to k + "/pinned_host".
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
       >>> result = plan([session], budgets={"cpu:0": 500}, park=True)
       >>> result.actions
@@ -223,7 +188,7 @@ class PreemptSession:
     """Release a whole session; ``freed`` is all its bytes per device key.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> sessions = [SessionUsage(i, (ObjectUsage("kv", {"cpu:0": 400}),), last_used=i) for i in range(3)]
       >>> [a.session_id for a in plan(sessions, budgets={"cpu:0": 500}, protect=2, allow_preempt=True).actions]
       [0, 1]
@@ -241,7 +206,7 @@ class Plan:
     """Actions to apply in order, and the usage per device key after them.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> result = plan([SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 100}),), last_used=0)],
       ...               budgets={"cpu:0": 500})
       >>> result.actions, dict(result.usage_after)  # within budget: nothing to do
@@ -264,7 +229,7 @@ class Refusal:
       message: a readable summary naming the keys and shortfalls.
 
     Example:
-      >>> from jax_session_state.planner import ObjectUsage, SessionUsage, plan
+      >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
       >>> refusal = plan([session], budgets={"cpu:0": 500})  # not rebuildable, no parking, no preemption
       >>> refusal.message, refusal.proven

@@ -12,7 +12,7 @@ the write is the caller's own XLA op.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from jax_session_state import _writes
+  >>> from jax_session_state.core import _writes
   >>> buffer = jnp.zeros((2, 5, 3), jnp.bfloat16)  # [group, slot, tail]
   >>> rows = jnp.ones((2, 2, 3), jnp.bfloat16)
   >>> slots = jnp.array([[0, 5], [4, 1]])  # slot 5 is out of range: that row is dropped
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state import _native
+from jax_session_state.core import _library
 
 __all__ = ["converted_by_xla_cpu", "in_place_natively", "is_native_write", "scatter_rows", "write_rows"]
 
@@ -47,10 +47,10 @@ def in_place_natively(buffer: Array) -> bool:
     """Whether writes into ``buffer`` traced now take the native row writer on CPU.
 
     Its dtype is one XLA:CPU converts, and the native kernel is in use
-    (:func:`jax_session_state._native.enabled`: built, not turned off, one
+    (:func:`jax_session_state.core._library.enabled`: built, not turned off, one
     CPU device, since the FFI call has no partitioning rule).
     """
-    return converted_by_xla_cpu(buffer.dtype) and _native.enabled()
+    return converted_by_xla_cpu(buffer.dtype) and _library.enabled()
 
 
 def scatter_rows(buffer: Array, slots: Array, rows: Array, *, axis: int, add: bool = False) -> Array:
@@ -88,7 +88,7 @@ def scatter_rows(buffer: Array, slots: Array, rows: Array, *, axis: int, add: bo
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _native_rows(buffer: Array, slots: Array, rows: Array, axis: int) -> Array:
-    return _native.write_rows(buffer, slots, rows, axis=axis)
+    return _library.write_rows(buffer, slots, rows, axis=axis)
 
 
 @_native_rows.defjvp
@@ -115,7 +115,7 @@ def is_native_write(eqn: Any) -> bool:
     if eqn.primitive.name != "custom_jvp_call":
         return False
     inner = eqn.params["call_jaxpr"].jaxpr.eqns
-    return len(inner) == 1 and inner[0].params.get("target_name") == _native.WRITE_TARGET
+    return len(inner) == 1 and inner[0].params.get("target_name") == _library.WRITE_TARGET
 
 
 def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int,

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_session_state import _atomic
-from jax_session_state._digest import array_digests, manifest_digest
+from jax_session_state.checkpoint import _atomic
+from jax_session_state.checkpoint._digest import array_digests, manifest_digest
 from jax_session_state.errors import CheckpointError
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "ArrayTable", "read", "write"]

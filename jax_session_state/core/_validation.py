@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.sharding import ShardingRules
 
 ShapePattern = Sequence["int | str"]
 
@@ -135,6 +134,11 @@ def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def positive_ints(owner: str, **sizes: Any) -> dict[str, int]:
+    """Every size given by name as an int >= 1 (:func:`positive_int`), in the order given."""
+    return {name: positive_int(owner, name, value) for name, value in sizes.items()}
+
+
 def source_names(owner: str, recompute_source: Any) -> tuple[str, ...]:
     """Normalises a recompute source (a name or names) to a tuple of names.
 
@@ -226,16 +230,6 @@ def tree_axis_names(
     )
 
 
-def sharding_rules(owner: str, sharding: Any) -> Any:
-    """Returns ``sharding`` when it is ShardingRules or None, else raises naming the argument."""
-    if sharding is not None and not isinstance(sharding, ShardingRules):
-        raise PayloadTypeError(
-            f"{owner}: sharding must be jax_session_state.ShardingRules (logical axes -> mesh axes) "
-            f"or None; got {type(sharding).__name__}."
-        )
-    return sharding
-
-
 def optional_callable(owner: str, name: str, value: Any) -> Any:
     """``value`` when it is callable or None, else a TypeError naming the argument."""
     if value is not None and not callable(value):
@@ -261,4 +255,27 @@ def required(owner: str, name: str, value: Any) -> Any:
     """``value``, or a TypeError naming the missing keyword when it is None."""
     if value is None:
         raise PayloadTypeError(f"{owner}() missing required keyword argument: {name}=")
+    return value
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` compares with 0 as a number (Python, numpy or 0-d jax scalar); duck-typed: no jax here."""
+    try:
+        bool(value >= 0)
+    except (TypeError, ValueError):  # not comparable (a str, None), or not a scalar (an array of several)
+        return False
+    return True
+
+
+def non_negative(owner: str, name: str, value: Any) -> Any:
+    """``value`` when it is a number >= 0 (NaN is not), else raises naming the argument.
+
+    Raises:
+      PayloadTypeError: ``value`` is not a number.
+      PayloadError: ``value`` is below 0, or NaN.
+    """
+    if not is_number(value):
+        raise PayloadTypeError(f"{owner}: {name} must be a number >= 0; got {value!r}.")
+    if not value >= 0:
+        raise PayloadError(f"{owner}: {name} must be >= 0; got {value!r}.")
     return value

@@ -1,0 +1,66 @@
+"""Crash-safe, verified checkpoints of sessions and managers, written with Orbax.
+
+A checkpoint is a directory::
+
+    path/
+      ckpt-000007/           the newest complete checkpoint
+        manifest.json        format and version, what is saved ("session" or
+                             "manager"), its record (kinds, specs, residency,
+                             attrs structure, RNG key implementations), a table
+                             of its arrays with shapes, dtypes and digests, and
+                             a digest of the whole manifest
+        arrays/              an Orbax PyTree checkpoint of those arrays
+      .partial-000008/       a save in progress, or one that crashed: never read
+      .superseded-000006/    an older checkpoint being deleted: never read
+
+:func:`save` writes a whole checkpoint into a partial directory, flushes it,
+renames it to the next ``ckpt-N`` (a rename is atomic) and only then removes
+older ones: a crash at any moment leaves the previous checkpoint complete.
+
+**What a restore verifies.**  :func:`restore` reads the newest ``ckpt-N`` and
+checks, before it returns anything: that ``manifest.json`` parses, is of this
+format and version, and matches its BLAKE2b digest (so every name, spec,
+attr value, key implementation and array entry is the one saved); and that
+every array's bytes, in row-major order, match their digest in the manifest
+(CRC-32 of each 1 MiB chunk under a BLAKE2b root: every changed byte is
+found, and any swapped or moved values but for one chance in 2**32 per
+chunk).  A
+:class:`~jax_session_state.errors.CheckpointError` means the checkpoint was
+not restored, and says which file and what was wrong: none found, another
+format or version, a damaged or truncated file, or a ``target`` that does not
+match.  Nothing is half-restored.  The digests detect damage, not forgery:
+whoever can write the files can write matching digests.
+
+Arrays are placed on restore, not as they were saved, so a checkpoint written
+on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
+every object, attrs replicated), or a ``target`` session to copy placement
+from, or neither for the default device.
+
+:data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
+format version this library writes and reads (``CHANGELOG.md`` lists each).
+
+Layout: ``_save_restore`` (:func:`save`, :func:`restore` and the tree they
+walk), ``_manifest`` (the JSON that names every array and its digest),
+``_codec`` (objects and their static specs to and from JSON), ``_digest``
+(the chunked digests of what was written), ``_atomic`` (a checkpoint
+appears whole or not at all) and ``_orbax_io`` (the arrays, through Orbax,
+onto any mesh). It may import everything below it (``errors``, ``base``,
+``session``, ``sharding``, ``manager``); nothing in the package imports it.
+
+Example:
+  >>> import tempfile
+  >>> import jax, jax.numpy as jnp
+  >>> import jax_session_state as jss
+  >>> kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
+  >>> rows = jnp.ones((1, 3, 2, 4))
+  >>> session = jss.Session(objects={"kv": kv.append((rows, rows))}, attrs={"rng": jax.random.key(0)})
+  >>> path = tempfile.mkdtemp()
+  >>> jss.checkpoint.save(path, session).name
+  'ckpt-000001'
+  >>> jss.checkpoint.restore(path)["kv"].view().lengths
+  Array([3], dtype=int32)
+"""
+
+from jax_session_state.checkpoint._save_restore import FORMAT, VERSION, restore, save
+
+__all__ = ["FORMAT", "VERSION", "restore", "save"]

@@ -1,0 +1,24 @@
+"""Many sessions on the host: the ``SessionStateManager``, its planner and what it parks.
+
+Owns the manager (``_manager``: the public class; ``_core``: the table of
+sessions, LRU, admission, pins and counters; ``_table``: byte figures per
+session and object; ``_events``: what it reports; ``_snapshot``: its state
+for checkpoints; ``_checkout``: sessions lent to a ``SessionPool``), the
+planner it calls (:mod:`.planner`, with ``_plan_records`` and
+``_plan_search``: a pure function of byte figures and the recompute graph,
+no lock, no clock) and :mod:`.offload` (parking objects in another memory
+kind and copying them back).
+
+May import: ``errors``, ``accounting``, ``core``, ``base``, ``kinds``,
+``session`` and ``pool``. Only ``checkpoint`` and ``summary`` import it.
+"""
+
+from jax_session_state.manager._manager import (
+    Held,
+    ManagerEvent,
+    ManagerSnapshot,
+    SessionStateManager,
+    SnapshotSession,
+)
+
+__all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "SnapshotSession"]

@@ -1,0 +1,360 @@
+"""The byte-budget planner: from per-session byte figures to an ordered plan of actions.
+
+A pure function over byte figures: no arrays, locks, clocks or I/O.  The
+session manager hands it a snapshot of every session and either applies the
+returned :class:`Plan` (evictions, demotions, parks, preemptions, in order) or raises
+:class:`~jax_session_state.errors.BudgetExceededError` from the returned
+:class:`Refusal`.  ``Action`` is any one of :class:`EvictObject`,
+:class:`DemoteObject`, :class:`ParkObject` and :class:`PreemptSession`.
+
+Example:
+  >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
+  >>> kv = ObjectUsage("kv", {"cuda:0": 600})
+  >>> cond = ObjectUsage("cond", {"cuda:0": 300}, sources=("prompt",), rebuildable=True)
+  >>> prompt = ObjectUsage("prompt", {"cuda:0": 100})
+  >>> result = plan([SessionUsage("s", (kv, cond, prompt), last_used=0)],
+  ...               budgets={"cuda:0": 800}, park=True)
+  >>> [(type(a).__name__, a.name) for a in result.actions]
+  [('EvictObject', 'cond')]
+  >>> dict(result.usage_after)
+  {'cuda:0': 700}
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
+
+from jax_session_state.manager import _plan_search
+from jax_session_state.manager._plan_records import (
+    Action,
+    DemoteObject,
+    EvictObject,
+    ObjectUsage,
+    ParkObject,
+    Plan,
+    PreemptSession,
+    Refusal,
+    SessionUsage,
+)
+from jax_session_state.manager._plan_search import (
+    Projection,
+    add_footprint,
+    demotable,
+    evictable,
+    parkable,
+    parking_destination,
+)
+
+__all__ = [
+    "Action",
+    "DemoteObject",
+    "EvictObject",
+    "ObjectUsage",
+    "ParkObject",
+    "Plan",
+    "PreemptSession",
+    "Refusal",
+    "SessionUsage",
+    "parking_destination",
+    "plan",
+]
+
+def _evict_phase(
+    ledger: Projection,
+    actors: Sequence[SessionUsage],
+    allowed: Mapping[int, Collection[str]] | None = None,
+    room_keys: Collection[str] = (),
+) -> None:
+    """Drops, LRU session first, cheapest recompute per over-budget byte first.
+
+    An eviction must free bytes on an over-budget key or, when replaying a searched
+    selection (``allowed``), on a destination key its parks need room in
+    (``room_keys``).
+    """
+    for index, session in enumerate(actors):
+        if not ledger.over:
+            return
+        candidates = evictable(session)
+        if allowed is not None:
+            candidates = [o for o in candidates if o.name in allowed.get(index, ())]
+        evicted: set[str] = set()
+        needed_by_evicted: set[str] = set()
+        while ledger.over:
+            best = None
+            for obj in candidates:
+                if (
+                    obj.name in evicted
+                    or obj.name in needed_by_evicted
+                    or not evicted.isdisjoint(obj.sources)
+                ):
+                    continue
+                gain = ledger.gain(obj.bytes_by_device)
+                if not gain and not any(k in room_keys for k in obj.bytes_by_device):
+                    continue
+                rank = (obj.recompute_cost / gain if gain else math.inf, obj.name)
+                if best is None or rank < best[0]:
+                    best = (rank, obj)
+            if best is None:
+                break
+            obj = best[1]
+            evicted.add(obj.name)
+            needed_by_evicted.update(obj.sources)
+            for key, count in obj.bytes_by_device.items():
+                ledger.shift(key, -count)
+            action = EvictObject(session.session_id, obj.name, obj.bytes_by_device)
+            ledger.actions.append(action)
+            ledger.acted_on[index, obj.name] = action
+
+
+def _demote_phase(
+    ledger: Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+) -> None:
+    """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name)."""
+    for index, session in enumerate(actors):
+        if not ledger.over:
+            return
+        candidates = [
+            (obj, freed)
+            for obj, freed in demotable(session)
+            if (index, obj.name) not in ledger.acted_on and (allowed is None or obj.name in allowed.get(index, ()))
+        ]
+        candidates.sort(key=lambda c: (-ledger.gain(c[1]), c[0].name))
+        for obj, freed in candidates:
+            if not ledger.over:
+                return
+            if not ledger.gain(freed):
+                continue
+            for key, count in freed.items():
+                ledger.shift(key, -count)
+            action = DemoteObject(session.session_id, obj.name, types.MappingProxyType(freed))
+            ledger.actions.append(action)
+            ledger.acted_on[index, obj.name] = action
+
+
+def _park_phase(
+    ledger: Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+) -> None:
+    """Parks, LRU session first, larger objects first, where room allows (not objects acted on)."""
+    for index, session in enumerate(actors):
+        if not ledger.over or ledger.room_left <= 0:  # every parkable object moves bytes
+            return
+        for obj, moved in parkable(session):
+            if not ledger.over:
+                return
+            total = sum(moved.values())
+            if (
+                (allowed is not None and obj.name not in allowed.get(index, ()))
+                or (index, obj.name) in ledger.acted_on
+                or not ledger.gain(moved)
+                or total > ledger.room_left
+                or any(
+                    ledger.usage.get(parking_destination(k), 0) + b
+                    > ledger.budgets.get(parking_destination(k), math.inf)
+                    for k, b in moved.items()
+                )
+            ):
+                continue
+            ledger.room_left -= total
+            for key, count in moved.items():
+                ledger.shift(key, -count)
+                ledger.shift(parking_destination(key), count)
+            action = ParkObject(session.session_id, obj.name, types.MappingProxyType(moved))
+            ledger.actions.append(action)
+            ledger.acted_on[index, obj.name] = action
+
+
+def _preempt_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
+    """Preempts LRU sessions that still hold bytes on an over-budget key, then leaves out the
+    ones that later preemptions made needless (each loses a session's history)."""
+    taken: list[tuple[PreemptSession, dict[str, int]]] = []
+    for index, session in enumerate(actors):
+        if not ledger.over:
+            break
+        current = dict(session.attrs_bytes_by_device)
+        for obj in session.objects:
+            action = ledger.acted_on.get((index, obj.name))
+            if obj.state == "evicted" or isinstance(action, EvictObject):
+                continue
+            for key, count in obj.bytes_by_device.items():
+                if isinstance(action, ParkObject) and key in action.moved:
+                    key = parking_destination(key)
+                if isinstance(action, DemoteObject):
+                    count -= action.freed.get(key, 0)
+                current[key] = current.get(key, 0) + count
+        if ledger.gain(current):
+            for key, count in current.items():
+                ledger.shift(key, -count)
+            preempt = PreemptSession(session.session_id, types.MappingProxyType(add_footprint({}, session)))
+            ledger.actions.append(preempt)
+            taken.append((preempt, current))
+    if ledger.over:
+        return
+    needless = set()
+    for preempt, current in taken[:-1]:
+        for key, count in current.items():
+            ledger.shift(key, count)
+        if ledger.over:
+            for key, count in current.items():
+                ledger.shift(key, -count)
+        else:
+            needless.add(id(preempt))
+    if needless:
+        ledger.actions = [a for a in ledger.actions if id(a) not in needless]
+
+
+def _searched_plan(
+    usage: Mapping[str, int],
+    budgets: Mapping[str, int],
+    host_room: int | None,
+    actors: Sequence[SessionUsage],
+    park: bool,
+    search_limit: int,
+) -> tuple[Plan | None, bool]:
+    """The exact search's evictions, demotions and parks, replayed in rule order; (None, proven) if none fit."""
+    start = Projection(usage, budgets, host_room)
+    over = start.over
+
+    def candidates() -> Iterator[_plan_search.Candidates]:
+        for index, session in enumerate(actors):
+            yield _plan_search.Candidates(
+                index,
+                [o for o in evictable(session) if any(k in over for k in o.bytes_by_device)],
+                [(o, m) for o, m in parkable(session) if any(k in over for k in m)] if park else [],
+                [(o, freed) for o, freed in demotable(session) if any(k in over for k in freed)],
+            )
+
+    selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
+    if selection is None:
+        return None, proven
+    replay = Projection(usage, budgets, host_room)
+    parks = {i: option.parks for i, option in selection.items()}
+    room_keys = {
+        parking_destination(k)
+        for i, names in parks.items()
+        for obj, moved in parkable(actors[i])
+        if obj.name in names
+        for k in moved
+    } & budgets.keys()
+    _evict_phase(replay, actors, {i: option.evictions for i, option in selection.items()}, room_keys)
+    _demote_phase(replay, actors, {i: option.demotions for i, option in selection.items()})
+    _park_phase(replay, actors, parks)
+    return replay.to_plan(), True
+
+
+def plan(
+    sessions: Sequence[SessionUsage],
+    *,
+    budgets: Mapping[str, int],
+    protect: Hashable | None = None,
+    park: bool = False,
+    host_room: int | None = None,
+    allow_preempt: bool = False,
+    search_limit: int = 100_000,
+) -> Plan | Refusal:
+    """Plans evictions, demotions, parks and preemptions that bring usage within ``budgets``.
+
+    Usage of a key is the bytes of every non-evicted object (parked bytes sit
+    under the pinned_host keys) plus session attrs.  Pinned sessions and the
+    ``protect`` session count but are never touched.  An action is a
+    *candidate* if it is on another session and frees bytes on a key over
+    budget before planning:
+
+    - evict: an object that is resident, rebuildable, whose sources are all
+      resident, and that no evicted object (before or earlier in the plan)
+      lists as a source;
+    - demote: a resident object with ``demoted_bytes_by_device`` (a lower
+      tier); it frees the difference and stays resident, lossy;
+    - park (if ``park``): a resident object; its default-kind bytes on k move
+      to k + "/pinned_host";
+    - preempt (if ``allow_preempt``): a session; frees all its bytes.
+
+    A *valid* plan is evictions, demotions, parks, then preemptions, all candidates,
+    where the evictions are evictable in turn, the parks move at most
+    ``host_room`` bytes in total (None: unlimited), and each park leaves its
+    budgeted destination keys within budget.  It *fits* if every budgeted key
+    ends within budget.
+
+    Rules: while a key is over budget, (1) evict, LRU session first, cheapest
+    ``recompute_cost`` per byte freed on over-budget keys first (ties by
+    name); (2) demote, LRU session first, most bytes saved on over-budget keys
+    first; (3) park, LRU session first, larger objects first (an object
+    demoted in the plan is not also parked); (4) preempt LRU sessions first.
+    Each action frees bytes on a key over budget when taken (a replayed
+    search evict may instead free room its parks need), and the plan stops
+    as soon as every key fits.  A preemption that later ones made needless
+    is left out (preemption loses history, so the plan keeps as few as this
+    greedy order allows).
+
+    Completeness: a Plan is returned whenever some valid plan fits (of
+    evictions, demotions, parks and preemptions).  Greedy choices can block
+    each other (evicting a dependent pins its source, demoting an object
+    keeps it from being parked whole), so when they fall short an exact
+    search over per-session Pareto-optimal evict/demote/park options (one
+    action per object) replaces them (before resorting to preemption), and
+    the chosen actions are replayed in rule order.  With ``allow_preempt`` this is
+    complete always: preempting every candidate session is the least usage
+    any plan reaches.  Without it the search is exact unless a session has
+    more than ``search_limit`` options or the search backtracks more than
+    ``search_limit`` times; then it gives up with ``Refusal.proven`` False.
+
+    Args:
+      sessions: every session, with unique ids.
+      budgets: byte budget per device key; keys without one are unlimited.
+      protect: id of the session being put, created or restored, or None.
+      park: whether objects may be parked to host memory.
+      host_room: bytes the parks may move in total; None for unlimited.
+      allow_preempt: whether whole sessions may be preempted.
+      search_limit: work bound of the exact search (see Completeness).
+
+    Returns:
+      A :class:`Plan`, or a :class:`Refusal` if no valid plan fits.
+
+    Example:
+      The greedy pass evictions the cheap ``cond_kv`` first, which pins
+      ``prompt``; the search sees that only evicting ``prompt`` fits:
+
+      >>> prompt = ObjectUsage("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=500.0)
+      >>> cond_kv = ObjectUsage("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True,
+      ...                       recompute_cost=1.0)
+      >>> result = plan([SessionUsage("s", (prompt, cond_kv), last_used=1)], budgets={"cuda:0": 500})
+      >>> [(type(a).__name__, a.name) for a in result.actions]
+      [('EvictObject', 'prompt')]
+      >>> dict(result.usage_after)
+      {'cuda:0': 10}
+    """
+    usage: dict[str, int] = {}
+    for session in sessions:
+        add_footprint(usage, session)
+    greedy = Projection(usage, budgets, host_room)
+    if not greedy.over:
+        return greedy.to_plan()
+    actors = _plan_search.actors(sessions, protect, greedy.over)
+    _evict_phase(greedy, actors)
+    _demote_phase(greedy, actors)
+    if park:
+        _park_phase(greedy, actors)
+    if not greedy.over:
+        return greedy.to_plan()
+    searched, proven = _searched_plan(usage, budgets, host_room, actors, park, search_limit)
+    if searched is not None:
+        return searched
+    if allow_preempt:
+        _preempt_phase(greedy, actors)
+        if not greedy.over:
+            return greedy.to_plan()
+        proven = True
+    shortfall = {k: greedy.usage[k] - budgets[k] for k in sorted(greedy.over)}
+    message = "over budget: " + ", ".join(f"{k} by {b} bytes" for k, b in shortfall.items())
+    if not proven:
+        message += f" (search gave up at search_limit={search_limit})"
+    return Refusal(types.MappingProxyType(shortfall), proven, message)
+
+
+def __getattr__(name: str) -> type:
+    if name == "DropObject":  # the name before objects were "evicted" and sessions "released"
+        warnings.warn("planner.DropObject is deprecated; use planner.EvictObject.", DeprecationWarning, stacklevel=2)
+        return EvictObject
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

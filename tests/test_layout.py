@@ -1,0 +1,176 @@
+"""The package's layout: one-way imports, small modules, private modules inside their sub-package, no lost name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import jax_session_state
+
+PACKAGE = Path(jax_session_state.__file__).parent
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a sub-package by its ``__init__``)."""
+    found = {"jax_session_state": PACKAGE / "__init__.py"}
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix="jax_session_state."):
+        path = PACKAGE.joinpath(*info.name.split(".")[1:])
+        source = path / "__init__.py" if info.ispkg else path.with_suffix(".py")
+        if source.exists():  # not the native library, an extension module
+            found[info.name] = source
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import the module runs, at its top or inside functions; annotation-only imports under
+    ``if TYPE_CHECKING:`` never run and are left out (as import-linter's ``exclude_type_checking_imports``)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                    base = ".".join([*parts, *([base] if base else [])])
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            edges |= {found for target in targets if (found := owner(target))}
+        # Every module imports the top package implicitly, and it imports everything: not an edge.
+        graph[name] = edges - {name, "jax_session_state"}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each a cycle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    assert _cycles(_import_graph(_modules())) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\nelse:\n    import y\n"
+              "def f():\n    import z\n")
+    assert [node.names[0].name for node in _imports(ast.parse(source))][1:] == ["y", "z"]
+
+
+def test_data_flows_one_way_between_sub_packages():
+    graph = _import_graph(_modules())
+    below = {  # a layer never imports one above it
+        "jax_session_state.core": {"jax_session_state.objects", "jax_session_state.attention",
+                                   "jax_session_state.manager", "jax_session_state.checkpoint",
+                                   "jax_session_state.session", "jax_session_state.pool"},
+        "jax_session_state.objects": {"jax_session_state.session", "jax_session_state.attention",
+                                      "jax_session_state.pool", "jax_session_state.manager",
+                                      "jax_session_state.checkpoint"},
+        "jax_session_state.attention": {"jax_session_state.session", "jax_session_state.pool",
+                                        "jax_session_state.manager", "jax_session_state.checkpoint"},
+        "jax_session_state.manager": {"jax_session_state.checkpoint"},
+    }
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for layer, above in below.items()
+        if module == layer or module.startswith(layer + ".")
+        for target in targets
+        if any(target == a or target.startswith(a + ".") for a in above)
+    )
+    assert wrong == []
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_no_module_is_over_500_lines(name: str):
+    lines = len(_modules()[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def test_private_modules_live_in_their_sub_package():
+    loose = sorted(path.name for path in PACKAGE.glob("_*.py") if path.name != "__init__.py")
+    assert loose == []
+
+
+def test_every_sub_package_says_what_it_owns_and_may_import():
+    for name, path in _modules().items():
+        if path.name == "__init__.py" and name != "jax_session_state":
+            doc = importlib.import_module(name).__doc__ or ""
+            assert "import" in doc, f"{name}'s docstring does not say what it may import"
+
+
+def test_no_public_name_or_import_path_is_lost():
+    """Every module and name public before the package was split into sub-packages still imports."""
+    before = json.loads((Path(__file__).parent / "public_api.json").read_text())
+    lost = []
+    for module_name, names in before.items():
+        module = importlib.import_module(module_name)
+        lost += [f"{module_name}.{name}" for name in names if name not in module.__all__ or not hasattr(module, name)]
+    assert lost == []
+    assert jax_session_state.attention.native_status() and jax_session_state.checkpoint.save
