@@ -30,7 +30,7 @@ class BuildWithFfiHeaders(build_ext):
 
 
 setup(
-    ext_modules=[Extension("jax_session_state.core._decode_attention",
+    ext_modules=[Extension("jax_session_state._core._decode_attention",
                            ["csrc/decode_attention.cc", "csrc/write_rows.cc"],
                            depends=["csrc/decode_attention_isa.h", "csrc/decode_attention_sse2_int8.h"],
                            language="c++", optional=True)],

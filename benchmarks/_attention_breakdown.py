@@ -41,7 +41,7 @@ from benchmarks._attention_parts import (
     torch_candidates,
     torch_reference,
 )
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 
 def _hlo_categories(hlo: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from jax import lax
 
 import jax_session_state as jss
 from benchmarks._common import cpu_name, interleaved, vector_isas, with_lengths
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 torch: Any = None  # imported by load_torch(), not by the memory child
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_session_state as jss
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import jax_session_state as jss
 from benchmarks._common import interleaved, with_lengths
 from benchmarks._rollout_memory import _status_bytes
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 HEADS, TIME_DIM, MEMORY_DIM, PAGE_SIZE = 8, 64, 128, 16
 

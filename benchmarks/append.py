@@ -29,7 +29,7 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import cli, interleaved, with_lengths
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 16
 BARS = {"donated_32k_over_1k": 1.3, "copy_over_donated_32k": 100.0, "bf16_donated_32k_over_1k": 1.3,

@@ -59,7 +59,7 @@ from benchmarks import _attention_parts as parts
 from benchmarks._attention_breakdown import breakdown_rows
 from benchmarks._attention_others import capacity_rows, memory_rows, nnx_rows
 from benchmarks._common import cli, native_paths, path_env
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2"}  # ATEN_CPU_CAPABILITY per path; avx512: its own
 

@@ -58,8 +58,8 @@ from benchmarks._attention_parts import (
     torch_step,
 )
 from benchmarks._common import interleaved
+from jax_session_state._core import _library
 from jax_session_state.attention import _native
-from jax_session_state.core import _library
 
 
 def step_rows(T: int, lengths: list[int], rounds: int) -> list[dict]:

@@ -44,7 +44,7 @@ import numpy as np
 import jax_session_state as jss
 from benchmarks import paged
 from benchmarks._common import cli, interleaved
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 HEADS, HEAD_DIM = 8, 64
 PREFIX, LANES, WINDOW, CHUNK = 32768, 64, 256, 16

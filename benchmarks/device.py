@@ -63,8 +63,8 @@ import numpy as np
 
 import jax_session_state as jss
 from benchmarks._common import RESULTS, interleaved, report
+from jax_session_state._core import _library
 from jax_session_state.attention import _pallas as kernel
-from jax_session_state.core import _library
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 128
 PEAK_HBM = {  # bytes per second, by jax.Device.device_kind (the vendors' figures)

@@ -53,7 +53,7 @@ from examples.world_model import (
     moving_patterns,
     start_session,
 )
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 SESSIONS = 16
 EQUAL_FRAMES = 32

@@ -56,7 +56,7 @@ import jax_session_state as jss
 from benchmarks._attention_parts import cpu_description
 from benchmarks._common import cli, native_paths, path_env
 from benchmarks._tiers_child import HEADS, MAKERS
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 CAPACITY = 32768
 BARS = {"bytes": 0.3, "error": 2e-2, "time": 0.5, "memory": 1.3}

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._core import _validation as v
+from jax_session_state._core._validation import non_negative
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
-from jax_session_state.core import _validation as v
-from jax_session_state.core._validation import non_negative
 from jax_session_state.errors import (
     CapacityError,
     DonatedError,

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
-from jax_session_state.core._validation import is_integer_scalar, positive_int
 from jax_session_state.errors import PayloadError, PayloadTypeError
 
 if TYPE_CHECKING:  # annotations only; at run time Session.branch imports this module

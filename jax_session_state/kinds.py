@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_session_state.core import _writes
+from jax_session_state._core import _writes
 from jax_session_state.errors import PayloadTypeError
 
 if TYPE_CHECKING:
@@ -244,7 +244,7 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
     into the update, one operation where a scatter takes several.  A
     bfloat16 or float8 buffer on CPU, which XLA:CPU would convert whole, is
     written by the native row writer instead, where ``lands`` varies along
-    ``axis`` only (``jax_session_state.core._writes``).
+    ``axis`` only (``jax_session_state._core._writes``).
 
     Example:
       >>> import jax.numpy as jnp

@@ -1,11 +1,11 @@
-"""Parking's first import path, kept: its home is :mod:`jax_session_state.manager.offload`.
+"""Parking's first import path, kept: this module is :mod:`jax_session_state.manager.offload` itself.
 
-Example:
-  >>> from jax_session_state import offload
-  >>> from jax_session_state.manager import offload as home
-  >>> offload.park is home.park
-  True
+``import jax_session_state.offload`` and ``from jax_session_state.offload
+import park`` go on working; the module object is the one in ``manager/``.
 """
 
-from jax_session_state.manager.offload import *  # noqa: F403
-from jax_session_state.manager.offload import __all__  # noqa: F401
+import sys
+
+from jax_session_state.manager import offload
+
+sys.modules[__name__] = offload

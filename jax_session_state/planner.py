@@ -1,14 +1,11 @@
-"""The planner's first import path, kept: its home is :mod:`jax_session_state.manager.planner`.
+"""The planner's first import path, kept: this module is :mod:`jax_session_state.manager.planner` itself.
 
-Every name there is re-exported here: :func:`plan`, :class:`Plan`, the
-actions (``Action`` is any one of them) and the usage records.
-
-Example:
-  >>> from jax_session_state import planner
-  >>> from jax_session_state.manager import planner as home
-  >>> planner.plan is home.plan
-  True
+``import jax_session_state.planner`` and ``from jax_session_state.planner
+import plan`` go on working; the module object is the one in ``manager/``.
 """
 
-from jax_session_state.manager.planner import *  # noqa: F403
-from jax_session_state.manager.planner import __all__  # noqa: F401
+import sys
+
+from jax_session_state.manager import planner
+
+sys.modules[__name__] = planner

@@ -52,10 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._core._masked_step import run_masked
+from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
-from jax_session_state.core._masked_step import run_masked
-from jax_session_state.core._validation import is_integer_scalar, positive_int
 from jax_session_state.errors import NotResidentError, PayloadError, PayloadTypeError
 from jax_session_state.kinds import update_slice_or_keep
 from jax_session_state.session import Session

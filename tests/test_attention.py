@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
+from jax_session_state._core import _library
 from jax_session_state.attention import _blocks, _bucketed
-from jax_session_state.core import _library
 from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 EXAMPLES = settings(max_examples=25)

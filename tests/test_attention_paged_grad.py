@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 from tests.support.attention_reference import central_difference, reference
 
 SLOTS, KV_HEADS, GROUPS, D, PAGE = 3, 2, 2, 8, 4

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
+from jax_session_state._core import _library
 from jax_session_state.attention import _pallas as _attention_pallas
-from jax_session_state.core import _library
 from tests.support.attention_reference import (
     VIEWS,
     assert_close,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
+from jax_session_state._core import _library
 from jax_session_state.attention import _blocks as _attention_blocks, _dense, _pooled as _attention_pooled
-from jax_session_state.core import _library
 from tests.support.attention_reference import assert_close, assert_directional_derivatives, randn, reference
 
 SLOTS, BATCH, KV_HEADS, GROUPS, DIM, T = 6, 2, 2, 2, 8, 3

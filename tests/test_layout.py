@@ -126,7 +126,7 @@ def test_the_cycle_check_finds_a_cycle():
 def test_data_flows_one_way_between_sub_packages():
     graph = _import_graph(_modules())
     below = {  # a layer never imports one above it
-        "jax_session_state.core": {"jax_session_state.objects", "jax_session_state.attention",
+        "jax_session_state._core": {"jax_session_state.objects", "jax_session_state.attention",
                                    "jax_session_state.manager", "jax_session_state.checkpoint",
                                    "jax_session_state.session", "jax_session_state.pool"},
         "jax_session_state.objects": {"jax_session_state.session", "jax_session_state.attention",

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
+from jax_session_state._core import _library
 from jax_session_state.attention import _native
-from jax_session_state.core import _library
 from tests.support.attention_reference import (
     append_view,
     assert_close,
@@ -322,7 +322,7 @@ def test_ring_views_stay_on_the_pure_path():
 FORCED_ISA = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_session_state as jss
-    from jax_session_state.core import _library
+    from jax_session_state._core import _library
     from jax_session_state.attention import _native
     from tests.support.attention_reference import append_view, randn, reference
     rng = np.random.default_rng(3)
@@ -383,7 +383,7 @@ def test_an_unknown_isa_is_a_clear_error():
 SWITCHED_OFF = textwrap.dedent("""
     import jax, jax.numpy as jnp, re
     import jax_session_state as jss
-    from jax_session_state.core import _library
+    from jax_session_state._core import _library
     from jax_session_state.attention import _native
     cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, capacity=64)
     step = lambda cache, q: jss.attend(q, cache.append((q[:, :, :2], q[:, :, :2])).view())

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
+from jax_session_state._core import _library
 from jax_session_state.attention import _native
-from jax_session_state.core import _library
 from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 needs_native = pytest.mark.skipif(
@@ -168,7 +168,7 @@ def test_mismatched_scales_are_a_clear_error():
 FORCED_ISA = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_session_state as jss
-    from jax_session_state.core import _library
+    from jax_session_state._core import _library
     from jax_session_state.attention import _native
     from tests.support.attention_reference import randn, reference
     from tests.test_native_quantized import paged_case, quantized_rows, quantized_view

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 from tests.support.attention_reference import assert_close, reference
 from tests.support.pooled import CAPACITY, CHUNK, DIM, HEADS, KV_HEADS, new_session, step, steps_fit
 

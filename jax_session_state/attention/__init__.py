@@ -6,7 +6,7 @@
   row's length with an online softmax (flash-decoding style), so a
   32k-capacity cache holding 1k tokens attends like a 1k cache;
   ``positions`` is not read.  On a single CPU device, where the native
-  kernel was built (``jax_session_state.core._library``: float32, bfloat16 and
+  kernel was built (``jax_session_state._core._library``: float32, bfloat16 and
   float16 caches, and int8 / fp8 ones whose row scales it applies to the
   scores and weights; one build per instruction set), it runs as one XLA FFI
   call that reads the cache in place on every core; elsewhere a
@@ -89,7 +89,7 @@ prefix), ``_dense`` (the append-mode loop and kernels with their VJPs),
 ``_pooled`` (batching rules under ``jax.vmap`` over pool slots),
 ``_pallas`` (the split-K Pallas kernel for GPUs) and ``_native`` (the
 binding of the native CPU kernel). It may import ``errors``, ``objects``
-(the views it reads) and ``core`` (the native library); sessions, pools and
+(the views it reads) and ``_core`` (the native library); sessions, pools and
 the manager import it, never the reverse.
 
 Example:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from jax_session_state._core import _library
 from jax_session_state.attention import _native
 from jax_session_state.attention._blocks import (
     _absolute,
@@ -42,7 +43,6 @@ from jax_session_state.attention._dense import (
 )
 from jax_session_state.attention._paged import _bucketed_paged, _paged_attention, _paged_blockwise
 from jax_session_state.attention._pooled import fold_slots
-from jax_session_state.core import _library
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView

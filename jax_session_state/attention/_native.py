@@ -1,7 +1,7 @@
 """The native CPU kernel of decode attention, bound for ``attend``: which steps it takes, and its calls.
 
 The kernel (``csrc/decode_attention.cc``) is loaded and registered by
-:mod:`jax_session_state.core._library`, once per process; this module says
+:mod:`jax_session_state._core._library`, once per process; this module says
 which operands it reads (:func:`supports`, :data:`DECLINED_ROWS`) and calls
 it through the XLA FFI over a head-major cache (:func:`kernel`,
 :func:`quantized_kernel`) or a paged pool (:func:`paged_kernel`), with the
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jax_session_state.core._library import ISA, ISAS, PAGED_TARGET, QUANTIZED_PAGED_TARGET, QUANTIZED_TARGET, TARGET
+from jax_session_state._core._library import ISA, ISAS, PAGED_TARGET, QUANTIZED_PAGED_TARGET, QUANTIZED_TARGET, TARGET
 from jax_session_state.errors import PayloadError
 
 __all__ = ["DECLINED_ROWS", "DTYPES", "QUANTIZED_DTYPES", "kernel", "paged_kernel", "quantized_kernel", "supports"]

@@ -9,7 +9,7 @@ planner it calls (:mod:`.planner`, with ``_plan_records`` and
 no lock, no clock) and :mod:`.offload` (parking objects in another memory
 kind and copying them back).
 
-May import: ``errors``, ``accounting``, ``core``, ``base``, ``kinds``,
+May import: ``errors``, ``accounting``, ``_core``, ``base``, ``kinds``,
 ``session`` and ``pool``. Only ``checkpoint`` and ``summary`` import it.
 """
 

@@ -40,8 +40,8 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal
 
+from jax_session_state._core._validation import non_negative, positive_int
 from jax_session_state.base import StateObject
-from jax_session_state.core._validation import non_negative, positive_int
 from jax_session_state.errors import BudgetExceededError, PayloadError, PayloadTypeError, SessionStateLostError
 from jax_session_state.manager._checkout import PoolCheckouts
 from jax_session_state.manager._core import ManagerCore, checked_session

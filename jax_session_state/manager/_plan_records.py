@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Hashable, Mapping
 from typing import Literal
 
-from jax_session_state.core._validation import is_number, non_negative
+from jax_session_state._core._validation import is_number, non_negative
 from jax_session_state.errors import PayloadError, PayloadTypeError
 
 ObjectState = Literal["resident", "evicted", "parked"]

@@ -6,7 +6,7 @@ Owns ``kv`` (``KVCache``: append mode or a sink + window ring), ``kv_views``
 helpers: ``_ring`` (ring slot arithmetic), ``_quantize`` (int8 / fp8 rows and
 their scales) and ``_items`` (the bookkeeping of item buffers).
 
-May import: ``errors``, ``accounting``, ``sharding``, ``core``, ``base`` and
+May import: ``errors``, ``accounting``, ``sharding``, ``_core``, ``base`` and
 ``kinds``. Objects know nothing of sessions, attention, pools or the
 manager.
 """

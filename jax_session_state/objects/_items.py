@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
+from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
-from jax_session_state.core import _validation as v, _writes
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
 from jax_session_state.kinds import deprecated_alias, refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _ring

@@ -9,8 +9,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
+from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
-from jax_session_state.core import _validation as v, _writes
 from jax_session_state.errors import CapacityError
 from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if
 from jax_session_state.objects import _ring

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._core import _validation as v
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import StateObject
-from jax_session_state.core import _validation as v
 from jax_session_state.kinds import allocator, overwrite
 from jax_session_state.sharding import LogicalAxes
 

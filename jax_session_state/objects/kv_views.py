@@ -12,8 +12,8 @@ import numpy as np
 from flax import struct
 from jax import Array
 
+from jax_session_state._core import _validation as v
 from jax_session_state.base import StateObject
-from jax_session_state.core import _validation as v
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.kinds import refuse_now_if
 from jax_session_state.objects._quantize import dequantize

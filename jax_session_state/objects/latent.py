@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 from jax import Array, lax
 
-from jax_session_state.core import _validation as v
+from jax_session_state._core import _validation as v
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.objects._items import ItemBuffer

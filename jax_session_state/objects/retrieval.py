@@ -10,7 +10,7 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state.core import _validation as v
+from jax_session_state._core import _validation as v
 from jax_session_state.errors import PayloadError
 from jax_session_state.kinds import allocator, deprecated_alias
 from jax_session_state.objects import _ring

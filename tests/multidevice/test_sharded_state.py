@@ -399,7 +399,7 @@ def test_the_manager_budgets_each_device_of_a_sharded_session():
 
 def test_native_attention_kernel_stays_off_on_several_cpu_devices():
     """The FFI kernel has no partitioning rule: on a CPU mesh attention runs the pure loop."""
-    from jax_session_state.core import _library
+    from jax_session_state._core import _library
 
     status = jss.attention.native_status()
     assert status.startswith("pure JAX")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
+from jax_session_state._core import _library
 from jax_session_state.attention import _blocks as _attention_blocks
-from jax_session_state.core import _library
 from tests.support.attention_reference import assert_close, reference
 
 SLOTS, H, D, PAGE = 3, 2, 32, 4

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
-from jax_session_state.core import _writes
+from jax_session_state._core import _writes
 
 __all__ = ["run_masked"]
 

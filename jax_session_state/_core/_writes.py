@@ -12,7 +12,7 @@ the write is the caller's own XLA op.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from jax_session_state.core import _writes
+  >>> from jax_session_state._core import _writes
   >>> buffer = jnp.zeros((2, 5, 3), jnp.bfloat16)  # [group, slot, tail]
   >>> rows = jnp.ones((2, 2, 3), jnp.bfloat16)
   >>> slots = jnp.array([[0, 5], [4, 1]])  # slot 5 is out of range: that row is dropped
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state.core import _library
+from jax_session_state._core import _library
 
 __all__ = ["converted_by_xla_cpu", "in_place_natively", "is_native_write", "scatter_rows", "write_rows"]
 
@@ -47,7 +47,7 @@ def in_place_natively(buffer: Array) -> bool:
     """Whether writes into ``buffer`` traced now take the native row writer on CPU.
 
     Its dtype is one XLA:CPU converts, and the native kernel is in use
-    (:func:`jax_session_state.core._library.enabled`: built, not turned off, one
+    (:func:`jax_session_state._core._library.enabled`: built, not turned off, one
     CPU device, since the FFI call has no partitioning rule).
     """
     return converted_by_xla_cpu(buffer.dtype) and _library.enabled()

@@ -18,7 +18,7 @@ best one the CPU runs; ``JSS_NATIVE_ISA=baseline|avx2|avx512`` forces one
 (an error at import where the CPU lacks it).
 
 Example:
-  >>> from jax_session_state.core import _library
+  >>> from jax_session_state._core import _library
   >>> isinstance(_library.AVAILABLE, bool) and isinstance(_library.STATUS, str)
   True
 """
@@ -155,7 +155,7 @@ def use(native: bool) -> Iterator[None]:
 def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int) -> Array:
     """``buffer`` with ``rows`` written at ``slots`` along ``axis``, by the native row writer, in place.
 
-    Operands as :func:`jax_session_state.core._writes.scatter_rows` (a slot
+    Operands as :func:`jax_session_state._core._writes.scatter_rows` (a slot
     outside ``[0, S)`` drops its row); the result aliases ``buffer``, so a
     donated buffer is written where it lies and only the rows' bytes move.
     Under ``jax.vmap`` every operand gets the mapped axis first.
