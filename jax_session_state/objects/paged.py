@@ -21,11 +21,11 @@ import numpy as np
 from flax import struct
 from jax import Array
 
-from jax_session_state._core import _validation as v, _writes
+from jax_session_state._core import _validation as v
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
 from jax_session_state.kinds import allocator, overwrite, refuse_now_if
-from jax_session_state.objects import _quantize
+from jax_session_state.objects import _pages, _quantize
 from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
 __all__ = ["PagedKVCache", "PagedView"]
@@ -285,7 +285,7 @@ class PagedKVCache(StateObject, kw_only=True):
             ),
         )
         refused = bad_counts | no_room | no_pages
-        taken = self._take_pages(need)
+        taken = self.with_storage(**_pages.take(self, need))
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
         entries = jnp.minimum(positions // self.page_size, self.max_pages_per_slot - 1)
         pages = jnp.take_along_axis(taken.page_table, entries, axis=1)
@@ -297,21 +297,10 @@ class PagedKVCache(StateObject, kw_only=True):
             rows["k_pages"], rows["k_scale"] = _quantize.quantize(chunk.k, self.quantize)
             rows["v_pages"], rows["v_scale"] = _quantize.quantize(chunk.v, self.quantize)
         new = taken.with_storage(
-            **{name: _write_page_rows(getattr(self, name), pages, offsets, x) for name, x in rows.items()},
+            **{name: _pages.write_rows(getattr(self, name), pages, offsets, x) for name, x in rows.items()},
             staged=self.staged + counts,
         )
         return self._unless(refused, new), refused
-
-    def _take_pages(self, need: Array) -> PagedKVCache:
-        """Pops a free page into every page-table entry where ``need`` (row-major order)."""
-        rank = jnp.cumsum(need.ravel()).reshape(need.shape) - 1
-        top = jnp.clip(self.free_count - 1 - rank, 0, self.num_pages - 1)
-        ids = self.free_pages[top]
-        return self.with_storage(
-            page_table=jnp.where(need, ids, self.page_table),
-            refcounts=self.refcounts.at[jnp.where(need, ids, self.num_pages)].set(1, mode="drop"),
-            free_count=self.free_count - need.sum(dtype=jnp.int32),
-        )
 
     def _unless(self, refused: Array, new: PagedKVCache) -> PagedKVCache:
         """``new``, or this cache's bookkeeping where ``refused``; ``overflowed`` records a refusal.
@@ -375,7 +364,7 @@ class PagedKVCache(StateObject, kw_only=True):
                 "without rows: free(dst) first, or fork into another slot."
             ),
         )
-        released = self._release(dst)
+        released = self.with_storage(**_pages.release(self, dst))
         full = length // self.page_size
         partial = length % self.page_size > 0
         no_page = partial & (released.free_count < 1)
@@ -396,7 +385,7 @@ class PagedKVCache(StateObject, kw_only=True):
         target = jnp.where(copy >= 0, copy, self.num_pages)  # out of range: nothing copied
         source = jnp.maximum(row[jnp.minimum(full, self.max_pages_per_slot - 1)], 0)
         new = released.with_storage(
-            **{name: _copy_page(getattr(self, name), source, target) for name in self._pools},
+            **{name: _pages.copy_page(getattr(self, name), source, target) for name in self._pools},
             page_table=released.page_table.at[dst].set(new_row),
             lengths=released.lengths.at[dst].set(length),
             refcounts=refcounts.at[target].set(1, mode="drop"),
@@ -439,7 +428,7 @@ class PagedKVCache(StateObject, kw_only=True):
                 "free only slots that were written or forked into."
             ),
         )
-        return self._unless(bad_slot | is_free, self._release(slot))
+        return self._unless(bad_slot | is_free, self.with_storage(**_pages.release(self, slot)))
 
     def _slot(self, operation: str, name: str, index: int | Array) -> tuple[Array, Array]:
         """``index`` clipped into range, and whether it was out of range (raised at once eagerly)."""
@@ -456,22 +445,6 @@ class PagedKVCache(StateObject, kw_only=True):
             ),
         )
         return jnp.clip(index, 0, self.max_slots - 1).astype(jnp.int32), bad
-
-    def _release(self, slot: Array) -> PagedKVCache:
-        """Bookkeeping of ``slot`` emptied: its references dropped, pages left unreferenced freed."""
-        row = self.page_table[slot]
-        held = row >= 0
-        refcounts = self.refcounts.at[jnp.where(held, row, self.num_pages)].add(-1, mode="drop")
-        freed = held & (refcounts[jnp.maximum(row, 0)] == 0)
-        top = self.free_count + jnp.cumsum(freed) - 1
-        return self.with_storage(
-            page_table=self.page_table.at[slot].set(-1),
-            lengths=self.lengths.at[slot].set(0),
-            staged=self.staged.at[slot].set(0),
-            refcounts=refcounts,
-            free_pages=self.free_pages.at[jnp.where(freed, top, self.num_pages)].set(row, mode="drop"),
-            free_count=self.free_count + freed.sum(dtype=jnp.int32),
-        )
 
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> PagedView:
@@ -520,24 +493,3 @@ class PagedKVCache(StateObject, kw_only=True):
         """
         return _quantize.demoted(self, (("k_pages", "k_scale"), ("v_pages", "v_scale")))
 
-
-def _write_page_rows(pool: Array, pages: Array, offsets: Array, rows: Array) -> Array:
-    """``pool [num_pages, page_size, ...]`` with ``rows [B, T, ...]`` at ``(pages, offsets)`` (both ``[B, T]``).
-
-    A page out of range (``num_pages``) drops its row.  A bfloat16 or fp8
-    pool on CPU is written as rows of the pool flattened to ``[num_pages *
-    page_size, ...]`` by the native row writer (``_writes``), in place.
-    """
-    num_pages, page_size = pool.shape[:2]
-    flat = pool.reshape(num_pages * page_size, *pool.shape[2:])
-    slots = (jnp.minimum(pages, num_pages) * page_size + offsets).reshape(-1)
-    written = _writes.write_rows(flat, slots, rows.reshape(-1, *rows.shape[2:]), axis=0,
-                                 otherwise=lambda: pool.at[pages, offsets].set(rows, mode="drop").reshape(flat.shape))
-    return written.reshape(pool.shape)
-
-
-def _copy_page(pool: Array, source: Array, target: Array) -> Array:
-    """``pool`` with page ``source`` copied into page ``target`` (``num_pages``: nothing copied)."""
-    page = pool[source]
-    return _writes.write_rows(pool, target[None], page[None], axis=0,
-                              otherwise=lambda: pool.at[target].set(page, mode="drop"))
