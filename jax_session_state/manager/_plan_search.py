@@ -270,6 +270,17 @@ class Projection:
         else:
             self.over.discard(key)
 
+    def release(self, bytes_by_device: Mapping[str, int], sign: int = -1) -> None:
+        """Moves ``bytes_by_device`` off their keys (``sign=1``: back onto them)."""
+        for key, count in bytes_by_device.items():
+            self.shift(key, sign * count)
+
+    def record(self, index: int, name: str, action: Action, released: Mapping[str, int]) -> None:
+        """``action`` on object ``name`` of actor ``index`` taken: its ``released`` bytes come off."""
+        self.release(released)
+        self.actions.append(action)
+        self.acted_on[index, name] = action
+
     def gain(self, bytes_by_device: Mapping[str, int]) -> int:
         """Bytes that releasing ``bytes_by_device`` frees on over-budget keys."""
         return sum(b for k, b in bytes_by_device.items() if k in self.over)

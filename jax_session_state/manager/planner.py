@@ -102,11 +102,8 @@ def _evict_phase(
             obj = best[1]
             evicted.add(obj.name)
             needed_by_evicted.update(obj.sources)
-            for key, count in obj.bytes_by_device.items():
-                ledger.shift(key, -count)
-            action = EvictObject(session.session_id, obj.name, obj.bytes_by_device)
-            ledger.actions.append(action)
-            ledger.acted_on[index, obj.name] = action
+            ledger.record(index, obj.name, EvictObject(session.session_id, obj.name, obj.bytes_by_device),
+                          obj.bytes_by_device)
 
 
 def _demote_phase(
@@ -127,11 +124,8 @@ def _demote_phase(
                 return
             if not ledger.gain(freed):
                 continue
-            for key, count in freed.items():
-                ledger.shift(key, -count)
-            action = DemoteObject(session.session_id, obj.name, types.MappingProxyType(freed))
-            ledger.actions.append(action)
-            ledger.acted_on[index, obj.name] = action
+            ledger.record(index, obj.name, DemoteObject(session.session_id, obj.name, types.MappingProxyType(freed)),
+                          freed)
 
 
 def _park_phase(
@@ -158,12 +152,9 @@ def _park_phase(
             ):
                 continue
             ledger.room_left -= total
-            for key, count in moved.items():
-                ledger.shift(key, -count)
-                ledger.shift(parking_destination(key), count)
-            action = ParkObject(session.session_id, obj.name, types.MappingProxyType(moved))
-            ledger.actions.append(action)
-            ledger.acted_on[index, obj.name] = action
+            ledger.release({parking_destination(key): count for key, count in moved.items()}, sign=1)
+            ledger.record(index, obj.name, ParkObject(session.session_id, obj.name, types.MappingProxyType(moved)),
+                          moved)
 
 
 def _preempt_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
@@ -185,8 +176,7 @@ def _preempt_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
                     count -= action.freed.get(key, 0)
                 current[key] = current.get(key, 0) + count
         if ledger.gain(current):
-            for key, count in current.items():
-                ledger.shift(key, -count)
+            ledger.release(current)
             preempt = PreemptSession(session.session_id, types.MappingProxyType(add_footprint({}, session)))
             ledger.actions.append(preempt)
             taken.append((preempt, current))
@@ -194,11 +184,9 @@ def _preempt_phase(ledger: Projection, actors: Sequence[SessionUsage]) -> None:
         return
     needless = set()
     for preempt, current in taken[:-1]:
-        for key, count in current.items():
-            ledger.shift(key, count)
+        ledger.release(current, sign=1)
         if ledger.over:
-            for key, count in current.items():
-                ledger.shift(key, -count)
+            ledger.release(current)
         else:
             needless.add(id(preempt))
     if needless:
