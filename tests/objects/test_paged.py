@@ -249,9 +249,10 @@ def _cache(*, slots=3, page_size=4, num_pages=8, max_pages_per_slot=None) -> jss
     )
 
 
-def _chunk(rng: np.random.Generator, counts: list[int], T: int | None = None) -> jss.KVChunk:
+def _chunk(rng: np.random.Generator, counts: list[int], T: int | None = None, *, heads: int = H,
+           dim: int = D) -> jss.KVChunk:
     T = max(counts) if T is None else T
-    k, v = (jnp.asarray(rng.normal(size=(len(counts), T, H, D)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(len(counts), T, heads, dim)), jnp.float32) for _ in range(2))
     return jss.KVChunk(k, v, jnp.asarray(counts, jnp.int32))
 
 
@@ -451,6 +452,25 @@ def test_donated_fork_and_free_write_in_place(method):
     out = step(cache, *args)
     assert [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(out)] == pointers
     assert not bool(out.overflowed)
+
+
+@pytest.mark.parametrize("num_pages", [64, 1024])
+def test_a_fork_touches_one_page_of_the_pools_whatever_their_size(num_pages):
+    """The compiled fork reads and writes the partial page's rows, never the pools: its bytes accessed
+    stay within a few pages plus passes over the bookkeeping, and only the copy's page changes."""
+    cache = jss.PagedKVCache.allocate(max_slots=4, kv_heads=8, head_dim=64, page_size=16, num_pages=num_pages)
+    cache = cache.append(_chunk(np.random.default_rng(3), [3 * 16 + 5, 0, 0, 0], heads=8, dim=64))
+    fork = jax.jit(lambda c, src, dst: c.fork(src, dst), donate_argnums=0)
+    page = cache.k_pages[0].nbytes
+    pools = cache.k_pages.nbytes + cache.v_pages.nbytes
+    bookkeeping = sum(getattr(cache, name).nbytes for name in ("page_table", "lengths", "staged", "refcounts",
+                                                              "free_pages", "free_count", "refused"))
+    accessed = fork.lower(cache, 0, 1).compile().cost_analysis()["bytes accessed"]
+    assert accessed <= 16 * page + 32 * bookkeeping < pools / 4, (accessed, page, bookkeeping, pools)
+    before = np.asarray(cache.k_pages)
+    forked = fork(cache, 0, 1)
+    changed = np.flatnonzero(np.any(np.asarray(forked.k_pages) != before, axis=(1, 2, 3)))
+    assert changed.tolist() == [int(forked.page_table[1, 3])]
 
 
 def test_to_dense_is_head_major_and_matches_the_pages():
