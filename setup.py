@@ -32,7 +32,10 @@ class BuildWithFfiHeaders(build_ext):
 setup(
     ext_modules=[Extension("jax_session_state._core._decode_attention",
                            ["csrc/decode_attention.cc", "csrc/write_rows.cc"],
-                           depends=["csrc/decode_attention_isa.h", "csrc/decode_attention_sse2_int8.h"],
+                           depends=["csrc/decode_attention_isa.h", "csrc/decode_attention_vectors.h",
+                                    "csrc/decode_attention_elements.h", "csrc/decode_attention_tiles.h",
+                                    "csrc/decode_attention_prefetch.h", "csrc/decode_attention_row_reader.h",
+                                    "csrc/decode_attention_sse2_int8.h", "csrc/decode_attention_softmax.h"],
                            language="c++", optional=True)],
     cmdclass={"build_ext": BuildWithFfiHeaders},
 )

@@ -26,11 +26,11 @@
 // pool and merged exactly by log-sum-exp; small ones run on the calling
 // thread (waking a pool thread costs more than they do).
 //
-// The inner loops (decode_attention_isa.h) are compiled once per instruction
-// set (x86-64 baseline, AVX2+FMA, AVX-512; one generic build elsewhere) with
-// vectors exactly one register wide; the best path the CPU runs is used
-// unless JssSelectIsa picks another.  On the SSE2 path int8 rows at T = 1
-// are read in integers (decode_attention_sse2_int8.h).
+// The inner loops (decode_attention_isa.h and the parts it includes) are
+// compiled once per instruction set (x86-64 baseline, AVX2+FMA, AVX-512; one
+// generic build elsewhere) with vectors exactly one register wide; the best
+// path the CPU runs is used unless JssSelectIsa picks another.  On the SSE2
+// path int8 rows at T = 1 are read in integers (decode_attention_sse2_int8.h).
 
 #include <algorithm>
 #include <atomic>
