@@ -206,7 +206,8 @@ def test_paged_step_reads_pages_in_place_with_no_pool_sized_gather(dtype):
     hlo = jax.jit(lambda q, view: jss.attend_with_lse(q, view)).lower(q, paged.view()).compile().as_text()
     for shape in re.findall(r"= \w+\[([\d,]*)\]\S* gather\(", hlo):
         rows = np.prod([int(d) for d in shape.split(",") if d]) // (2 * 8)  # rows of kv_heads x head_dim
-        assert rows <= 3 * jss.attention.BLOCK_SIZE, f"a gather of {rows} rows in a step over a pool of {pages * size}"
+        block = jss.attention.PAGED_BLOCK_SIZE
+        assert rows <= 3 * block, f"a gather of {rows} rows in a step over a pool of {pages * size}"
     assert "gather(" in hlo or _library.PAGED_TARGET in hlo
     assert f"[{pages * size}," not in hlo and f",{pages * size}," not in hlo  # nothing the size of the dense view
     view = dense.view()

@@ -220,7 +220,7 @@ def test_paged_views_under_vmap_fold_their_pools(page_size):
     pool_rows = SLOTS * views.k_pages.shape[1] * page_size
     for shape in re.findall(r"= \w+\[([\d,]*)\]\S* gather\(", hlo):  # one block of pages per read, never a pool
         rows = np.prod([int(d) for d in shape.split(",") if d]) // (KV_HEADS * DIM)
-        assert rows <= SLOTS * BATCH * max(jss.attention.BLOCK_SIZE, page_size) < pool_rows
+        assert rows <= SLOTS * BATCH * max(jss.attention.PAGED_BLOCK_SIZE, page_size) < pool_rows
 
 
 @pytest.mark.skipif(not _library.AVAILABLE, reason="the native kernel is not built here")

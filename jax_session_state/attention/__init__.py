@@ -47,7 +47,8 @@ int8 and fp8 caches with a power-of-two head dim of at least 16 and a
 capacity or page size a multiple of 16, and a static scale; other views,
 and TPU, read buckets; a float32 cache's dots are three TF32 products on a
 GPU, about float32's accuracy); :data:`IMPLEMENTATIONS` lists them.
-:data:`BLOCK_SIZE` is the keys per block of the loop,
+:data:`BLOCK_SIZE` is the keys per block of the loop over an append-mode
+view, :data:`PAGED_BLOCK_SIZE` over a paged one (whole pages),
 :data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
 for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
 latency-bound by construction.  On an H200 the Pallas kernel read faster
@@ -112,11 +113,13 @@ from jax_session_state.attention._attend import (
 )
 from jax_session_state.attention._blocks import BLOCK_SIZE
 from jax_session_state.attention._bucketed import BUCKET_SCORE_BYTES, SMALLEST_BUCKET
+from jax_session_state.attention._paged import PAGED_BLOCK_SIZE
 
 __all__ = [
     "BLOCK_SIZE",
     "BUCKET_SCORE_BYTES",
     "IMPLEMENTATIONS",
+    "PAGED_BLOCK_SIZE",
     "SMALLEST_BUCKET",
     "attend",
     "attend_with_lse",

@@ -69,10 +69,19 @@ def _gather_dequantized(view: PagedView, first: Any, count: int) -> tuple[Array,
     return keys * k_scale, values * v_scale
 
 
+PAGED_BLOCK_SIZE = 4 * BLOCK_SIZE
+"""Keys per block of the page loop over a float view.  Each block's pages
+are gathered and laid head-major before its dots, a cost per block the
+dense loop (blocks of :data:`BLOCK_SIZE`, sliced in place) does not pay:
+measured on 8 kv heads x 64 at 4k tokens, blocks of 64 keys read in 1.18x
+the dense loop's time at T = 16, blocks of 128 and 256 in 1.02-1.03x."""
+
+
 def _paged_block_pages(view: PagedView) -> int:
-    """Table columns per block of the paged loop: about :data:`BLOCK_SIZE` keys (a quantized view's:
-    :data:`QUANTIZED_BLOCK_SIZE`), whole pages."""
-    return max(1, (QUANTIZED_BLOCK_SIZE if view.quantized else BLOCK_SIZE) // view.page_size)
+    """Table columns per block of the paged loop: about :data:`PAGED_BLOCK_SIZE` keys (a quantized view's:
+    :data:`QUANTIZED_BLOCK_SIZE`), whole pages, at most the table's columns."""
+    keys = QUANTIZED_BLOCK_SIZE if view.quantized else PAGED_BLOCK_SIZE
+    return max(1, min(keys // view.page_size, view.page_table.shape[1]))
 
 
 def _padded_table(view: PagedView, pages: int) -> PagedView:
