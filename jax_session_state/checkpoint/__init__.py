@@ -36,16 +36,28 @@ on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
 every object, attrs replicated), or a ``target`` session to copy placement
 from, or neither for the default device.
 
+**Several processes.**  With ``jax.process_count() > 1`` (one process per
+host, ``jax.distributed.initialize``) :func:`save` is collective: every
+process writes its addressable shards through Orbax and digests them, the
+digests of every process's pieces are gathered, and the primary process
+writes the manifest and publishes after Orbax's barrier; a process that dies
+mid-save leaves the previous checkpoint the newest.  :func:`restore` reads
+onto any process count and mesh and checks every piece on some process; a
+damaged piece is a :class:`~jax_session_state.errors.CheckpointError` on
+every process.
+
 :data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
 format version this library writes and reads (``CHANGELOG.md`` lists each).
 
 Layout: ``_save_restore`` (:func:`save`, :func:`restore` and the tree they
 walk), ``_manifest`` (the JSON that names every array and its digest),
 ``_codec`` (objects and their static specs to and from JSON), ``_digest``
-(the chunked digests of what was written), ``_atomic`` (a checkpoint
-appears whole or not at all) and ``_orbax_io`` (the arrays, through Orbax,
-onto any mesh). It may import everything below it (``errors``, ``base``,
-``session``, ``sharding``, ``manager``); nothing in the package imports it.
+(the chunked digests of what was written), ``_pieces`` (digests of arrays
+no one process holds whole), ``_processes`` (primary, barriers and small
+exchanges between processes), ``_atomic`` (a checkpoint appears whole or
+not at all) and ``_orbax_io`` (the arrays, through Orbax, onto any mesh).
+It may import everything below it (``errors``, ``base``, ``session``,
+``sharding``, ``manager``); nothing in the package imports it.
 
 Example:
   >>> import tempfile

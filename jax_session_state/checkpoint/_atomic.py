@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jax_session_state.errors import CheckpointError
 
-__all__ = ["begin", "newest", "publish", "write_durably"]
+__all__ = ["begin", "named", "newest", "publish", "write_durably"]
 
 _COMPLETE = re.compile(r"ckpt-(\d+)")
 _PARTIAL = ".partial-"
@@ -39,9 +39,18 @@ def begin(root: Path) -> tuple[Path, Path]:
     for leftover in (*root.glob(f"{_PARTIAL}*"), *root.glob(f"{_SUPERSEDED}*")):
         shutil.rmtree(leftover, ignore_errors=True)
     number = max((n for n, _ in _complete(root)), default=0) + 1
-    partial = root / f"{_PARTIAL}{number:06d}"
+    partial, final = named(root, number)
     partial.mkdir()
-    return partial, root / f"ckpt-{number:06d}"
+    return partial, final
+
+
+def named(root: Path, number: int) -> tuple[Path, Path]:
+    """The partial directory of save ``number`` in ``root`` and the name it will be published as.
+
+    Processes other than the primary take the number the primary's
+    :func:`begin` chose (they must not clear or create anything themselves).
+    """
+    return root / f"{_PARTIAL}{number:06d}", root / f"ckpt-{number:06d}"
 
 
 def publish(partial: Path, final: Path) -> Path:

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_session_state.base import StateObject
-from jax_session_state.checkpoint import _atomic, _codec, _manifest, _orbax_io
-from jax_session_state.checkpoint._digest import array_digests
+from jax_session_state.checkpoint import _atomic, _codec, _manifest, _orbax_io, _pieces, _processes
 from jax_session_state.checkpoint._manifest import FORMAT, VERSION, ArrayTable
 from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
 from jax_session_state.errors import CheckpointError, PayloadTypeError
@@ -44,7 +43,9 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
 
     The previous checkpoint stays complete and restorable until the new one
     is; it is removed once the new one is in place.  One writer per ``path``
-    at a time.
+    at a time.  With several JAX processes every process calls it (a
+    collective): each writes its addressable shards, the primary the manifest
+    and the rename; ``path`` must be one directory all processes see.
 
     Args:
       path: the checkpoint directory (created if missing).
@@ -81,20 +82,47 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
     if content is None:
         kinds = ", ".join(c.type.__name__ for c in _CONTENTS.values())
         raise PayloadTypeError(f"checkpoint.save() saves a {kinds}; got {type(state).__name__}.")
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            "checkpoint.save() writes from one process; multi-process saves need one primary process "
-            "to write the manifest and rename after Orbax's barrier, which is not implemented yet."
-        )
     table = ArrayTable()
     record = content.encode(state, table)
-    partial, final = _atomic.begin(Path(path))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # digests (hashlib releases the GIL) beside Orbax's writes
-        entries = pool.submit(table.digested_entries)
-        if table.values:
-            _orbax_io.write_arrays(partial / _ARRAYS, table.values)
-        _manifest.write(partial, content.name, record, entries.result())
-    return _atomic.publish(partial, final)
+    if _processes.count() == 1:
+        partial, final = _atomic.begin(Path(path))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # digests (hashlib releases the GIL) beside Orbax
+            entries = pool.submit(table.digested_entries)
+            if table.values:
+                _orbax_io.write_arrays(partial / _ARRAYS, table.values)
+            _manifest.write(partial, content.name, record, entries.result())
+        return _atomic.publish(partial, final)
+    return _save_from_processes(Path(path), content.name, record, table)
+
+
+def _save_from_processes(root: Path, content: str, record: dict[str, Any], table: ArrayTable) -> Path:
+    """One save made by every process: each writes its shards, the primary the manifest and the rename.
+
+    Collective: every process calls it with the same state.  The primary
+    clears leftovers and creates the partial directory; Orbax writes every
+    process's shards and finishes with its own barrier; the digests of every
+    process's pieces are gathered; the primary writes the manifest and
+    publishes; a last barrier returns on every process only once the
+    checkpoint is in place.  A process that dies anywhere in between leaves
+    no ``ckpt-N`` behind, so the previous one stays the newest.
+    """
+    number = _atomic.begin(root)[1].name if _processes.is_primary() else ""
+    number = _processes.broadcast_int(int(number.rpartition("-")[2]) if number else 0)
+    partial, final = _atomic.named(root, number)
+    # Orbax refuses arrays one process holds whole: those (numpy, attrs on one device) are the same on
+    # every process (checked by their digests) and written once, by the primary, as numpy.
+    values = {k: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x
+              for k, x in table.values.items()}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        local = pool.submit(_pieces.local_digests, table.values)
+        if values:
+            _orbax_io.write_arrays(partial / _ARRAYS, values)
+        entries = _pieces.gather_digests(table.entries, local.result())
+    if _processes.is_primary():
+        _manifest.write(partial, content, record, entries)
+        _atomic.publish(partial, final)
+    _processes.barrier(f"jss-checkpoint-published-{final}")
+    return final
 
 
 def restore(
@@ -160,15 +188,9 @@ def restore(
     with _decoding(directory):
         destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings)
         layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
-        expected = {key: (entry["digest"], entry["where"]) for key, entry in entries.items()}
+        pieces = _pieces.expected(entries)
     arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, destinations) if entries else {}
-    digests = array_digests(arrays)
-    for key, (digest, where) in expected.items():
-        if digests[key] != digest:
-            raise CheckpointError(
-                f"{directory}: array {where} does not match its digest: its files under "
-                f"{directory / _ARRAYS} are damaged. Nothing was restored."
-            )
+    _pieces.verify(directory, arrays, entries, pieces)
     with _decoding(directory):
         values = {key: _finish(arrays.pop(key), entry, key not in uncommitted) for key, entry in entries.items()}
     return assemble(values)

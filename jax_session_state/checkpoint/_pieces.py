@@ -1,0 +1,159 @@
+"""Digests of arrays that no one process holds whole: the pieces each process wrote, checked on restore.
+
+A checkpoint saved from one process records one digest per array (its whole
+bytes, :mod:`._digest`).  Saved from several processes, an array sharded
+over them is recorded as *pieces*: each process digests the shards it
+writes (those with ``replica_id == 0``), the boxes they cover and their
+digests are gathered to every process, and the primary writes them all into
+the manifest.  A piece's digest is :func:`._digest.array_digests` of the
+box's bytes, so a whole-array digest is the piece whose box is the array.
+
+A restore checks every piece once, on any process count and mesh: a piece is
+checked by the first process holding a shard that contains its box; pieces
+that no process holds whole (the restore's shards split them, as when a
+checkpoint from one process is restored onto several) are checked after
+gathering that array to the host, one array at a time.  What any process
+found wrong is gathered, so every process raises the same
+:class:`~jax_session_state.errors.CheckpointError` and none returns a
+half-checked state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_session_state.checkpoint import _processes
+from jax_session_state.checkpoint._digest import array_digests
+from jax_session_state.errors import CheckpointError
+
+__all__ = ["expected", "gather_digests", "local_digests", "verify"]
+
+Box = list[list[int]]
+"""A region of an array: ``[start, stop)`` on each axis."""
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer))
+
+
+def local_digests(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """This process's digests: the pieces it writes of a global array, else the whole array."""
+    views: dict[str, Any] = {}
+    boxes: dict[str, list[tuple[str, Box]]] = {}
+    for key, x in values.items():
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            shards = [s for s in x.addressable_shards if s.replica_id == 0]
+            boxes[key] = [(f"{key}/{i}", _box(s.index, x.shape)) for i, s in enumerate(shards)]
+            views.update((name, np.asarray(s.data)) for (name, _), s in zip(boxes[key], shards))
+        else:
+            views[key] = x
+    digests = array_digests(views)
+    return {
+        key: {"pieces": [[box, digests[name]] for name, box in boxes[key]]}
+        if key in boxes
+        else {"digest": digests[key]}
+        for key in values
+    }
+
+
+def gather_digests(
+    entries: Mapping[str, dict[str, Any]], local: Mapping[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The manifest entries with every process's :func:`local_digests` (collective).
+
+    Raises:
+      CheckpointError: an array every process holds whole (numpy, or on one
+        process's devices) is not the same on every process.
+    """
+    gathered = _processes.allgather_json(dict(local))
+    out = {}
+    for key, entry in entries.items():
+        mine = [process[key] for process in gathered]
+        if "pieces" in mine[0]:
+            pieces = {str(box): [box, digest] for process in mine for box, digest in process["pieces"]}
+            out[key] = {**entry, "pieces": [pieces[k] for k in sorted(pieces)]}
+            continue
+        differing = sorted({process["digest"] for process in mine})
+        if len(differing) > 1:
+            which = [i for i, process in enumerate(mine) if process["digest"] != mine[0]["digest"]]
+            raise CheckpointError(
+                f"{entry['where']}: each of the {len(mine)} processes holds its own copy, and processes {which} "
+                "hold other values than process 0; a checkpoint saved from several processes needs every copy "
+                "equal (or the array placed on a mesh over all processes). Nothing was saved."
+            )
+        out[key] = {**entry, "digest": differing[0]}
+    return out
+
+
+Piece = tuple[str, Box, str]
+"""An array's key, a box of it and the digest of the box's bytes."""
+
+
+def expected(entries: Mapping[str, dict[str, Any]]) -> list[Piece]:
+    """Every piece the manifest's ``entries`` record (raises KeyError / ValueError if malformed)."""
+    jobs: list[Piece] = []
+    for key, entry in entries.items():
+        full = [[0, int(n)] for n in entry["shape"]]
+        pieces = entry["pieces"] if "pieces" in entry else [[full, entry["digest"]]]
+        for box, digest in pieces:
+            if len(box) != len(full) or not isinstance(digest, str):
+                raise ValueError(f"array {key}: the piece {box} does not fit shape {entry['shape']}")
+            jobs.append((key, [[int(a), int(b)] for a, b in box], digest))
+    return jobs
+
+
+def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any], jobs: list[Piece]) -> None:
+    """Checks every restored array against the pieces :func:`expected` found (collective).
+
+    Raises:
+      CheckpointError: on every process, naming the first array (and box) that does not match.
+    """
+    holders: dict[int, Any] = {}  # job -> the local data holding its box, and the box's origin in it
+    for j, (key, box, _) in enumerate(jobs):
+        x = arrays[key]
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            holders[j] = (x, [0] * len(box))
+            continue
+        for shard in x.addressable_shards:
+            where = _box(shard.index, x.shape)
+            if _inside(box, where):
+                holders[j] = (shard.data, [start for start, _ in where])
+                break
+    held_by = _processes.allgather_json(sorted(holders))
+    me = jax.process_index()
+    first: dict[int, int] = {}
+    for process, held in enumerate(held_by):
+        for j in held:
+            first.setdefault(j, process)
+    views = {str(j): _cut(*holders[j], jobs[j][1]) for j, process in first.items() if process == me}
+    for key in dict.fromkeys(jobs[j][0] for j in range(len(jobs)) if j not in first):  # split by this layout
+        data = _processes.gather_to_host(arrays[key])
+        if _processes.is_primary():
+            views.update((str(j), _cut(data, [0] * data.ndim, jobs[j][1])) for j in range(len(jobs))
+                         if j not in first and jobs[j][0] == key)
+    digests = array_digests(views)
+    bad = sorted(int(j) for j, digest in digests.items() if digest != jobs[int(j)][2])
+    found = sorted({j for process in _processes.allgather_json(bad) for j in process})
+    if found:
+        key, box, _ = jobs[found[0]]
+        piece = "" if "pieces" not in entries[key] else f" (the piece {[tuple(b) for b in box]})"
+        raise CheckpointError(
+            f"{directory}: array {entries[key]['where']}{piece} does not match its digest: its files under "
+            f"{directory / 'arrays'} are damaged ({len(found)} damaged piece(s) in all). Nothing was restored."
+        )
+
+
+def _cut(data: Any, origin: list[int], box: Box) -> Any:
+    """The bytes of ``box`` out of ``data``, whose first element is at ``origin`` of the whole array."""
+    if [[0, n] for n in data.shape] == [[b0 - o, b1 - o] for (b0, b1), o in zip(box, origin)]:
+        return data  # whole: a jax array is read to the host by array_digests, one at a time
+    return np.asarray(data)[tuple(slice(b0 - o, b1 - o) for (b0, b1), o in zip(box, origin))]

@@ -1,0 +1,67 @@
+"""What a checkpoint needs from JAX's multi-controller runtime: who is primary, barriers, small exchanges.
+
+Every call here is collective when ``jax.process_count() > 1``: all processes
+make it, in the same order.  With one process each is a no-op or returns
+its input, so a single-process save or restore runs no collective.  The
+exchanges go through :mod:`jax.experimental.multihost_utils` (device
+collectives, CPU ones included when ``jax_cpu_collectives_implementation``
+is set); the barriers are ``sync_global_devices``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["allgather_json", "barrier", "broadcast_int", "count", "is_primary"]
+
+
+def count() -> int:
+    """The number of JAX processes."""
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    """Whether this process writes what only one process writes (the manifest, the rename)."""
+    return jax.process_index() == 0
+
+
+def _multihost() -> Any:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reaches the barrier ``name``."""
+    if count() > 1:
+        _multihost().sync_global_devices(name)
+
+
+def broadcast_int(value: int) -> int:
+    """The primary process's ``value``, on every process."""
+    if count() == 1:
+        return value
+    return int(_multihost().broadcast_one_to_all(np.int32(value)))
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """Every process's ``value`` (anything JSON holds), in process order, on every process."""
+    if count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value, separators=(",", ":")).encode(), np.uint8)
+    sizes = np.asarray(_multihost().process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(_multihost().process_allgather(padded))
+    return [json.loads(bytes(row[: int(size)]).decode()) for row, size in zip(rows, sizes)]
+
+
+def gather_to_host(x: jax.Array) -> np.ndarray:
+    """The whole global array ``x`` as numpy, on every process (collective)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(_multihost().process_allgather(x, tiled=True))

@@ -1,0 +1,129 @@
+"""One process of a multi-host test: ``python -m tests.multihost._child ROLE NUM_PROCESSES PROCESS_ID PORT WORKDIR``.
+
+The parent (tests/multihost/_launch.py) sets ``XLA_FLAGS`` to give each
+process its fake CPU devices before jax is imported.  With more than one
+process the child joins the others through ``jax.distributed.initialize`` on
+a localhost coordinator, with gloo CPU collectives.  Each role writes what
+the parent checks into WORKDIR (``<role>-<process>.json``, and arrays in
+``<role>.npz`` from process 0); a failed check raises, and the parent shows
+every process's output.
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def roll_and_save(work, rules):
+    """Roll out sharded, report bytes, save from every process and restore onto the same processes."""
+    import jax_session_state as jss
+    from tests.multihost import _scenario as sc
+
+    session, outs = sc.rolled_out(rules)
+    by_device = session.nbytes_by_device()
+    objects = {name: obj.nbytes_by_device() for name, obj in session.objects.items()}
+    saved = sc.host_leaves(session)
+    jss.checkpoint.save(work / "ckpt", session)
+    restored = jss.checkpoint.restore(work / "ckpt", shardings=rules)
+    assert restored["kv"].k.sharding == session["kv"].k.sharding, restored["kv"].k.sharding
+    for x, y in zip(sc.host_leaves(restored), saved, strict=True):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), "restored bits differ"
+    restored, _ = sc.run(restored, *sc.inputs(99, rules))  # a restored session steps on, donated
+    arrays = {f"out{i}": x for i, x in enumerate(sc.host_leaves(outs))}
+    arrays.update({f"leaf{i}": x for i, x in enumerate(saved)})
+    return {"by_device": by_device, "objects": objects}, arrays
+
+
+def save_killed(work, rules):
+    """Process 1 kills itself once its shards are written, before the manifest and the rename."""
+    import jax_session_state as jss
+    from jax_session_state.checkpoint import _orbax_io
+    from tests.multihost import _scenario as sc
+
+    write = _orbax_io.write_arrays
+
+    def write_then_die(*args, **kwargs):
+        write(*args, **kwargs)
+        if jax.process_index() == 1:
+            print("process 1: shards written, killing myself", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _orbax_io.write_arrays = write_then_die
+    session, _ = sc.rolled_out(rules, steps=sc.STEPS + 2)
+    jss.checkpoint.save(work / "ckpt", session)
+    raise AssertionError("the save returned although process 1 died")
+
+
+def _check_restores(path, rules, expected):
+    import jax_session_state as jss
+    from tests.multihost import _scenario as sc
+
+    restored = jss.checkpoint.restore(path, shardings=rules)
+    for x, y in zip(sc.host_leaves(restored), expected, strict=True):
+        assert x.tobytes() == y.tobytes(), f"{path}: restored bits differ"
+    assert len(restored["kv"].k.sharding.device_set) == jax.device_count()
+    return restored
+
+
+def restore_one(work, rules):
+    """One process with every device: restore what several saved (after a killed save), then save."""
+    import numpy as np
+
+    import jax_session_state as jss
+
+    expected = np.load(work / "roll_and_save.npz")
+    leaves = [expected[f"leaf{i}"] for i in range(len([f for f in expected.files if f.startswith("leaf")]))]
+    names = sorted(p.name for p in (work / "ckpt").iterdir())
+    restored = _check_restores(work / "ckpt", rules, leaves)
+    jss.checkpoint.save(work / "from_one", restored)
+    return {"names": names}, {}
+
+
+def restore_many(work, rules):
+    """Several processes: restore the N-process and the 1-process checkpoint; refuse the damaged copies."""
+    import numpy as np
+
+    import jax_session_state as jss
+
+    expected = np.load(work / "roll_and_save.npz")
+    leaves = [expected[f"leaf{i}"] for i in range(len([f for f in expected.files if f.startswith("leaf")]))]
+    _check_restores(work / "ckpt", rules, leaves)
+    _check_restores(work / "from_one", rules, leaves)
+    errors = {}
+    for damaged in sorted(work.glob("damaged-*")):
+        try:
+            jss.checkpoint.restore(damaged, shardings=rules)
+        except jss.CheckpointError as error:
+            errors[damaged.name] = str(error)
+    return {"errors": errors}, {}
+
+
+ROLES = {f.__name__: f for f in (roll_and_save, save_killed, restore_one, restore_many)}
+
+
+def main() -> None:
+    role, processes, process_id, port, work = sys.argv[1:6]
+    if int(processes) > 1:
+        jax.distributed.initialize(
+            coordinator_address=f"localhost:{port}", num_processes=int(processes), process_id=int(process_id)
+        )
+    import numpy as np
+
+    from tests.multihost import _scenario as sc
+
+    work = Path(work)
+    report, arrays = ROLES[role](work, sc.make_rules())
+    (work / f"{role}-{process_id}.json").write_text(json.dumps(report))
+    if jax.process_index() == 0 and arrays:
+        np.savez(work / f"{role}.npz", **arrays)
+    print(f"process {process_id}: {role} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The sharded session every multi-host test rolls out, importable by the parent (reference) and the children."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+
+import jax_session_state as jss
+
+B, H, D, CAPACITY, T, STEPS = 2, 8, 4, 32, 2, 3
+AXES = {"kv_heads": "model", "heads": "model", "hidden": "model"}
+
+
+def make_rules(devices=None):
+    """Rules over a 1-D ``model`` mesh of every device of every process (or ``devices``)."""
+    devices = jax.devices() if devices is None else devices
+    mesh = jax.make_mesh((len(devices),), ("model",), axis_types=(AxisType.Auto,), devices=devices)
+    return jss.ShardingRules(mesh, AXES)
+
+
+def global_array(value, sharding):
+    """``value`` (the same numpy value on every process) as a global array on ``sharding``."""
+    value = np.asarray(value)
+    if sharding is None:
+        return jnp.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def new_session(rules=None):
+    return jss.Session(
+        objects={
+            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=CAPACITY, sharding=rules),
+            "carry": jss.FixedState.allocate(shapes={"h": (B, H)}, axes={"h": ("batch", "hidden")}, sharding=rules),
+        },
+        attrs={"step": global_array(np.int32(0), None if rules is None else rules.replicated())},
+    )
+
+
+def inputs(i, rules=None):
+    """Step ``i``'s new K/V rows and queries, placed head-sharded by ``rules``."""
+    rng = np.random.default_rng(i)
+    k, v, q = (rng.normal(size=(B, T, H, D)).astype(np.float32) for _ in range(3))
+    if rules is None:
+        return tuple(map(jnp.asarray, (k, v, q)))
+    where = NamedSharding(rules.mesh, rules.partition_spec((None, None, "heads", None), k.shape))
+    return tuple(global_array(x, where) for x in (k, v, q))
+
+
+def step(session, k, v, q):
+    """Append the rows, update the carry, attend over the cache."""
+    h = jnp.tanh(session["carry"].value["h"] + k.sum(axis=(1, 3)))
+    session = session.append(kv=(k, v), carry={"h": h})
+    out = jss.attend(q, session["kv"].view())
+    return session.with_attrs(step=session.attrs["step"] + 1), out
+
+
+run = jax.jit(step, donate_argnums=0)
+
+
+def rolled_out(rules=None, steps=STEPS):
+    """The session after ``steps`` donated steps, and every step's attention output."""
+    session, outs = new_session(rules), []
+    for i in range(steps):
+        session, out = run(session, *inputs(i, rules))
+        outs.append(out)
+    return session, outs
+
+
+def host_leaves(tree):
+    """Every array leaf of ``tree`` as numpy (gathered from every process)."""
+    from jax.experimental import multihost_utils
+
+    leaves = []
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        leaves.append(np.asarray(x))
+    return leaves
