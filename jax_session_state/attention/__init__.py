@@ -44,9 +44,10 @@ over its share of the blocks up to that row's valid length, through the
 page table for a paged view, and the shares merge by log-sum-exp; compiled
 through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float,
 int8 and fp8 caches with a power-of-two head dim of at least 16 and a
-capacity or page size a multiple of 16, and a static scale; other views,
-and TPU, read buckets; a float32 cache's dots are three TF32 products on a
-GPU, about float32's accuracy); :data:`IMPLEMENTATIONS` lists them.
+capacity or page size a multiple of 16, and a static scale; other views
+read buckets; a float32 cache's dots are three TF32 products on a GPU,
+about float32's accuracy; on TPU the Mosaic kernel of ``_pallas_tpu``,
+opt-in until measured there); :data:`IMPLEMENTATIONS` lists them.
 :data:`BLOCK_SIZE` is the keys per block of the loop over an append-mode
 view, :data:`PAGED_BLOCK_SIZE` over a paged one (whole pages),
 :data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
@@ -88,7 +89,8 @@ platform), ``_paged`` (page by page through the page table, and its VJP),
 ``_bucketed`` (one fused pass over a power-of-two bucket of the valid
 prefix), ``_dense`` (the append-mode loop and kernels with their VJPs),
 ``_pooled`` (batching rules under ``jax.vmap`` over pool slots),
-``_pallas`` (the split-K Pallas kernel for GPUs) and ``_native`` (the
+``_pallas`` (the split-K Pallas kernel for GPUs), ``_pallas_tpu`` (the
+Pallas TPU kernel) and ``_native`` (the
 binding of the native CPU kernel). It may import ``errors``, ``objects``
 (the views it reads) and ``_core`` (the native library); sessions, pools and
 the manager import it, never the reverse.

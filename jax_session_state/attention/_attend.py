@@ -97,8 +97,9 @@ def attend(
         ``"bucketed"``: one fused dense pass over the valid prefix rounded
         up to a power of two, picked by ``lax.switch`` (a handful of
         kernels; in chunks past :data:`BUCKET_SCORE_BYTES` of scores);
-        ``"pallas"``: the split-K Pallas kernel (GPU; interpreted on CPU;
-        buckets on TPU and for views it does not take, as above).
+        ``"pallas"``: the split-K Pallas kernel (GPU; interpreted on CPU),
+        on TPU the Mosaic kernel of ``_pallas_tpu`` (opt-in: not yet run on a
+        TPU); buckets for views they do not take, as above.
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from jax_session_state.attention import _pallas as _attention_pallas
+from jax_session_state.attention import _pallas as _attention_pallas, _pallas_tpu
 from jax_session_state.attention._pallas import _SIXTEEN_BIT
 from jax_session_state.errors import PayloadError
 from jax_session_state.objects.paged import PagedView
@@ -235,7 +235,8 @@ def _absolute(lengths: Array, q_positions: Array, relative: bool) -> Array:
 def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, native: Any = None,
                  pallas: Any = None) -> tuple[Array, Array]:
     """``"loop"`` and ``"bucketed"`` run everywhere; ``"pallas"`` runs ``pallas(*operands, interpret=...)`` where
-    given (compiled on GPU, interpreted on CPU; else, and on TPU, ``bucketed``); otherwise (``"auto"``,
+    given (compiled on GPU, interpreted on CPU, on TPU with ``interpret=_pallas_tpu.TPU``: the Mosaic kernel;
+    else ``bucketed``); otherwise (``"auto"``,
     ``"native"``) ``native`` where given (else ``loop``) runs on CPU, ``pallas`` compiled where given on CUDA
     (see :func:`_pallas_wanted`), and ``bucketed`` (a handful of fused kernels) elsewhere."""
     if implementation in ("loop", "bucketed"):
@@ -245,7 +246,8 @@ def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, 
         compiled = functools.partial(pallas, interpret=False)
         branches["cuda"] = compiled
         if implementation == "pallas":
-            branches.update(cpu=functools.partial(pallas, interpret=True), rocm=compiled)
+            branches.update(cpu=functools.partial(pallas, interpret=True), rocm=compiled,
+                            tpu=functools.partial(_tpu_or_bucketed, pallas, bucketed))
     elif implementation == "pallas":
         return bucketed(*operands)
     return lax.platform_dependent(*operands, default=bucketed, **branches)
@@ -303,27 +305,55 @@ def _last_rows(q: Array, lengths: Array, q_positions: Array, causal: bool, kv_he
     return _last_visible(jnp.minimum(lengths, keys), q_positions, causal, q.shape[2] // kv_heads)[:, 0, :, 0]
 
 
+def _tpu_or_bucketed(pallas: Any, bucketed: Any, *operands: Any) -> tuple[Array, Array]:
+    """On TPU: ``pallas`` with the Mosaic kernel (``_pallas_tpu``), or ``bucketed`` where its tiling does not take
+    the cache (the reader raises :class:`_pallas_tpu.Untileable` before tracing anything)."""
+    try:
+        return pallas(*operands, interpret=_pallas_tpu.TPU)
+    except _pallas_tpu.Untileable:
+        return bucketed(*operands)
+
+
+def _tpu_kernel(interpret: Any) -> bool:
+    """Whether a Pallas reader given ``interpret`` runs the TPU kernel (``_pallas_tpu``): compiled on TPU, or
+    interpreted on CPU where the tests ask for it (``_pallas_tpu.ON_CPU``)."""
+    return interpret is _pallas_tpu.TPU or (interpret is True and _pallas_tpu.ON_CPU)
+
+
 def _pallas_append(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool, scale: float,
-                   interpret: bool, k_scale: Array | None = None, v_scale: Array | None = None
+                   interpret: Any, k_scale: Array | None = None, v_scale: Array | None = None
                    ) -> tuple[Array, Array]:
     """A head-major cache ``[B, kv_heads, C, D]`` (and a quantized one's row scales) read by the Pallas split-K
-    kernel (``_pallas``; compiled for GPU, or ``interpret``-ed)."""
+    kernel (``_pallas``; compiled for GPU, or ``interpret``-ed) or on TPU by ``_pallas_tpu``'s (raising
+    ``Untileable`` where its tiling does not take the cache: :func:`_tpu_or_bucketed` reads buckets then)."""
     kv_heads, capacity = k.shape[1], k.shape[2]
+    reader = _attention_pallas
+    if _tpu_kernel(interpret):
+        block = _pallas_tpu.append_block(k)
+        if block is None or (interpret is _pallas_tpu.TPU and not _pallas_tpu.fits_tpu(k, block)):
+            raise _pallas_tpu.Untileable(f"keys of {k.dtype} [.., {capacity}, {k.shape[-1]}]")
+        reader = _pallas_tpu
     last = _last_rows(q, lengths, q_positions, causal, kv_heads, capacity)
-    state = _attention_pallas.append_state(_to_rows(q, kv_heads), q.dtype, last, k, v, scale=scale,
-                                           interpret=interpret, k_scale=k_scale, v_scale=v_scale)
+    state = reader.append_state(_to_rows(q, kv_heads), q.dtype, last, k, v, scale=scale,
+                                interpret=interpret, k_scale=k_scale, v_scale=v_scale)
     return _finish(q, state)
 
 
 def _pallas_paged(q: Array, view: PagedView, q_positions: Array, *, causal: bool, scale: float,
-                  interpret: bool) -> tuple[Array, Array]:
+                  interpret: Any) -> tuple[Array, Array]:
     """A paged view (float, or quantized with its scale pages) read through its page table by the Pallas
-    split-K kernel."""
+    split-K kernel, or on TPU by ``_pallas_tpu``'s (raising ``Untileable`` where its tiling does not take the
+    pages)."""
     kv_heads = view.k_pages.shape[2]
+    reader = _attention_pallas
+    if _tpu_kernel(interpret):
+        if interpret is _pallas_tpu.TPU and not _pallas_tpu.fits_tpu(view.k_pages, view.page_size):
+            raise _pallas_tpu.Untileable(f"pages of {view.page_size} rows of {view.k_pages.dtype}")
+        reader = _pallas_tpu
     last = _last_rows(q, view.lengths, q_positions, causal, kv_heads, view.page_table.shape[1] * view.page_size)
-    state = _attention_pallas.paged_state(_to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
-                                          view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret,
-                                          k_scale_pages=view.k_scale, v_scale_pages=view.v_scale)
+    state = reader.paged_state(_to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
+                               view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret,
+                               k_scale_pages=view.k_scale, v_scale_pages=view.v_scale)
     return _finish(q, state)
 
 
