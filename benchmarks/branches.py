@@ -137,6 +137,7 @@ def step_rows(session: jss.Session, steps: int, forks_held: int, rounds: int) ->
     t = {name: float(np.median(s[1:])) for name, s in samples.items()}
     ratio = t["lanes"] / t["forks"]
     flops = 4 * LANES * CHUNK * HEADS * (PREFIX + WINDOW // 2) * HEAD_DIM  # Q@K^T and P@V, mid-window
+    ceiling = matmul_flops_per_second(rounds)
     rows = [
         {"measure": f"step of {LANES} lanes, cascade attention (ms; mean of steps 1-{steps})",
          "value": t["lanes"] * 1e3, "note": f"{flops / t['lanes'] / 1e9:.0f} GFLOP/s"},
@@ -144,8 +145,20 @@ def step_rows(session: jss.Session, steps: int, forks_held: int, rounds: int) ->
          "value": t["forks"] * 1e3, "note": f"{flops / t['forks'] / 1e9:.0f} GFLOP/s"},
         {"measure": "ratio branch step / fork step", "value": ratio, "bar": "≤ 0.5",
          "holds": ratio <= BARS["branch_step_over_forks"]},
+        {"measure": "XLA float32 matmul on this CPU (GFLOP/s; the arithmetic's ceiling)", "value": ceiling / 1e9},
+        {"measure": "ratio of the lanes' step at that ceiling / fork step (the best the lanes can reach)",
+         "value": flops / ceiling / t["forks"]},
     ]
     return rows, box["prefix"]
+
+
+def matmul_flops_per_second(rounds: int) -> float:
+    """The rate of XLA's own float32 matmul of the lanes' shape class (1024 x 64 by 64 x 4096), all cores."""
+    a, b = _rows(2, 8, 1024, HEAD_DIM), _rows(2, 8, HEAD_DIM, 4096)
+    matmul = jax.jit(lambda a, b: jnp.einsum("hqd,hdk->hqk", a, b))
+    seconds = interleaved({"matmul": lambda: matmul(a[0], b[0]).block_until_ready()}, rounds=rounds + 2, repeat=5,
+                          best_of=True)["matmul"]
+    return 2 * 8 * 1024 * HEAD_DIM * 4096 / seconds
 
 
 def _check_lanes_equal_forks(session: jss.Session, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
