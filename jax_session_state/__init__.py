@@ -1,6 +1,6 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, checkpoint, errors, offload, planner, sharding
+from jax_session_state import accounting, checkpoint, errors, offload, planner, reuse, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
@@ -15,6 +15,7 @@ from jax_session_state.errors import (
     NotResidentError,
     PayloadError,
     PayloadTypeError,
+    ProcessDisagreementError,
     RecomputeGraphError,
     SessionAdmissionError,
     SessionCheckedOutError,
@@ -40,6 +41,7 @@ from jax_session_state.objects import (
     Retrieved,
 )
 from jax_session_state.pool import SessionPool
+from jax_session_state.reuse import PrefixIndex, SharedStore, content_key, donate_unshared, page_keys
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard
 from jax_session_state.summary import Summary, summary
@@ -73,6 +75,8 @@ __all__ = [
     "Parked",
     "PayloadError",
     "PayloadTypeError",
+    "PrefixIndex",
+    "ProcessDisagreementError",
     "RecomputeGraphError",
     "RetrievalStore",
     "RetrievalView",
@@ -86,6 +90,7 @@ __all__ = [
     "SessionStateLostError",
     "SessionStateManager",
     "ShardingRules",
+    "SharedStore",
     "StateObject",
     "Summary",
     "accounting",
@@ -93,13 +98,17 @@ __all__ = [
     "attend_with_lse",
     "check",
     "checkpoint",
+    "content_key",
     "device_bytes",
     "device_key",
+    "donate_unshared",
     "errors",
     "is_state_object",
     "merge_attention",
     "offload",
+    "page_keys",
     "planner",
+    "reuse",
     "shard",
     "sharding",
     "summary",

@@ -28,6 +28,7 @@ __all__ = [
     "NotResidentError",
     "PayloadError",
     "PayloadTypeError",
+    "ProcessDisagreementError",
     "RecomputeGraphError",
     "SessionAdmissionError",
     "SessionCheckedOutError",
@@ -294,4 +295,26 @@ class CheckpointError(SessionStateError, ValueError):
       ...     except jss.CheckpointError as error:
       ...         print(error)
       no complete checkpoint in ... (a save that crashed leaves none).
+    """
+
+
+class ProcessDisagreementError(SessionStateError, RuntimeError):
+    """The managers of several JAX processes decided differently about a session that spans them.
+
+    One :class:`~jax_session_state.SessionStateManager` runs per process; for
+    a session whose arrays are not fully addressable every decision that
+    makes room for it (evict, demote, park, restore, preempt) is exchanged
+    between the processes before it is applied.  This is raised, with nothing
+    changed on this process, when another process's decision differs (the
+    message shows both) or when another process did not publish its decision
+    within ``agreement_timeout`` seconds (the message names it).  Make the
+    same calls on every process, in the same order, with the same budgets.
+    A session that lives on one process's devices never raises it.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> manager = jss.SessionStateManager(agreement_timeout=30.0)  # one per process
+      >>> manager.create("local", jss.Session(objects={"carry": jss.FixedState.allocate(shapes=(2,))}))
+      >>> issubclass(jss.ProcessDisagreementError, RuntimeError)  # nothing to agree on: one process's devices
+      True
     """

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_session_state._core import _pool_placement
 from jax_session_state._core._masked_step import run_masked
 from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
@@ -91,11 +92,21 @@ class SessionPool(struct.PyTreeNode):
     active: jax.Array
     refused: jax.Array
     tag: jax.Array
+    slot_sharding: jax.sharding.NamedSharding | None = struct.field(pytree_node=False, default=None)
+    """Where the slot axis lives: None on one device, else a NamedSharding over a mesh (may span processes)."""
 
     # ------------------------------------------------------------ building
     @classmethod
-    def allocate(cls, template: Session, *, slots: int) -> SessionPool:
+    def allocate(
+        cls, template: Session, *, slots: int, sharding: jax.sharding.NamedSharding | None = None
+    ) -> SessionPool:
         """An empty pool of ``slots`` slots, each shaped like ``template``.
+
+        With ``sharding=NamedSharding(mesh, P("data"))`` the slot axis is split
+        over the mesh axis ``"data"`` (which may span JAX processes): each
+        device holds whole sessions, its slots' shards, and a jitted, donated
+        :meth:`map` steps every slot in one SPMD call.  Every process passes
+        the same template and calls every pool method (SPMD).
 
         Args:
           template: a :class:`Session` whose objects are all resident; its
@@ -103,17 +114,21 @@ class SessionPool(struct.PyTreeNode):
             must have.  Its values fill the empty slots (an empty session is
             the natural template).
           slots: how many sessions the pool holds at once.
+          sharding: None (one device), or a NamedSharding whose one-entry spec
+            places the slot axis; ``slots`` must divide evenly over it.
 
         Raises:
           PayloadTypeError: ``template`` is not a Session, or ``slots`` is not an int
             (a bool is not one).
           NotResidentError: an object of ``template`` is not resident.
           PayloadError: ``slots`` is an int below 1, or an object of ``template``
-            is placed on a mesh.
+            is placed on a mesh, or ``sharding`` does not split ``slots`` evenly.
         """
         if not isinstance(template, Session):
             raise PayloadTypeError(f"SessionPool.allocate: template must be a Session; got {type(template).__name__}.")
         slots = positive_int("SessionPool.allocate", "slots", slots)
+        if sharding is not None:
+            sharding = _pool_placement.check_slot_sharding(sharding, slots)
         for name, obj in template.objects.items():
             if not obj.resident:
                 raise NotResidentError(
@@ -123,8 +138,13 @@ class SessionPool(struct.PyTreeNode):
             if obj.sharding is not None:
                 raise PayloadError(
                     f"SessionPool.allocate: template object {name!r} ({obj.describe()}) is placed on a mesh; "
-                    "a pool stacks sessions on the default device. Allocate the template without sharding."
+                    "a pool keeps each session whole on one device (shard the slot axis with "
+                    "allocate(..., sharding=NamedSharding(mesh, P('data')))). Allocate the template without sharding."
                 )
+        if sharding is not None:
+            sessions, active, refused = _pool_placement.stacked_on_mesh(template, slots, sharding)
+            tag = _pool_placement.replicated_scalar(next(_TAGS), np.int32, sharding)
+            return cls(sessions=sessions, active=active, refused=refused, tag=tag, slot_sharding=sharding)
         leaves = [x for x in jax.tree_util.tree_leaves(template) if isinstance(x, jax.Array) and _concrete(x)]
         device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
         # Committed to one device from the start: a step whose inputs are committed (a session brought
@@ -348,6 +368,7 @@ class SessionPool(struct.PyTreeNode):
             return tree.unflatten(kept), jax.tree_util.tree_map(lambda x: _select(live, x, jnp.zeros_like(x)), out)
 
         sessions, out = jax.vmap(one)(self.sessions, self.active, *per_slot)
+        sessions, out = _pool_placement.constrain_slots((sessions, out), self.slot_sharding)
         return self.replace(sessions=sessions), out
 
     # ------------------------------------------------------------- helpers

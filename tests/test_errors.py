@@ -15,6 +15,7 @@ PARENTS = {
     "BudgetExceededError": RuntimeError,
     "SessionAdmissionError": RuntimeError,
     "SessionCheckedOutError": RuntimeError,
+    "ProcessDisagreementError": RuntimeError,
     "RecomputeGraphError": ValueError,
     "PayloadError": ValueError,
     "CheckpointError": ValueError,

@@ -4,8 +4,9 @@ Owns ``_validation`` (checks of sizes, payloads and options that name the
 object, what was expected and what came), ``_writes`` (row writes that stay
 in place under donation, natively where XLA:CPU would convert the whole
 buffer), ``_library`` (the native CPU library built from ``csrc/``: loaded
-once, its instruction-set path chosen, its XLA FFI targets registered) and
-``_masked_step`` (a step run for the live slots of a pool only).
+once, its instruction-set path chosen, its XLA FFI targets registered),
+``_masked_step`` (a step run for the live slots of a pool only) and
+``_pool_placement`` (a pool's slot axis placed on a mesh).
 
 May import: ``errors`` and ``accounting``. Everything else may import it.
 """

@@ -3,7 +3,10 @@
 Owns the manager (``_manager``: the public class; ``_core``: the table of
 sessions, LRU, admission, pins and counters; ``_table``: byte figures per
 session and object; ``_events``: what it reports; ``_snapshot``: its state
-for checkpoints; ``_checkout``: sessions lent to a ``SessionPool``), the
+for checkpoints; ``_checkout``: sessions lent to a ``SessionPool``;
+``_agreement`` with ``_coordination``: the decisions on sessions spanning
+several JAX processes, agreed through the distributed runtime's key-value
+store), the
 planner it calls (:mod:`.planner`, with ``_plan_records`` and
 ``_plan_search``: a pure function of byte figures and the recompute graph,
 no lock, no clock) and :mod:`.offload` (parking objects in another memory

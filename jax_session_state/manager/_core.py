@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
@@ -37,6 +38,7 @@ from typing import Any
 
 import jax
 
+from jax_session_state._core._validation import non_negative
 from jax_session_state.accounting import Storage
 from jax_session_state.base import StateObject
 from jax_session_state.errors import (
@@ -47,6 +49,7 @@ from jax_session_state.errors import (
     SessionStateLostError,
 )
 from jax_session_state.manager import offload
+from jax_session_state.manager._agreement import DEFAULT_TIMEOUT_S, ProcessAgreement, agree_on
 from jax_session_state.manager._events import ManagerEvent, deliver
 from jax_session_state.manager._table import (
     Entry,
@@ -102,7 +105,10 @@ class ManagerCore:
         host_budget: int | None,
         lock: Any,
         on_event: Callable[[ManagerEvent], None] | None,
+        agreement_timeout: float = DEFAULT_TIMEOUT_S,
     ):
+        timeout = non_negative("SessionStateManager", "agreement_timeout", agreement_timeout)
+        self._agreement = ProcessAgreement(timeout)  # decisions on sessions spanning processes
         self.max_sessions = max_sessions
         self.byte_budget = byte_budget
         self.evict_when_full = evict_when_full
@@ -121,6 +127,8 @@ class ManagerCore:
         self._rebuilds_version = 0
         self._hits = self._misses = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
+        # More reports for stats(), by name (a reuse.SharedStore adds "shared"); called outside the lock.
+        self._stat_reports: dict[str, Callable[[], Any]] = {}
 
     @contextlib.contextmanager
     def _delivering(self, events: list[ManagerEvent]) -> Iterator[None]:
@@ -213,8 +221,17 @@ class ManagerCore:
         The action releases storages ``removed``, takes ``added`` and, for a
         restore, brings back ``restored`` bytes (``proposal`` is then the
         entry restored, else the entry as it will be); ``exclude`` is a
-        session leaving at the same time.
+        session leaving at the same time.  For a session spanning processes
+        the decision is first agreed with every other process (see
+        :mod:`~jax_session_state.manager._agreement`).
         """
+        spanning = self._agreement.spans(session_id, proposal) or (
+            exclude is not None and self._agreement.spans(exclude, self._entries[exclude])
+        )
+        agreed = functools.partial(
+            agree_on, self._agreement, self._entries, session_id, action, proposal,
+            restoring=restored is not None, victim=exclude,
+        )  # fmt: skip
         change = self._ledger.delta(removed, added)
         for key, nbytes in (restored or {}).items():
             change[key] = change.get(key, 0) + nbytes
@@ -224,12 +241,15 @@ class ManagerCore:
             if self._ledger.totals.get(key, 0) + change.get(key, 0) > budget
         }
         if not over:
+            if spanning:
+                agreed()
             return
         reason = ", ".join(
             f"{key} over its budget of {self.byte_budget[key]} bytes by {n}" for key, n in over.items()
         )
         reason = f"{reason} while {action}"
-        untouchable: set[Hashable] = set()
+        # An operation on a session of this process alone never acts on one spanning processes.
+        untouchable: set[Hashable] = set() if spanning else self._agreement.spanning_ids(self._entries)
         while True:
             result = plan(
                 self._usages(session_id, proposal, exclude, untouchable, restoring=restored is not None),
@@ -249,12 +269,16 @@ class ManagerCore:
                 events.append(
                     ManagerEvent("refusal", session_id, None, dict(result.shortfall_by_device), message)
                 )
+                if spanning:
+                    agreed(refused=True)
                 raise BudgetExceededError(message)
             try:
                 prepared = self._prepare(result)
             except _Donated as donated:
                 untouchable |= donated.session_ids
                 continue
+            if spanning:
+                agreed(actions=result.actions)
             self._apply(prepared, reason, events)
             return
 

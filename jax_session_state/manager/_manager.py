@@ -95,6 +95,8 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         event (one error as itself, several as an ``ExceptionGroup``), or,
         when the operation itself failed, logged and noted on the
         operation's error.
+      agreement_timeout: seconds a decision on a session spanning processes
+        waits for theirs (:class:`~jax_session_state.errors.ProcessDisagreementError`).
 
     Raises:
       PayloadTypeError: ``max_sessions``, a ``byte_budget`` value or
@@ -132,6 +134,7 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         host_budget: int | None = None,
         lock_factory: Callable[[], Any] = threading.RLock,
         on_event: Callable[[ManagerEvent], None] | None = None,
+        agreement_timeout: float = 60.0,
     ):
         max_sessions = positive_int("SessionStateManager", "max_sessions", max_sessions)
         budgets = {}
@@ -157,6 +160,7 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
             host_budget=host_budget,
             lock=lock_factory(),
             on_event=on_event,
+            agreement_timeout=agreement_timeout,
         )
         self._init_checkouts()
 

@@ -222,7 +222,9 @@ class ManagerSnapshots(ManagerCore):
           rebuilt), ``demotions`` (objects replaced by their lower tier),
           ``preemptions`` (whole sessions released), ``parks``, ``restores``
           (parked objects copied back), ``rebuilds``, ``refusals``;
-          ``bytes`` by device key.
+          ``bytes`` by device key; with a
+          :class:`~jax_session_state.reuse.SharedStore` on this manager,
+          ``shared``: its :meth:`~jax_session_state.reuse.SharedStore.stats`.
 
         Example:
           >>> import jax_session_state as jss
@@ -238,7 +240,7 @@ class ManagerSnapshots(ManagerCore):
            'preemptions': 0, 'parks': 0, 'restores': 0, 'rebuilds': 0, 'refusals': 0, 'bytes': {'cpu:0': 33}}
         """
         with self._lock:
-            return {
+            stats = {
                 "sessions": len(self._entries),
                 "lookups": self._hits + self._misses,
                 "hits": self._hits,
@@ -246,6 +248,9 @@ class ManagerSnapshots(ManagerCore):
                 **self._counts,
                 "bytes": dict(self._ledger.totals),
             }
+        for name, report in dict(getattr(self, "_stat_reports", {})).items():  # outside the lock: they take theirs
+            stats[name] = report()
+        return stats
 
     def held(self) -> dict[Hashable, Held]:
         """How every session is held now, least recently used first, without bringing anything back.

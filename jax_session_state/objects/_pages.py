@@ -37,20 +37,27 @@ def take(cache: PagedKVCache, need: Array) -> dict[str, Array]:
     }
 
 
+def unreference(cache: PagedKVCache, pages: Array) -> dict[str, Array]:
+    """One reference fewer to each of ``pages`` (distinct ids, -1 entries ignored); the pages left unreferenced
+    pushed on the free list."""
+    held = pages >= 0
+    refcounts = cache.refcounts.at[jnp.where(held, pages, cache.num_pages)].add(-1, mode="drop")
+    freed = held & (refcounts[jnp.clip(pages, 0, cache.num_pages - 1)] == 0)
+    top = cache.free_count + jnp.cumsum(freed) - 1
+    return {
+        "refcounts": refcounts,
+        "free_pages": cache.free_pages.at[jnp.where(freed, top, cache.num_pages)].set(pages, mode="drop"),
+        "free_count": cache.free_count + freed.sum(dtype=jnp.int32),
+    }
+
+
 def release(cache: PagedKVCache, slot: Array) -> dict[str, Array]:
     """``slot`` emptied: its references dropped, the pages left unreferenced pushed on the free list."""
-    row = cache.page_table[slot]
-    held = row >= 0
-    refcounts = cache.refcounts.at[jnp.where(held, row, cache.num_pages)].add(-1, mode="drop")
-    freed = held & (refcounts[jnp.maximum(row, 0)] == 0)
-    top = cache.free_count + jnp.cumsum(freed) - 1
     return {
         "page_table": cache.page_table.at[slot].set(-1),
         "lengths": cache.lengths.at[slot].set(0),
         "staged": cache.staged.at[slot].set(0),
-        "refcounts": refcounts,
-        "free_pages": cache.free_pages.at[jnp.where(freed, top, cache.num_pages)].set(row, mode="drop"),
-        "free_count": cache.free_count + freed.sum(dtype=jnp.int32),
+        **unreference(cache, cache.page_table[slot]),
     }
 
 

@@ -104,7 +104,81 @@ def restore_many(work, rules):
     return {"errors": errors}, {}
 
 
-ROLES = {f.__name__: f for f in (roll_and_save, save_killed, restore_one, restore_many)}
+def pool_step(work, rules):
+    """A pool whose slot axis is split over every process's devices, stepped in one donated call."""
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import jax_session_state as jss
+    from tests.multihost import _scenario as sc
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    slot_axis = NamedSharding(mesh, PartitionSpec("data"))
+    pool = jss.SessionPool.allocate(sc.new_session(), slots=sc.POOL_SLOTS, sharding=slot_axis)
+    insert = jax.jit(jss.SessionPool.insert, donate_argnums=0)
+    for slot in range(sc.POOL_LIVE):
+        pool = insert(pool, slot, sc.replicated(sc.pool_session(slot), mesh))
+    per_slot = [np.stack(x) for x in zip(*(map(np.asarray, sc.pool_inputs(i)) for i in range(sc.POOL_SLOTS)))]
+    per_slot = [sc.global_array(x, slot_axis) for x in per_slot]
+    step = jax.jit(jss.SessionPool.map, static_argnums=1, donate_argnums=0)
+    before = pool
+    pool, out = step(pool, sc.step, *per_slot)
+    pool.check()
+    assert before.sessions["kv"].k.is_deleted(), "the pool was not donated"
+    assert pool.sessions["kv"].k.sharding == slot_axis, pool.sessions["kv"].k.sharding
+    held = sorted({shard.index[0].start for shard in pool.sessions["kv"].k.addressable_shards})
+    step(jax.tree_util.tree_map(lambda x: x.copy(), pool), sc.step, *per_slot)  # a second step: no recompile
+    assert step._cache_size() == 1, f"the pool step compiled {step._cache_size()} times"
+    arrays = {f"leaf{i}": x for i, x in enumerate(sc.host_leaves(pool.sessions))}
+    arrays["out"] = sc.host_leaves(out)[0]
+    arrays["active"] = sc.host_leaves(pool.active)[0]
+    return {"slots_held": held, "by_device": pool.nbytes_by_device()}, arrays
+
+
+def managers_agree(work, rules):
+    """One manager per process: the same calls agree silently, different ones raise on both, a missing one times out."""
+    import time
+
+    import jax_session_state as jss
+    from tests.multihost import _scenario as sc
+
+    me, report = jax.process_index(), {}
+    manager = jss.SessionStateManager(park_memory_kind=None, agreement_timeout=30)  # the same calls: no error
+    manager.create("a", sc.new_session(rules))
+    manager.create("b", sc.new_session(rules))
+    started = time.perf_counter()
+    for i in range(5):
+        manager.put("a", sc.run(manager.get("a"), *sc.inputs(i, rules))[0])
+    report["put_s"] = (time.perf_counter() - started) / 5
+    seq = manager._agreement._seq
+    manager.create("local", sc.new_session())  # on this process's devices: no exchange
+    manager.put("local", sc.run(manager.get("local"), *sc.inputs(0))[0])
+    report["agreed"], report["local_exchanges"] = seq, manager._agreement._seq - seq
+
+    one = sc.new_session(rules).nbytes_by_device()  # process 0 has room for one session, process 1 for all
+    budget = {key: nbytes + (10 if me == 0 else 10**9) for key, nbytes in one.items()}
+    manager = jss.SessionStateManager(byte_budget=budget, park_memory_kind=None, agreement_timeout=30)
+    manager.create("a", sc.new_session(rules))
+    try:
+        manager.create("b", sc.new_session(rules))  # process 0's planner preempts "a"; process 1's does nothing
+        report["disagreement"] = None
+    except jss.ProcessDisagreementError as error:
+        report["disagreement"] = str(error)
+    report["held_after"] = sorted(manager.held())
+
+    manager = jss.SessionStateManager(park_memory_kind=None, agreement_timeout=2)
+    started = time.perf_counter()
+    if me == 0:  # process 1 never makes this call
+        try:
+            manager.create("a", sc.new_session(rules))
+            report["timeout"] = None
+        except jss.ProcessDisagreementError as error:
+            report["timeout"] = str(error)
+    report["timeout_s"] = time.perf_counter() - started
+    return report, {}
+
+
+ROLES = {f.__name__: f for f in (roll_and_save, save_killed, restore_one, restore_many, pool_step, managers_agree)}
 
 
 def main() -> None:

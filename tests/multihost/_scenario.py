@@ -76,3 +76,24 @@ def host_leaves(tree):
             x = multihost_utils.process_allgather(x, tiled=True)
         leaves.append(np.asarray(x))
     return leaves
+
+
+POOL_SLOTS, POOL_LIVE = 8, 7  # slots 0..6 live, slot 7 empty
+
+
+def pool_session(slot):
+    """The session inserted into ``slot``: rolled out ``slot % 3`` steps alone, on one device."""
+    return rolled_out(None, steps=slot % 3)[0]
+
+
+def pool_inputs(slot):
+    """The K/V rows and queries slot ``slot`` steps with."""
+    return inputs(100 + slot)
+
+
+def replicated(tree, mesh):
+    """Every leaf of ``tree`` (the same on every process) as a global array replicated over ``mesh``."""
+    from jax.sharding import PartitionSpec
+
+    where = NamedSharding(mesh, PartitionSpec())
+    return jax.tree_util.tree_map(lambda x: global_array(np.asarray(x), where), tree)
