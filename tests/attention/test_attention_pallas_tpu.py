@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import jax_session_state as jss
 from jax_session_state.attention import _pallas_tpu
+from tests.attention.test_attention_pallas import interleaved_paged
 from tests.support.attention_reference import (
     assert_close,
     assert_close_16_bit,
@@ -35,7 +36,6 @@ from tests.support.attention_reference import (
     reference,
     view_of,
 )
-from tests.test_attention_pallas import interleaved_paged
 
 DIM = 16
 KERNEL = "jss_decode_attention_tpu"

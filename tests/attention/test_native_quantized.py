@@ -171,7 +171,7 @@ FORCED_ISA = textwrap.dedent("""
     from jax_session_state._core import _library
     from jax_session_state.attention import _native
     from tests.support.attention_reference import randn, reference
-    from tests.test_native_quantized import paged_case, quantized_rows, quantized_view
+    from tests.attention.test_native_quantized import paged_case, quantized_rows, quantized_view
     rng = np.random.default_rng(7)
     worst = 0.0
     for T, groups, D, capacity, fmt in ((1, 1, 64, 700, "int8"), (1, 2, 128, 333, "int8"), (16, 2, 64, 1300, "int8"),

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax.ffi
 import pytest
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = [CSRC / "decode_attention.cc", CSRC / "write_rows.cc"]
 
 

@@ -1,6 +1,6 @@
 """The Pallas kernel as a GPU gets it: each view kind's Triton module compiled for sm_90 and sm_80, no GPU needed.
 
-``tests/test_attention_pallas.py`` checks what the kernel computes (in Pallas' interpreter) and that it lowers to
+``test_attention_pallas.py`` beside it checks what the kernel computes (in Pallas' interpreter) and that it lowers to
 one Triton call; this checks that Triton's compiler takes that call at the benchmark's shapes (head dim 128,
 GQA 4, T = 1 and 16) with the kernel's settings, and that the machine code has what a kernel bound by memory
 bandwidth needs: shared memory within one program's limit, no registers spilled to local memory, keys and values
