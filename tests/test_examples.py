@@ -142,3 +142,19 @@ def test_rollout_demo_with_int8_caches_reports_bytes_and_drift(tmp_path):
     assert ratio <= 0.32  # head_dim 16: a float32 scale per 16 int8 values
     drift = next(line for line in done.stdout.splitlines() if line.startswith("frames against the float32 rollout"))
     assert 0 < float(re.search(r"relative \(L2\) ([0-9.e+-]+)", drift).group(1)) <= 2e-2
+
+
+def test_shared_scenes_encode_each_scene_once_and_serve_the_same_frames():
+    users, scenes = 12, 3
+    done = run_example("shared_scenes.py", "--users", str(users), "--scenes", str(scenes), "--prompt-tokens", "256",
+                       "--frames", "3", "--encoder-layers", "1")
+    found = {m["name"]: m for m in re.finditer(
+        r"(?P<name>own copy|shared): conditioning held\s+[\d.]+ MiB \(\s*(?P<copies>[\d.]+) x one copy\),\s+"
+        r"(?P<encodes>\d+) encodes", done.stdout)}
+    assert set(found) == {"own copy", "shared"}, done.stdout
+    assert float(found["own copy"]["copies"]) == users and int(found["own copy"]["encodes"]) == users
+    shared = int(found["shared"]["encodes"])
+    assert 1 <= shared <= scenes and float(found["shared"]["copies"]) == shared  # one copy per scene in use
+    hits, misses = map(int, re.search(r"store: (\d+) hits, (\d+) misses", done.stdout).groups())
+    assert (hits, misses) == (users - shared, shared)
+    assert "every user's frames equal with and without reuse: yes" in done.stdout
