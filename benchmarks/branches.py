@@ -152,13 +152,14 @@ def step_rows(session: jss.Session, steps: int, forks_held: int, rounds: int) ->
     return rows, box["prefix"]
 
 
-def matmul_flops_per_second(rounds: int) -> float:
-    """The rate of XLA's own float32 matmul of the lanes' shape class (1024 x 64 by 64 x 4096), all cores."""
-    a, b = _rows(2, 8, 1024, HEAD_DIM), _rows(2, 8, HEAD_DIM, 4096)
-    matmul = jax.jit(lambda a, b: jnp.einsum("hqd,hdk->hqk", a, b))
-    seconds = interleaved({"matmul": lambda: matmul(a[0], b[0]).block_until_ready()}, rounds=rounds + 2, repeat=5,
+def matmul_flops_per_second(rounds: int, n: int = 2048) -> float:
+    """The rate of XLA's own float32 matmul where it is bound by arithmetic alone (``n`` x ``n`` by ``n`` x ``n``),
+    all cores: no step doing the same arithmetic runs faster."""
+    a, b = _rows(n, n), _rows(n, n)
+    matmul = jax.jit(jnp.matmul)
+    seconds = interleaved({"matmul": lambda: matmul(a, b).block_until_ready()}, rounds=rounds + 2, repeat=3,
                           best_of=True)["matmul"]
-    return 2 * 8 * 1024 * HEAD_DIM * 4096 / seconds
+    return 2 * n**3 / seconds
 
 
 def _check_lanes_equal_forks(session: jss.Session, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
