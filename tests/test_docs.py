@@ -82,13 +82,32 @@ def page_runs(tmp_path_factory):
         yield None
         return
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
-    runs = {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(page.stem)) for page in PAGES_WITH_CODE}
+    runs = {page: pool.submit(_run_page, page, tmp_path_factory.mktemp(page.stem)) for page in PAGES_WITH_CODE
+            if not missing_requirements(page.read_text())}
     yield runs
     pool.shutdown(cancel_futures=True)
 
 
+_REQUIRES = re.compile(r"^<!-- requires: (?P<modules>[\w., ]+) -->$", re.MULTILINE)
+
+
+def missing_requirements(markdown: str) -> list[str]:
+    """The modules a page declares it needs (``<!-- requires: gemma -->``, an optional extra's) that are not
+    installed."""
+    declared = [m.strip() for found in _REQUIRES.finditer(markdown) for m in found.group("modules").split(",")]
+    return [m for m in declared if importlib.util.find_spec(m) is None]
+
+
+def test_a_page_declares_the_optional_modules_it_needs():
+    assert missing_requirements("<!-- requires: json, no_such_module_here -->\ntext") == ["no_such_module_here"]
+    assert missing_requirements("no declaration") == []
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_code_runs(page: Path, page_runs, tmp_path: Path):
+    missing = missing_requirements(page.read_text())
+    if missing:
+        pytest.skip(f"{page.relative_to(ROOT)} needs {missing}: pip install -e '.[models]'")
     done = page_runs[page].result() if page_runs else _run_page(page, tmp_path)
     assert done.returncode == 0, f"{page.relative_to(ROOT)}: its code failed:\n{done.stdout}\n{done.stderr}"
 
