@@ -4,8 +4,9 @@ Owns ``kv`` (``KVCache``: append mode or a sink + window ring), ``kv_views``
 (the chunks written and the views read), ``encode_once``, ``fixed``,
 ``latent``, ``retrieval`` and ``paged`` (``PagedKVCache``), with private
 helpers: ``_ring`` (ring slot arithmetic), ``_quantize`` (int8 / fp8 rows and
-their scales), ``_items`` (the bookkeeping of item buffers) and ``_pages``
-(the free list, reference counts and page copies of ``PagedKVCache``).
+their scales), ``_items`` (the bookkeeping of item buffers), ``_pages``
+(the free list, reference counts and page copies of ``PagedKVCache``) and
+``_prefix`` (held pages mapped into a free slot, for prefix reuse).
 
 May import: ``errors``, ``accounting``, ``sharding``, ``_core``, ``base`` and
 ``kinds``. Objects know nothing of sessions, attention, pools or the
