@@ -57,6 +57,7 @@ from jax_session_state.manager._table import (
     ObjectRecord,
     Rebuild,
     distinct_bytes,
+    split_shared,
 )
 from jax_session_state.manager.planner import (
     Action,
@@ -298,18 +299,19 @@ class ManagerCore:
         *,
         restoring: bool,
     ) -> list[SessionUsage]:
-        """The planner's view: every session, least recently used first, the proposal last."""
-        usages = []
+        """The planner's view: every session, least recently used first, the proposal last; buffers several
+        sessions hold count once, in a pinned session of their own (:func:`split_shared`)."""
+        views = []
         for tick, (other_id, entry) in enumerate(self._by_recency()):
             if other_id != session_id and other_id != exclude:
                 pinned = bool(entry.pins) or entry.busy is not None or other_id in untouchable
-                usages.append(entry.usage(other_id, tick, pinned, self._rebuilds, self._rebuilds_version))
+                views.append((entry, entry.usage(other_id, tick, pinned, self._rebuilds, self._rebuilds_version)))
         last = len(self._entries)
         if restoring:
-            usages.append(proposal.restored_usage(session_id, last, self._rebuilds))
+            views.append((proposal, proposal.restored_usage(session_id, last, self._rebuilds)))
         else:
-            usages.append(proposal.usage(session_id, last, True, self._rebuilds, self._rebuilds_version))
-        return usages
+            views.append((proposal, proposal.usage(session_id, last, True, self._rebuilds, self._rebuilds_version)))
+        return split_shared(views)
 
     def _prepare(self, result: Plan) -> list[tuple[Action, tuple[StateObject, ObjectRecord] | None]]:
         """Each action's new object (evicted or parked), computed before anything changes.

@@ -246,3 +246,41 @@ class Ledger:
                 self.refs[storage] = count
             else:
                 del self.refs[storage]
+
+
+class _SharedStorages:
+    """The planner's id of the buffers several held sessions read (see :func:`split_shared`)."""
+
+    def __repr__(self) -> str:
+        return "<buffers shared between sessions>"
+
+
+SHARED_STORAGES = _SharedStorages()
+
+
+def split_shared(views: list[tuple[Entry, SessionUsage]]) -> list[SessionUsage]:
+    """The planner's sessions with every buffer that several of them hold taken out of each, and counted once
+    in one pinned session of its own (:data:`SHARED_STORAGES`, first).
+
+    Evicting, demoting, parking or preempting a session's object frees only the buffers no other session
+    reads (a conditioning shared by content, say), so only those are what an action frees; the shared ones
+    count once in usage and no plan acts on them.
+    """
+    holders = collections.Counter(s for entry, _ in views for s in set(entry.storages()))
+    shared = {s for s, n in holders.items() if n > 1}
+    if not shared:
+        return [usage for _, usage in views]
+    out = [SessionUsage(SHARED_STORAGES, (), -1, True, distinct_bytes(shared))]
+    for entry, usage in views:
+        objects = tuple(_without(obj, entry.records[obj.name].storages, shared) for obj in usage.objects)
+        attrs = distinct_bytes(s for s in entry.attrs_storages if s not in shared)
+        out.append(dataclasses.replace(usage, objects=objects, attrs_bytes_by_device=attrs))
+    return out
+
+
+def _without(obj: ObjectUsage, storages: tuple[Storage, ...], shared: set[Storage]) -> ObjectUsage:
+    """``obj``'s figures less its ``shared`` buffers; no demotion for an object that shares one (it would copy)."""
+    if obj.state == "evicted" or shared.isdisjoint(storages):
+        return obj
+    kept = distinct_bytes(s for s in storages if s not in shared)
+    return dataclasses.replace(obj, bytes_by_device=kept, demoted_bytes_by_device=None)

@@ -63,9 +63,11 @@ class SharedStore:
     ``release_user(user)`` for all of a user's keys) lets go.  Pass the
     object to steps as a non-donated argument, or keep it in the user's
     session and step with :func:`~jax_session_state.reuse.donate_unshared`
-    (never donate it: that deletes it for every user).  Keep it out of the
-    sessions the manager holds: the manager counts it through the key's own
-    session, pinned while used.
+    (never donate it: that deletes it for every user).  Sessions holding it
+    may be held by the manager too: a buffer several sessions read counts
+    once, and the manager never evicts, demotes, parks or preempts it while
+    another session still reads it (preempting a session frees only what it
+    alone holds).
 
     Args:
       manager: the :class:`~jax_session_state.SessionStateManager` that holds
