@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
+from jax_session_state.accounting import SeenStorages, tree_bytes_by_device, tree_storages
 from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadTypeError
 from jax_session_state.manager import Held, SessionStateManager
@@ -170,6 +170,27 @@ def held_rows(session_id: Any, held: Held, seen: SeenStorages) -> list[dict[str,
     return rows + _attrs_rows(held.session, seen, extra)
 
 
+def _mark_shared(rows: list[dict[str, Any]], helds: Mapping[Any, Held]) -> bool:
+    """Sets ``shared`` ("N sessions") on the rows of objects holding a buffer other held sessions hold too (a
+    conditioning shared by content, say); whether any row is shared."""
+    held_storages = {
+        (session_id, name): set(tree_storages(held.parked[name].obj if name in held.parked else obj))
+        for session_id, held in helds.items() if not held.donated
+        for name, obj in held.session.objects.items()
+    }
+    holders: dict[Any, set[Any]] = {}
+    for (session_id, _), storages in held_storages.items():
+        for storage in storages:
+            holders.setdefault(storage, set()).add(session_id)
+    marked = False
+    for row in rows:
+        storages = held_storages.get((row.get("session"), row.get("name")), ())
+        sharing = max((len(holders[s]) for s in storages), default=1)
+        if sharing > 1:
+            row["shared"], marked = f"{sharing} sessions", True
+    return marked
+
+
 def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any]) -> Summary:
     """A table of every object in ``tree``.
 
@@ -177,7 +198,8 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
       tree: a state object, a :class:`Session`, a
         :class:`~jax_session_state.SessionStateManager` (every session it
         holds, least recently used first, with a ``held`` column: resident,
-        parked or evicted; nothing is brought back), or a mapping of names /
+        parked or evicted, and a ``shared`` column where held sessions read
+        one buffer, saying by how many; nothing is brought back), or a mapping of names /
         session ids to sessions or objects.  Bytes are de-duplicated across
         everything shown.
 
@@ -202,8 +224,9 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
         rows = session_rows(tree, seen)
         columns = list(_FIXED_COLUMNS)
     elif isinstance(tree, SessionStateManager):
-        rows = [row for session_id, held in tree.held().items() for row in held_rows(session_id, held, seen)]
-        columns = ["session", "held", *_FIXED_COLUMNS]
+        helds = tree.held()
+        rows = [row for session_id, held in helds.items() for row in held_rows(session_id, held, seen)]
+        columns = ["session", "held", *(["shared"] if _mark_shared(rows, helds) else []), *_FIXED_COLUMNS]
     elif isinstance(tree, Mapping):
         rows = []
         for key, item in tree.items():

@@ -50,3 +50,21 @@ def test_preempting_a_session_frees_only_what_it_alone_holds():
     assert "a" not in manager and {"b", "c"} <= set(manager.held())  # one preemption freed one carry: enough
     assert not manager.get("b")["cond"].k.is_deleted()
     jax.block_until_ready(manager.get("c")["cond"].k)
+
+
+def test_the_summary_says_how_many_held_sessions_read_a_shared_buffer():
+    rng = np.random.default_rng(2)
+    cond = _cond(rng, 16)
+    manager = jss.SessionStateManager()
+    for user in "ab":
+        manager.create(user, _user(cond, rng))
+    manager.create("alone", _user(_cond(rng, 16), rng))
+    table = jss.summary(manager)
+    assert table.columns[:3] == ["session", "held", "shared"]
+    marks = {(row["session"], row["name"]): row.get("shared", "") for row in table.rows}
+    assert marks[("a", "cond")] == marks[("b", "cond")] == "2 sessions"
+    assert marks[("alone", "cond")] == marks[("a", "carry")] == ""
+    assert "2 sessions" in str(table)
+    lone = jss.SessionStateManager()
+    lone.create("x", _user(cond, rng))
+    assert "shared" not in jss.summary(lone).columns  # nothing shared: the table as before
