@@ -37,6 +37,11 @@ def take(cache: PagedKVCache, need: Array) -> dict[str, Array]:
     }
 
 
+def referenced(refcounts: Array, pages: Array, use: Array) -> Array:
+    """``refcounts`` with one more reference to each page of ``pages`` where ``use`` (distinct ids)."""
+    return refcounts.at[jnp.where(use, pages, refcounts.shape[0])].add(1, mode="drop")
+
+
 def unreference(cache: PagedKVCache, pages: Array) -> dict[str, Array]:
     """One reference fewer to each of ``pages`` (distinct ids, -1 entries ignored); the pages left unreferenced
     pushed on the free list."""

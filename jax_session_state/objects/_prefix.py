@@ -69,7 +69,7 @@ def map_pages(cache: PagedKVCache, slot: int | Array, pages: Array, count: int |
     new = cache.with_storage(
         page_table=cache.page_table.at[slot].set(row),
         lengths=cache.lengths.at[slot].set(count * cache.page_size),
-        refcounts=cache.refcounts.at[jnp.where(use, pages, cache.num_pages)].add(1, mode="drop"),
+        refcounts=_pages.referenced(cache.refcounts, pages, use),
     )
     return cache._unless(bad_slot | occupied | bad, new)
 
@@ -77,7 +77,7 @@ def map_pages(cache: PagedKVCache, slot: int | Array, pages: Array, count: int |
 def hold(cache: PagedKVCache, pages: Array) -> PagedKVCache:
     """One more reference to each page of ``pages`` (``Int[Array, "n"]``; -1 entries ignored); each must be held."""
     pages, use, bad = _held_pages(cache, "hold", pages)
-    new = cache.with_storage(refcounts=cache.refcounts.at[jnp.where(use, pages, cache.num_pages)].add(1, mode="drop"))
+    new = cache.with_storage(refcounts=_pages.referenced(cache.refcounts, pages, use))
     return cache._unless(bad, new)
 
 

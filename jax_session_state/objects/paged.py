@@ -381,7 +381,7 @@ class PagedKVCache(StateObject, kw_only=True):
         shared = entry < full
         copy = jnp.where(partial & ~refused, released.free_pages[jnp.maximum(released.free_count - 1, 0)], -1)
         new_row = jnp.where(shared, row, jnp.where(entry == full, copy, -1))
-        refcounts = released.refcounts.at[jnp.where(shared, row, self.num_pages)].add(1, mode="drop")
+        refcounts = _pages.referenced(released.refcounts, row, shared)
         target = jnp.where(copy >= 0, copy, self.num_pages)  # out of range: nothing copied
         source = jnp.maximum(row[jnp.minimum(full, self.max_pages_per_slot - 1)], 0)
         new = released.with_storage(
