@@ -4,6 +4,12 @@ Arrays are written as one Orbax PyTree checkpoint keyed ``"0"``, ``"1"``, ...
 and read back placed where the restore wants them: on a sharding, or as
 numpy arrays.  Orbax's warnings about OCDBT merges (there is nothing to
 merge without OCDBT) are silenced only while these calls run.
+
+Orbax's per-process array metadata files are not written: the manifest
+records every array's shape and dtype (typed PRNG keys are saved as their
+key data), and with several processes every non-primary process polled a
+quarter of a second for the folder of those files, which doubled a save
+(``benchmarks/multihost.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,17 @@ def _orbax() -> Any:
     return orbax.checkpoint
 
 
+@functools.cache
+def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's handlers for what a checkpoint's table holds, jax arrays without array metadata files."""
+    handlers = _orbax().type_handlers
+    scalar = handlers.ScalarHandler()
+    return handlers.create_type_handler_registry(
+        (int, scalar), (float, scalar), (np.number, scalar), (np.ndarray, handlers.NumpyHandler()),
+        (jax.Array, handlers.ArrayHandler(array_metadata_store=None)),
+    )
+
+
 @contextlib.contextmanager
 def _checkpointer() -> Iterator[ocp.Checkpointer]:
     """An Orbax checkpointer, with the OCDBT merge warning filtered while it is used."""
@@ -64,7 +81,7 @@ def _checkpointer() -> Iterator[ocp.Checkpointer]:
     absl.addFilter(quiet)
     try:
         ocp = _orbax()
-        yield ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_OPTIONS))
+        yield ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_OPTIONS, type_handler_registry=_type_handlers()))
     finally:
         absl.removeFilter(quiet)
 
