@@ -30,7 +30,7 @@ import numpy as np
 import jax_session_state as jss
 from benchmarks._common import cli, timed_rounds
 from jax_session_state import checkpoint
-from jax_session_state.checkpoint import _digest, _manifest
+from jax_session_state.checkpoint import _digest, _manifest, _pieces
 
 BAR = 1.2
 DIGESTS = "digests (format 4: CRC-32 chunks, BLAKE2b root)"
@@ -74,26 +74,26 @@ def run(*, full: bool) -> list[dict]:
     try:
         session = session_of(nbytes)
         checkpoint.save(root, session)
-        digest_check = checkpoint.array_digests
-        manifest = _manifest.read(root / "ckpt-000001")
-        saved = {key: entry["digest"] for key, entry in manifest["arrays"].items()}
+        digest_check = _pieces.array_digests  # what a restore checks its pieces with
+        pieces = _pieces.expected(_manifest.read(root / "ckpt-000001")["arrays"])
+        saved = {str(j): digest for j, (_, _, digest) in enumerate(pieces)}  # by piece, as the check is called
 
         def format3_check(arrays: dict[str, Any]) -> dict[str, str]:
             for x in arrays.values():
                 format3_sums(x)
-            return saved  # the sums' work is done; the comparison then passes as it did
+            return {key: saved[key] for key in arrays}  # the sums' work is done; the comparison then passes
 
         def blake2b_check(arrays: dict[str, Any]) -> dict[str, str]:
             blake2b_tree(arrays)
-            return saved
+            return {key: saved[key] for key in arrays}
 
         def restore_with(check):
             def restore(_):
-                checkpoint.array_digests = check
+                _pieces.array_digests = check
                 try:
                     return jax.block_until_ready(checkpoint.restore(root))
                 finally:
-                    checkpoint.array_digests = digest_check
+                    _pieces.array_digests = digest_check
 
             return restore
 

@@ -8,8 +8,8 @@ Measures, in one run:
 - bytes per device of that session: each must be total / 8 (bar: within 1%);
 - checkpoint save and restore of a 1 GiB head-sharded session with
   ``jax_session_state.checkpoint`` against numpy on the same arrays in the
-  same directory: ``numpy.save`` of the jax arrays into new files, as a
-  checkpoint writes them (it gathers them to the host), and ``numpy.load`` +
+  same directory: ``numpy.save`` of the jax arrays into new files, flushed
+  to disk (``fsync``) as a checkpoint's are, and ``numpy.load`` +
   ``device_put`` back onto the same sharding (bar:
   throughput ratio >= 0.5); also against numpy on host copies alone, and raw
   Orbax with other options, to show what mattered.
@@ -139,13 +139,15 @@ def measured(candidates: dict[str, tuple[Callable[[], object], Callable[[], None
     """Median seconds of each ``run`` over rounds; each ``cleanup`` runs untimed after.
 
     The order rotates each round, so no candidate always follows the same one
-    (whose freed memory the next one pays to fault back in).
+    (whose freed memory the next one pays to fault back in), and each starts
+    from a quiet disk (``os.sync``, untimed), so none pays for another's writeback.
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for i in range(rounds):
         for name in names[i % len(names):] + names[: i % len(names)]:
             run, cleanup = candidates[name]
+            os.sync()
             start = time.perf_counter()
             jax.block_until_ready(run())
             samples[name].append(time.perf_counter() - start)
@@ -173,13 +175,16 @@ def checkpoint_benchmark(directory: Path, *, rounds: int) -> list[dict]:
     host = {name: np.asarray(x) for name, x in arrays.items()}  # numpy saves what is already on the host
 
     def np_save(source: dict, folder: str) -> tuple[Callable[[], None], Callable[[], None]]:
-        """numpy.save into new files, as a checkpoint writes them; removing them is not timed."""
+        """numpy.save into new files, each flushed to disk as a checkpoint's are; removing them is not timed."""
         path = directory / folder
 
         def save() -> None:
             path.mkdir()
             for name, x in source.items():
-                np.save(path / f"{name}.npy", x)
+                with open(path / f"{name}.npy", "wb") as f:
+                    np.save(f, x)
+                    f.flush()
+                    os.fsync(f.fileno())
 
         return save, lambda: shutil.rmtree(path)
 
