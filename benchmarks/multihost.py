@@ -116,6 +116,12 @@ def _child(process_id: int, port: int, work: Path, capacity: int) -> None:
         multihost_utils.sync_global_devices(f"{name} done")
         times[what].append(time.perf_counter() - started)
 
+    def in_turn(r: int, operations: dict[str, Any]) -> None:
+        """Times each of ``operations``, the one going first changing from round to round."""
+        names = list(operations)
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            timed(f"{name} {r}", name, operations[name])
+
     def one_round(r: int) -> None:
         """Each write, then each read, the first of each changing from round to round (it meets the freshest disk)."""
         folder, orbax, ours = work / f"numpy-{r}", work / f"orbax-{r}", work / f"jss-{r}"
@@ -131,12 +137,10 @@ def _child(process_id: int, port: int, work: Path, capacity: int) -> None:
             "orbax restore": lambda: jax.block_until_ready(_orbax_io.read_arrays(orbax, layout, places)),
             "restore": lambda: jax.block_until_ready(jss.checkpoint.restore(ours, shardings=rules)),
         }
-        for operations in (writes, reads):
-            if operations is reads and primary:
-                _evict(work)
-            names = list(operations)
-            for name in names[r % 3:] + names[: r % 3]:
-                timed(f"{name} {r}", name, operations[name])
+        in_turn(r, writes)
+        if primary:
+            _evict(work)
+        in_turn(r, reads)
         if primary:  # the next round starts from a file system as empty as this one's
             for written in (folder, orbax, ours):
                 shutil.rmtree(written)
