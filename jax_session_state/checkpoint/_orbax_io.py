@@ -75,23 +75,24 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
 
 
 @contextlib.contextmanager
-def _checkpointer() -> Iterator[ocp.Checkpointer]:
-    """An Orbax checkpointer, with the OCDBT merge warning filtered while it is used."""
+def _handler() -> Iterator[ocp.PyTreeCheckpointHandler]:
+    """Orbax's PyTree handler as the library configures it, with the OCDBT merge warning filtered while it is used."""
     absl, quiet = logging.getLogger("absl"), _WithoutOcdbtMergeWarning()  # one filter per call: threads may overlap
     absl.addFilter(quiet)
+    handler = _orbax().PyTreeCheckpointHandler(**_OPTIONS, type_handler_registry=_type_handlers())
     try:
-        ocp = _orbax()
-        yield ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**_OPTIONS, type_handler_registry=_type_handlers()))
+        yield handler
     finally:
+        handler.close()
         absl.removeFilter(quiet)
 
 
 def write_arrays(directory: Path, values: Mapping[str, Any]) -> None:
     """Writes ``values`` (jax or numpy arrays by key) to ``directory``, which must not exist."""
-    with _checkpointer() as checkpointer:
+    with _handler() as handler:
         ocp = _orbax()
         save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in values}
-        checkpointer.save(directory, args=ocp.args.PyTreeSave(dict(values), save_args=save_args))
+        ocp.Checkpointer(handler).save(directory, args=ocp.args.PyTreeSave(dict(values), save_args=save_args))
 
 
 def read_arrays(
@@ -112,9 +113,9 @@ def read_arrays(
             if on_host
             else ocp.ArrayRestoreArgs(sharding=place, dtype=dtype)
         )
-    try:
-        with _checkpointer() as checkpointer:
-            return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    try:  # the handler alone: the checkpoint's own checks (and, with processes, its exchange) follow the read
+        with _handler() as handler:
+            return handler.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
     except Exception as error:  # Orbax and TensorStore raise many types for damaged files
         raise CheckpointError(
             f"{directory.parent}: the arrays cannot be read (damaged or truncated files?): {error}"

@@ -9,7 +9,8 @@ the manifest.  A piece's digest is :func:`._digest.array_digests` of the
 box's bytes, so a whole-array digest is the piece whose box is the array.
 
 A restore checks every piece once, on any process count and mesh: a piece is
-checked by the first process holding a shard that contains its box; pieces
+checked by the first process holding a shard that contains its box (read off
+the sharding, which every process knows); pieces
 that no process holds whole (the restore's shards split them, as when a
 checkpoint from one process is restored onto several) are checked after
 gathering that array to the host, one array at a time.  What any process
@@ -117,39 +118,51 @@ def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any
     Raises:
       CheckpointError: on every process, naming the first array (and box) that does not match.
     """
-    holders: dict[int, Any] = {}  # job -> the local data holding its box, and the box's origin in it
+    me, views, split = jax.process_index(), {}, []
     for j, (key, box, _) in enumerate(jobs):
-        x = arrays[key]
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            holders[j] = (x, [0] * len(box))
-            continue
-        for shard in x.addressable_shards:
-            where = _box(shard.index, x.shape)
-            if _inside(box, where):
-                holders[j] = (shard.data, [start for start, _ in where])
-                break
-    held_by = _processes.allgather_json(sorted(holders))
-    me = jax.process_index()
-    first: dict[int, int] = {}
-    for process, held in enumerate(held_by):
-        for j in held:
-            first.setdefault(j, process)
-    views = {str(j): _cut(*holders[j], jobs[j][1]) for j, process in first.items() if process == me}
-    for key in dict.fromkeys(jobs[j][0] for j in range(len(jobs)) if j not in first):  # split by this layout
+        held = _first_holder(arrays[key], box)
+        if held is None:
+            split.append(j)
+        elif held[0] == me:
+            views[str(j)] = _cut(*held[1:], box)
+    for key in dict.fromkeys(jobs[j][0] for j in split):  # pieces this layout splits, one array at a time
         data = _processes.gather_to_host(arrays[key])
         if _processes.is_primary():
-            views.update((str(j), _cut(data, [0] * data.ndim, jobs[j][1])) for j in range(len(jobs))
-                         if j not in first and jobs[j][0] == key)
+            views.update((str(j), _cut(data, [0] * data.ndim, jobs[j][1])) for j in split if jobs[j][0] == key)
     digests = array_digests(views)
     bad = sorted(int(j) for j, digest in digests.items() if digest != jobs[int(j)][2])
-    found = sorted({j for process in _processes.allgather_json(bad) for j in process})
-    if found:
-        key, box, _ = jobs[found[0]]
+    found = _processes.allgather_ints([len(bad), bad[0] if bad else len(jobs)])  # each piece is checked once
+    if found[:, 0].any():
+        key, box, _ = jobs[int(found[:, 1].min())]
         piece = "" if "pieces" not in entries[key] else f" (the piece {[tuple(b) for b in box]})"
         raise CheckpointError(
             f"{directory}: array {entries[key]['where']}{piece} does not match its digest: its files under "
-            f"{directory / 'arrays'} are damaged ({len(found)} damaged piece(s) in all). Nothing was restored."
+            f"{directory / 'arrays'} are damaged ({int(found[:, 0].sum())} damaged piece(s) in all). Nothing was "
+            "restored."
         )
+
+
+def _first_holder(x: Any, box: Box) -> tuple[int, Any, list[int]] | None:
+    """The first process holding ``box`` of ``x`` in one shard, with its local data and the data's origin.
+
+    Found from the sharding, the same on every process without an exchange: an
+    array every process holds whole (numpy, or on each process's own devices)
+    is checked by the primary.  ``None`` where no shard holds the whole box.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return 0, x, [0] * len(box)
+    holders = []
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        where = _box(index, x.shape)
+        if _inside(box, where):
+            holders.append((device.process_index, device.id, where))
+    if not holders:
+        return None
+    process, device, where = min(holders)
+    if process != jax.process_index():
+        return process, None, where
+    data = next(s.data for s in x.addressable_shards if s.device.id == device)
+    return process, data, [start for start, _ in where]
 
 
 def _cut(data: Any, origin: list[int], box: Box) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["allgather_json", "barrier", "broadcast_int", "count", "is_primary"]
+__all__ = ["allgather_ints", "allgather_json", "barrier", "broadcast_int", "count", "is_primary"]
 
 
 def count() -> int:
@@ -46,6 +46,14 @@ def broadcast_int(value: int) -> int:
     if count() == 1:
         return value
     return int(_multihost().broadcast_one_to_all(np.int32(value)))
+
+
+def allgather_ints(values: list[int]) -> np.ndarray:
+    """Every process's ``values`` (the same number on each), one row per process in process order."""
+    row = np.asarray(values, np.int32).reshape(1, -1)
+    if count() == 1:
+        return row
+    return np.asarray(_multihost().process_allgather(row, tiled=True)).reshape(count(), -1)
 
 
 def allgather_json(value: Any) -> list[Any]:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_session_state.base import StateObject
@@ -219,16 +218,19 @@ def _finish(x: Any, entry: dict[str, Any], committed: bool) -> Any:
         read.delete()
     elif isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
         # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
-        # buffers and a donated step cannot reuse them (the first step would copy the whole
-        # state). Copied into runtime-owned buffers one array at a time: the peak stays the
-        # state plus its largest array.
-        x, wrapped = jnp.copy(x), x
-        wrapped.delete()
+        # buffers (some shards, by chance of alignment) and a donated step cannot reuse them.
+        # Donating to an identity keeps every runtime-owned shard where it is and copies only
+        # the wrapped ones, one array at a time: the peak stays the state plus its largest array.
+        x = _owned(x)
     if entry["type"] == "key":
         return jax.random.wrap_key_data(x, impl=entry["impl"])
     if entry["type"] == "numpy_scalar":
         return np.asarray(x)[()]
     return x
+
+
+_owned = jax.jit(lambda x: x, donate_argnums=0)
+"""``x`` in runtime-owned buffers: a shard that wraps host memory cannot be donated, so it is copied."""
 
 
 # ------------------------------------------------------------- sessions

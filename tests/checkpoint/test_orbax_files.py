@@ -1,11 +1,15 @@
-"""The Orbax files under a checkpoint's ``arrays``: what the library writes, and what it still reads."""
+"""The Orbax files under a checkpoint's ``arrays``: what the library writes, what it reads, what it returns."""
 
 import shutil
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from jax_session_state import checkpoint
+from jax_session_state.checkpoint import _save_restore
 from tests.checkpoint.test_checkpoint import assert_same, random_session
 
 
@@ -30,3 +34,28 @@ def test_arrays_written_with_orbax_array_metadata_files_restore_bit_for_bit(tmp_
     shutil.rmtree(arrays)
     shutil.move(rewritten, arrays)
     assert_same(checkpoint.restore(tmp_path / "ckpt"), session)
+
+
+def _wrapping_host_memory(values):
+    """A jax array that wraps a 64-byte aligned numpy buffer, as Orbax's reads sometimes return."""
+    buffer = np.empty(values.size + 16, values.dtype)
+    start = (-buffer.ctypes.data % 64) // values.itemsize
+    host = buffer[start : start + values.size].reshape(values.shape)
+    host[...] = values
+    x = jax.device_put(host)
+    assert x.unsafe_buffer_pointer() == host.ctypes.data  # wrapped, not copied
+    return x
+
+
+def test_restored_arrays_own_their_buffers_and_only_wrapped_ones_are_copied():
+    values = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
+    wrapped, owned = _wrapping_host_memory(values), jnp.asarray(values) + 0
+    owned_at = owned.unsafe_buffer_pointer()
+    entry = {"type": "jax"}
+    finished = [_save_restore._finish(x, entry, committed=True) for x in (wrapped, owned)]
+    assert finished[1].unsafe_buffer_pointer() == owned_at  # a runtime-owned array is not copied
+    step = jax.jit(lambda x: x.at[0, 0].add(1.0), donate_argnums=0)
+    for x in finished:
+        np.testing.assert_array_equal(np.asarray(x), values)
+        at = x.unsafe_buffer_pointer()
+        assert step(x).unsafe_buffer_pointer() == at  # the first donated step writes in place
