@@ -10,11 +10,11 @@ box's bytes, so a whole-array digest is the piece whose box is the array.
 
 A restore checks every piece once, on any process count and mesh: a piece is
 checked by the first process holding a shard that contains its box (read off
-the sharding, which every process knows); pieces
-that no process holds whole (the restore's shards split them, as when a
-checkpoint from one process is restored onto several) are checked after
-gathering that array to the host, one array at a time.  What any process
-found wrong is gathered, so every process raises the same
+the sharding, which every process knows); pieces that no process holds whole
+(the restore's shards split them, as when a checkpoint from one process is
+restored onto several) are checked after gathering that array to the host,
+one array at a time.  What any process found wrong is gathered (one small
+exchange), so every process raises the same
 :class:`~jax_session_state.errors.CheckpointError` and none returns a
 half-checked state.
 """
