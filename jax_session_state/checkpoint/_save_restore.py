@@ -27,7 +27,7 @@ from jax_session_state.manager import (
     SessionStateManager,
     SnapshotSession,
 )
-from jax_session_state.manager.offload import place
+from jax_session_state.manager.offload import place, runtime_owned
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 
@@ -188,10 +188,14 @@ def restore(
         destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings)
         layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
         pieces = _pieces.expected(entries)
-    arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, destinations) if entries else {}
+    read_to = {key: AS_NUMPY if key in uncommitted else where for key, where in destinations.items()}
+    arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, read_to) if entries else {}
     _pieces.verify(directory, arrays, entries, pieces)
     with _decoding(directory):
-        values = {key: _finish(arrays.pop(key), entry, key not in uncommitted) for key, entry in entries.items()}
+        values = {
+            key: _finish(arrays.pop(key), entry, destinations[key] if key in uncommitted else None)
+            for key, entry in entries.items()
+        }
     return assemble(values)
 
 
@@ -206,31 +210,26 @@ def _decoding(directory: Path) -> Iterator[None]:
         raise _manifest.malformed(directory, error) from error
 
 
-def _finish(x: Any, entry: dict[str, Any], committed: bool) -> Any:
+def _finish(x: Any, entry: dict[str, Any], uncommitted_on: jax.sharding.Sharding | None) -> Any:
     """A verified array as the session holds it: in runtime-owned buffers, committed or not, typed keys wrapped.
 
-    Orbax returns arrays committed to their sharding; an array a session made
-    with ``jnp`` on the default device is not, and a jitted step compiles
-    once more for the other kind, so those come back uncommitted.
+    An array a session made with ``jnp`` on the default device is not
+    committed to it, and a jitted step compiles once more for the other kind;
+    such arrays (``uncommitted_on`` their device) are read as numpy and
+    placed uncommitted, at most one copy.  Orbax returns the others committed
+    to their sharding; on CPU the shards that wrap Orbax's host buffers are
+    copied into runtime-owned ones, one array at a time (the peak stays the
+    state plus its largest array).
     """
-    if isinstance(x, jax.Array) and not committed:
-        x, read = jax.block_until_ready(place(x, x.sharding, committed=False)), x  # one copy, runtime-owned
-        read.delete()
+    if uncommitted_on is not None:
+        x = place(x, uncommitted_on, committed=False)
     elif isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
-        # On CPU, JAX wraps suitably aligned host buffers without copying; Orbax reads into such
-        # buffers (some shards, by chance of alignment) and a donated step cannot reuse them.
-        # Donating to an identity keeps every runtime-owned shard where it is and copies only
-        # the wrapped ones, one array at a time: the peak stays the state plus its largest array.
-        x = _owned(x)
+        x = runtime_owned(x)
     if entry["type"] == "key":
         return jax.random.wrap_key_data(x, impl=entry["impl"])
     if entry["type"] == "numpy_scalar":
         return np.asarray(x)[()]
     return x
-
-
-_owned = jax.jit(lambda x: x, donate_argnums=0)
-"""``x`` in runtime-owned buffers: a shard that wraps host memory cannot be donated, so it is copied."""
 
 
 # ------------------------------------------------------------- sessions

@@ -31,7 +31,6 @@ import dataclasses
 from typing import Any, Generic, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_session_state.accounting import SeenStorages
@@ -142,8 +141,31 @@ def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) ->
     (device,) = sharding.device_set
     with jax.default_device(device):
         uncommitted = jax.device_put(np.asarray(x))
-        # On CPU that wraps the host buffer without copying; a donated step could not reuse it.
-        return jnp.copy(uncommitted) if device.platform == "cpu" else uncommitted
+        return runtime_owned(uncommitted) if device.platform == "cpu" else uncommitted
+
+
+_identity_donated = jax.jit(lambda x: x, donate_argnums=0)
+
+
+def runtime_owned(x: jax.Array) -> jax.Array:
+    """``x`` in buffers the runtime owns, so that a donated step reuses them; ``x`` is consumed.
+
+    On CPU, ``jax.device_put`` of a suitably aligned host buffer wraps it
+    without copying (Orbax's reads return such shards, by chance of
+    alignment), and a donated step cannot reuse a wrapped buffer: it copies
+    the whole array.  Donating ``x`` to an identity keeps every shard the
+    runtime owns where it is and copies only the wrapped ones; where ``x`` is
+    placed, and whether it is committed, stay.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_session_state.manager.offload import runtime_owned
+      >>> x = jnp.arange(4.0) + 1
+      >>> at = x.unsafe_buffer_pointer()
+      >>> runtime_owned(x).unsafe_buffer_pointer() == at  # owned already: not copied
+      True
+    """
+    return _identity_donated(x)
 
 
 @dataclasses.dataclass(frozen=True)

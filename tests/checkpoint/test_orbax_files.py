@@ -3,7 +3,6 @@
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -36,26 +35,36 @@ def test_arrays_written_with_orbax_array_metadata_files_restore_bit_for_bit(tmp_
     assert_same(checkpoint.restore(tmp_path / "ckpt"), session)
 
 
-def _wrapping_host_memory(values):
-    """A jax array that wraps a 64-byte aligned numpy buffer, as Orbax's reads sometimes return."""
+def _aligned_host(values):
+    """``values`` in a 64-byte aligned numpy buffer: what ``jax.device_put`` wraps instead of copying on CPU."""
     buffer = np.empty(values.size + 16, values.dtype)
     start = (-buffer.ctypes.data % 64) // values.itemsize
     host = buffer[start : start + values.size].reshape(values.shape)
     host[...] = values
-    x = jax.device_put(host)
+    return host
+
+
+def _wrapping_host_memory(values):
+    """A committed jax array that wraps host memory, as Orbax's reads sometimes return."""
+    host = _aligned_host(values)
+    x = jax.device_put(host, jax.devices()[0])
     assert x.unsafe_buffer_pointer() == host.ctypes.data  # wrapped, not copied
     return x
 
 
 def test_restored_arrays_own_their_buffers_and_only_wrapped_ones_are_copied():
     values = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
-    wrapped, owned = _wrapping_host_memory(values), jnp.asarray(values) + 0
+    wrapped, owned = _wrapping_host_memory(values), jax.device_put(values, jax.devices()[0]) + 0
     owned_at = owned.unsafe_buffer_pointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     entry = {"type": "jax"}
-    finished = [_save_restore._finish(x, entry, committed=True) for x in (wrapped, owned)]
+    finished = [_save_restore._finish(x, entry, None) for x in (wrapped, owned)]
     assert finished[1].unsafe_buffer_pointer() == owned_at  # a runtime-owned array is not copied
+    assert all(x.committed for x in finished)
+    read_as_numpy = _save_restore._finish(_aligned_host(values), entry, device)  # made by jnp: uncommitted
+    assert not read_as_numpy.committed
     step = jax.jit(lambda x: x.at[0, 0].add(1.0), donate_argnums=0)
-    for x in finished:
+    for x in (*finished, read_as_numpy):
         np.testing.assert_array_equal(np.asarray(x), values)
         at = x.unsafe_buffer_pointer()
         assert step(x).unsafe_buffer_pointer() == at  # the first donated step writes in place
