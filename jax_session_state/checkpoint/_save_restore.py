@@ -222,9 +222,9 @@ def _finish(x: Any, entry: dict[str, Any], uncommitted_on: jax.sharding.Sharding
     state plus its largest array).
     """
     if uncommitted_on is not None:
-        x = place(x, uncommitted_on, committed=False)
+        x = jax.block_until_ready(place(x, uncommitted_on, committed=False))  # before the next array's copy
     elif isinstance(x, jax.Array) and all(d.platform == "cpu" for d in x.sharding.device_set):
-        x = runtime_owned(x)
+        x = jax.block_until_ready(runtime_owned(x))
     if entry["type"] == "key":
         return jax.random.wrap_key_data(x, impl=entry["impl"])
     if entry["type"] == "numpy_scalar":
