@@ -119,8 +119,9 @@ def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any
       CheckpointError: on every process, naming the first array (and box) that does not match.
     """
     me, views, split = jax.process_index(), {}, []
+    shards = {key: _shard_boxes(x) for key, x in arrays.items()}
     for j, (key, box, _) in enumerate(jobs):
-        held = _first_holder(arrays[key], box)
+        held = _first_holder(arrays[key], shards[key], box)
         if held is None:
             split.append(j)
         elif held[0] == me:
@@ -142,23 +143,32 @@ def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any
         )
 
 
-def _first_holder(x: Any, box: Box) -> tuple[int, Any, list[int]] | None:
-    """The first process holding ``box`` of ``x`` in one shard, with its local data and the data's origin.
+def _shard_boxes(x: Any) -> list[tuple[int, int, Box]] | None:
+    """Every shard of ``x`` as (process, device id, box), first process first; ``None`` if every process holds ``x``.
 
-    Found from the sharding, the same on every process without an exchange: an
-    array every process holds whole (numpy, or on each process's own devices)
-    is checked by the primary.  ``None`` where no shard holds the whole box.
+    Read off the sharding, so the same on every process without an exchange.
     """
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return 0, x, [0] * len(box)
-    holders = []
-    for device, index in x.sharding.devices_indices_map(x.shape).items():
-        where = _box(index, x.shape)
-        if _inside(box, where):
-            holders.append((device.process_index, device.id, where))
-    if not holders:
         return None
-    process, device, where = min(holders)
+    return sorted(
+        (device.process_index, device.id, _box(index, x.shape))
+        for device, index in x.sharding.devices_indices_map(x.shape).items()
+    )
+
+
+def _first_holder(x: Any, shards: list[tuple[int, int, Box]] | None, box: Box) -> tuple[int, Any, list[int]] | None:
+    """The first process holding ``box`` of ``x`` in one shard, with its local data and the data's origin.
+
+    An array every process holds whole (numpy, or on each process's own
+    devices) is checked by the primary.  ``None`` where no shard holds the
+    whole box.
+    """
+    if shards is None:
+        return 0, x, [0] * len(box)
+    holding = next((shard for shard in shards if _inside(box, shard[2])), None)
+    if holding is None:
+        return None
+    process, device, where = holding
     if process != jax.process_index():
         return process, None, where
     data = next(s.data for s in x.addressable_shards if s.device.id == device)

@@ -61,7 +61,7 @@ def allgather_json(value: Any) -> list[Any]:
     if count() == 1:
         return [value]
     data = np.frombuffer(json.dumps(value, separators=(",", ":")).encode(), np.uint8)
-    sizes = np.asarray(_multihost().process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    sizes = allgather_ints([data.size])[:, 0]
     padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
     padded[: data.size] = data
     rows = np.asarray(_multihost().process_allgather(padded))
