@@ -5,6 +5,7 @@ object, what was expected and what came), ``_writes`` (row writes that stay
 in place under donation, natively where XLA:CPU would convert the whole
 buffer), ``_library`` (the native CPU library built from ``csrc/``: loaded
 once, its instruction-set path chosen, its XLA FFI targets registered),
+``_crc32`` (zlib's CRC-32, natively where the CPU multiplies carry-less),
 ``_masked_step`` (a step run for the live slots of a pool only) and
 ``_pool_placement`` (a pool's slot axis placed on a mesh).
 

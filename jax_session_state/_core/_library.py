@@ -1,8 +1,8 @@
 """The native CPU library: loaded once, its instruction-set path chosen, its XLA FFI targets registered.
 
-``csrc/decode_attention.cc`` and ``csrc/write_rows.cc`` are compiled at
-install time into the shared library ``_decode_attention`` next to this
-module.  The build is optional: without a C++ compiler the install still
+``csrc/decode_attention.cc``, ``csrc/write_rows.cc`` and ``csrc/crc32.cc``
+(for :mod:`._crc32`) are compiled at install time into the shared library
+``_decode_attention`` next to this module.  The build is optional: without a C++ compiler the install still
 succeeds and attention stays pure JAX.  At import the library, when
 present, is loaded and its handlers (decode attention over a head-major
 cache or a paged one, plain or quantized, and the row writer of
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["AVAILABLE", "ISA", "ISAS", "STATUS", "enabled", "status", "use", "write_rows"]
+__all__ = ["AVAILABLE", "ISA", "ISAS", "LIBRARY", "STATUS", "enabled", "status", "use", "write_rows"]
 
 TARGET = "jax_session_state_decode_attention"
 PAGED_TARGET = "jax_session_state_paged_decode_attention"
@@ -69,32 +69,34 @@ def _select_isa(library: ctypes.CDLL) -> tuple[dict[str, bool], str]:
     return paths, library.JssCurrentIsa().decode()
 
 
-def _load() -> tuple[bool, str, dict[str, bool], str | None]:
-    """Registers the FFI targets; returns whether they are available and why (not), the ISA paths and the one used."""
+def _load() -> tuple[bool, str, dict[str, bool], str | None, ctypes.CDLL | None]:
+    """Registers the FFI targets; returns whether they are available and why (not), the ISA paths, the one used
+    and the library."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False, f"disabled by {ENV_SWITCH}=0", {}, None
+        return False, f"disabled by {ENV_SWITCH}=0", {}, None, None
     here = Path(__file__).parent
     found = [here / f"_decode_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
     path = next((path for path in found if path.exists()), None)
     if path is None:
-        return False, "the extension _decode_attention was not built (no C++ compiler at install time?)", {}, None
+        return False, "the extension _decode_attention was not built (no C++ compiler at install time?)", {}, None, None
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
         handlers = (library.JssDecodeAttention, library.JssPagedDecodeAttention, library.JssQuantizedDecodeAttention,
                     library.JssQuantizedPagedDecodeAttention, library.JssWriteRows)
     except (OSError, AttributeError) as error:
-        return False, f"{path.name} could not be loaded: {error}", {}, None
+        return False, f"{path.name} could not be loaded: {error}", {}, None, None
     paths, isa = _select_isa(library)
     targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET)
     for target, handler in zip(targets, handlers):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
-    return True, f"{path.name}, {isa} path ({how})", paths, isa
+    return True, f"{path.name}, {isa} path ({how})", paths, isa, library
 
 
-AVAILABLE, STATUS, ISAS, ISA = _load()
+AVAILABLE, STATUS, ISAS, ISA, LIBRARY = _load()
 """Whether the native kernel is registered and a line saying why (not); its
-instruction-set paths (name -> whether this CPU runs it) and the one in use."""
+instruction-set paths (name -> whether this CPU runs it), the one in use, and
+the loaded library (for its plain C functions, :mod:`._crc32`)."""
 
 _use_native = AVAILABLE
 

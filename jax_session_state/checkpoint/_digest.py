@@ -8,9 +8,11 @@ Zarr's ``crc32c`` codec), then the dtype, shape and every chunk's checksum,
 in order, by BLAKE2b.  CRC-32 finds every change of up to 32 consecutive
 bits in a chunk (so every flipped byte and every changed value) and any
 other damage, a swap or a shift included, but for one chance in 2**32; it
-reads several GB/s on one core where BLAKE2b reads under one, which keeps a
-verified restore within a few percent of an unverified one.  The chunks of
-all arrays are checked on every core at once: ``zlib`` releases the GIL.
+reads about 12 GB/s on one core by carry-less multiplication
+(:mod:`jax_session_state._core._crc32`, zlib's 3-4 GB/s where the CPU has
+none) where BLAKE2b reads under one, which keeps a verified restore close to
+an unverified one.  The chunks of all arrays are checked on every core at
+once: the CRC releases the GIL.
 
 A manifest's digest is BLAKE2b over its JSON text in one canonical form
 (keys in the order they were written, no whitespace), so a manifest that
@@ -23,12 +25,13 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+
+from jax_session_state._core._crc32 import crc32
 
 __all__ = ["CHUNK", "array_digests", "manifest_digest"]
 
@@ -48,8 +51,8 @@ def _header_and_bytes(x: Any) -> tuple[bytes, np.ndarray]:
     return f"{data.dtype.name}{data.shape}".encode(), data.reshape(-1).view(np.uint8)
 
 
-def _leaf(view: memoryview) -> bytes:
-    return zlib.crc32(view).to_bytes(4, "little")
+def _leaf(chunk: np.ndarray) -> bytes:
+    return crc32(chunk).to_bytes(4, "little")
 
 
 def _read_in_place(x: Any) -> bool:
@@ -72,11 +75,10 @@ def array_digests(arrays: Mapping[str, Any]) -> dict[str, str]:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for key, x in arrays.items():
             header, data = _header_and_bytes(x)
-            view = memoryview(data)
-            chunks[key] = header, [pool.submit(_leaf, view[i : i + CHUNK]) for i in range(0, max(data.size, 1), CHUNK)]
+            chunks[key] = header, [pool.submit(_leaf, data[i : i + CHUNK]) for i in range(0, max(data.size, 1), CHUNK)]
             if not _read_in_place(x):
                 concurrent.futures.wait(chunks[key][1])
-            del data, view
+            del data
         out = {}
         for key, (header, futures) in chunks.items():
             root = hashlib.blake2b(header, digest_size=_SIZE, person=b"jss-array")
