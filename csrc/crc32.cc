@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(JSS_PORTABLE)
 #define JSS_CRC32_FOLDS 1
 #include <immintrin.h>
 #endif

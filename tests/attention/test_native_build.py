@@ -20,7 +20,7 @@ import jax.ffi
 import pytest
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = [CSRC / "decode_attention.cc", CSRC / "write_rows.cc"]
+SOURCES = [CSRC / "decode_attention.cc", CSRC / "write_rows.cc", CSRC / "crc32.cc"]
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +59,15 @@ def test_portable_build_holds_the_generic_path_alone(cxx):
     if platform.machine() in ("x86_64", "AMD64"):  # the build for this machine holds the x86 paths instead
         assert "namespace avx512" in preprocessed["this-machine"]
         assert "namespace generic" not in preprocessed["this-machine"]
+
+
+def test_portable_crc_has_no_x86_instructions(cxx):
+    """Without x86 the CRC goes bit by bit (callers then use zlib); with it, it folds by carry-less multiplication."""
+    preprocessed = {
+        name: subprocess.run(compile_command(cxx, "-E", "-P", *defines, str(CSRC / "crc32.cc")), capture_output=True,
+                             text=True, check=True).stdout
+        for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"]))
+    }
+    assert "_mm_clmulepi64_si128" not in preprocessed["portable"] and "BitwiseCrc" in preprocessed["portable"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert "FoldedCrc" in preprocessed["this-machine"]
