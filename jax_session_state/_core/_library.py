@@ -2,8 +2,9 @@
 
 ``csrc/decode_attention.cc``, ``csrc/write_rows.cc`` and ``csrc/crc32.cc``
 (for :mod:`._crc32`) are compiled at install time into the shared library
-``_decode_attention`` next to this module.  The build is optional: without a C++ compiler the install still
-succeeds and attention stays pure JAX.  At import the library, when
+``_decode_attention`` next to this module.  The build is optional: without
+a C++ compiler the install still succeeds, attention stays pure JAX and
+checkpoints checksum with zlib.  At import the library, when
 present, is loaded and its handlers (decode attention over a head-major
 cache or a paged one, plain or quantized, and the row writer of
 :mod:`._writes`) are registered as XLA FFI targets for the ``"cpu"``
