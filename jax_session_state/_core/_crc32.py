@@ -35,9 +35,7 @@ __all__ = ["PATH", "crc32"]
 def _native() -> Any:
     """The library's ``JssCrc32`` where it folds on this CPU and path, else ``None``."""
     library = _library.LIBRARY
-    if library is None or _library.ISA == "baseline" or not hasattr(library, "JssCrc32"):
-        return None
-    if not library.JssCrc32Supported():
+    if library is None or _library.ISA == "baseline" or not library.JssCrc32Supported():
         return None
     function = library.JssCrc32
     function.restype = ctypes.c_uint32

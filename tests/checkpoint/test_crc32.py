@@ -60,8 +60,6 @@ RESTORE_ON_ZLIB = textwrap.dedent("""
 
 def test_a_checkpoint_verified_by_the_fold_restores_where_zlib_checks_it(tmp_path):
     """The digests do not depend on which CRC computed them: saved on this path, restored on plain x86-64's."""
-    if not _library.AVAILABLE:
-        pytest.skip(_library.STATUS)
     values = RNG.standard_normal((3 << 18) + 3).astype(np.float32)  # 3 MiB: several CRC chunks and a tail
     session = jss.Session(objects={"h": jss.FixedState.allocate(shapes=values.shape).commit(values)})
     jss.checkpoint.save(tmp_path, session)
