@@ -47,12 +47,18 @@ def test_kernel_sources_compile_without_warnings(cxx, defines):
     assert done.returncode == 0, f"{shlex.join(command)}\n{done.stderr[-4000:]}"
 
 
+def preprocess(cxx: list[str], source: Path) -> dict[str, str]:
+    """``source`` after the preprocessor, by build: ``"this-machine"`` and ``"portable"`` (``-DJSS_PORTABLE``)."""
+    return {
+        name: subprocess.run(compile_command(cxx, "-E", "-P", *defines, str(source)), capture_output=True, text=True,
+                             check=True).stdout
+        for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"]))
+    }
+
+
 def test_portable_build_holds_the_generic_path_alone(cxx):
     """With JSS_PORTABLE the preprocessed kernel has the generic path and none of the x86 ones or intrinsics."""
-    preprocessed = {}
-    for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"])):
-        command = compile_command(cxx, "-E", "-P", *defines, str(SOURCES[0]))
-        preprocessed[name] = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    preprocessed = preprocess(cxx, SOURCES[0])
     portable = preprocessed["portable"]
     assert "namespace generic" in portable
     assert not any(marker in portable for marker in ("namespace avx2", "namespace avx512", "_mm_", "_mm256_"))
@@ -63,11 +69,7 @@ def test_portable_build_holds_the_generic_path_alone(cxx):
 
 def test_portable_crc_has_no_x86_instructions(cxx):
     """Without x86 the CRC goes bit by bit (callers then use zlib); with it, it folds by carry-less multiplication."""
-    preprocessed = {
-        name: subprocess.run(compile_command(cxx, "-E", "-P", *defines, str(CSRC / "crc32.cc")), capture_output=True,
-                             text=True, check=True).stdout
-        for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"]))
-    }
+    preprocessed = preprocess(cxx, CSRC / "crc32.cc")
     assert "_mm_clmulepi64_si128" not in preprocessed["portable"] and "BitwiseCrc" in preprocessed["portable"]
     if platform.machine() in ("x86_64", "AMD64"):
         assert "FoldedCrc" in preprocessed["this-machine"]
