@@ -20,18 +20,30 @@ storage costs nothing, and Orbax alone saving and restoring the same arrays
 from the same processes, as the library calls it, without the library's
 digests, their checks and the manifest.  Sizes: 256 MiB (``--full``: 1 GiB).
 
-Where a restore's time goes: numpy reads each file straight into its
-array, once.  Orbax reads a shard through TensorStore, which reads the
-chunk file into a buffer of its own and copies it into a zero-filled array,
-and then one more copy puts it in buffers the runtime owns (``device_put``'s,
-or the library's where ``device_put`` wrapped the array): three passes over
-the bytes where numpy makes one.  So Orbax alone restores from disk at
-1.3-1.5x numpy on a 2-core CPU (its information row), before the library
-checks every byte (CRC-32 at about 13 GB/s; it returns nothing unverified),
-and the restore bar is out of reach while Orbax reads this way.  No
-setting of TensorStore's ``file_io_mode`` read faster (one process, 256 MiB
-from disk onto 4 devices: ``"default"`` 98-106 ms, ``"memmap"`` 108-119,
-``"direct"`` 113-123; ``numpy.load`` 58-60).
+Where a restore's time goes: numpy reads each file straight into its array,
+once.  Orbax reads a shard through TensorStore, which reads the chunk file
+into a buffer of its own and copies it into a zero-filled array, and then
+one more copy puts it in buffers the runtime owns (``device_put``'s, or the
+library's where ``device_put`` wrapped the array): three passes over the
+bytes where numpy makes one.  Storage adds to it: each shard is a chunk file
+of its own, and on the committed run's machine the disk read 8 files of 16
+MiB in 102-112 ms one after another and 80-87 ms all at once (as TensorStore
+reads them) where ``numpy.load`` read one file of the same 128 MiB in 55-58
+ms.  A tiny checkpoint's restore costs Orbax 8-13 ms (event loops and
+threads per call) and the library about 5 more.  So Orbax alone restores at
+1.2-1.6x numpy at 256 MiB (its information row), and the library adds its
+check of every byte (CRC-32 at about 13 GB/s; it returns nothing unverified)
+and the copy into runtime-owned buffers: per process, Orbax's read took
+150-200 ms of a restore, the checks 12-25 and the copy 7-40, so 0.3-0.6 of
+numpy's time more.  At 1 GiB (``--full``) Orbax alone read at 1.76x numpy
+from disk and 2.03x from memory, the library at 1.84x and 2.17x.  While
+Orbax reads this way, the check and the one copy left to the library put a
+restore past the bar.  Tried in one process and not faster: TensorStore's
+``file_io_mode`` (256 MiB from disk onto 4 devices: ``"default"`` 98-106 ms,
+``"memmap"`` 108-119, ``"direct"`` 113-123; ``numpy.load`` 58-60), OCDBT or
+zarr3 (128 MiB: 88-102 ms where the default read 90 and ``numpy.load``
+61-64); and from two processes, chunks of 1 or 4 MiB instead of 16 (within
+the noise).
 
 Run:  python -m benchmarks.multihost [--full] [--out PATH]  (files go under $TMPDIR)
 """
