@@ -29,21 +29,25 @@ bytes where numpy makes one.  Storage adds to it: each shard is a chunk file
 of its own, and on the committed run's machine the disk read 8 files of 16
 MiB in 102-112 ms one after another and 80-87 ms all at once (as TensorStore
 reads them) where ``numpy.load`` read one file of the same 128 MiB in 55-58
-ms.  A tiny checkpoint's restore costs Orbax 8-13 ms (event loops and
-threads per call) and the library about 5 more.  So Orbax alone restores at
-1.2-1.6x numpy at 256 MiB (its information row), and the library adds its
-check of every byte (CRC-32 at about 13 GB/s; it returns nothing unverified)
-and the copy into runtime-owned buffers: per process, Orbax's read took
-150-200 ms of a restore, the checks 12-25 and the copy 7-40, so 0.3-0.6 of
-numpy's time more.  At 1 GiB (``--full``) Orbax alone read at 1.76x numpy
-from disk and 2.03x from memory, the library at 1.84x and 2.17x.  While
-Orbax reads this way, the check and the one copy left to the library put a
-restore past the bar.  Tried in one process and not faster: TensorStore's
-``file_io_mode`` (256 MiB from disk onto 4 devices: ``"default"`` 98-106 ms,
-``"memmap"`` 108-119, ``"direct"`` 113-123; ``numpy.load`` 58-60), OCDBT or
-zarr3 (128 MiB: 88-102 ms where the default read 90 and ``numpy.load``
-61-64); and from two processes, chunks of 1 or 4 MiB instead of 16 (within
-the noise).
+ms.  With every allocation on huge pages
+(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, so no 4 KiB page faults in fresh
+buffers) Orbax's read still took 160-165 ms of each process's restore, on
+the CPU for about half of it: the rest is the disk (and this benchmark's
+restore stayed at 1.74x numpy).  A tiny checkpoint's restore costs Orbax
+8-13 ms (event loops and threads per call) and the library about 5 more.  So
+Orbax alone restores at 1.2-1.6x numpy at 256 MiB (its information row), and
+the library adds its check of every byte (CRC-32 at about 13 GB/s; it
+returns nothing unverified) and the copy into runtime-owned buffers: per
+process, Orbax's read took 150-200 ms of a restore, the checks 12-25 and the
+copy 7-40, so 0.3-0.6 of numpy's time more.  At 1 GiB (``--full``) Orbax
+alone read at 1.76x numpy from disk and 2.03x from memory, the library at
+1.84x and 2.17x.  While Orbax reads this way, the check and the one copy
+left to the library put a restore past the bar.  Tried in one process and
+not faster: TensorStore's ``file_io_mode`` (256 MiB from disk onto 4
+devices: ``"default"`` 98-106 ms, ``"memmap"`` 108-119, ``"direct"``
+113-123; ``numpy.load`` 58-60), OCDBT or zarr3 (128 MiB: 88-102 ms where the
+default read 90 and ``numpy.load`` 61-64); and from two processes, chunks of
+1 or 4 MiB instead of 16 (within the noise).
 
 Run:  python -m benchmarks.multihost [--full] [--out PATH]  (files go under $TMPDIR)
 """
