@@ -21,7 +21,7 @@ inside the kernel; no dequantized copy exists outside VMEM.
 
 On CPU the same kernel runs in Pallas' interpreter (:data:`INTERPRET`),
 which is how the tests check it against the float64 reference
-(:func:`interpreted_on_cpu`).  Compiled for a real
+(with :data:`ON_CPU` set).  Compiled for a real
 TPU it takes only what its tiling does (:func:`fits_tpu`); other views read
 buckets.  It has not yet run on a TPU, so ``"auto"`` on TPU stays
 ``"bucketed"`` (DESIGN.md: a kernel never run on its accelerator is opt-in).
@@ -29,9 +29,7 @@ buckets.  It has not yet run on a TPU, so ``"auto"`` on TPU stays
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -57,8 +55,8 @@ TPU = "tpu"
 kernel, compiled by Mosaic (``True`` and ``False`` stay the GPU kernel's interpreted and compiled modes)."""
 
 ON_CPU = False
-"""Whether ``implementation="pallas"`` on CPU runs this kernel interpreted instead of the GPU one (a test switch:
-see :func:`interpreted_on_cpu`; programs traced either way must be cleared, ``jax.clear_caches()``)."""
+"""Whether ``implementation="pallas"`` on CPU runs this kernel interpreted instead of the GPU one (a test switch;
+programs traced before it changed must be cleared, ``jax.clear_caches()``)."""
 
 
 INTERPRET: Any = True
@@ -66,17 +64,6 @@ INTERPRET: Any = True
 VMEM as arrays: pure XLA, so it runs under ``vmap``); ``pltpu.InterpretParams()`` simulates the TPU's memories
 and DMAs more closely through host callbacks (several times slower; no ``vmap`` of the ``lax.platform_dependent``
 around it).  Either runs this kernel."""
-
-
-@contextlib.contextmanager
-def interpreted_on_cpu() -> Iterator[None]:
-    """Within it, ``implementation="pallas"`` traced for CPU runs this kernel in Pallas' TPU interpret mode."""
-    global ON_CPU
-    before, ON_CPU = ON_CPU, True
-    try:
-        yield
-    finally:
-        ON_CPU = before
 
 
 class Untileable(Exception):

@@ -1,15 +1,16 @@
 """attend(implementation="pallas") on TPU: the Mosaic kernel, run here in Pallas' TPU interpret mode, lowered for TPU.
 
-``_pallas_tpu.interpreted_on_cpu`` (here through ``ON_CPU``, for every
-test) makes ``"pallas"`` traced for CPU run the TPU kernel in Pallas' TPU
-interpreter (``pltpu.InterpretParams``: SMEM, VMEM and the block pipeline
-simulated), so the checks against the float64 reference below exercise
-the body a TPU compiles: its scalar-prefetched block counts and page
-table, the clamped key-block ``index_map``, the online softmax in VMEM
-scratch, the row scales of an int8 or fp8 cache.  Shapes are tiny (head
-dim 16, blocks of 16 to 32 keys): the interpreter is slow.  Lowered for
-TPU with a head dim of 128 the kernel is one ``tpu_custom_call``; where
-TPU tiling does not take a view, and for ``"auto"``, TPU reads buckets.
+``_pallas_tpu.ON_CPU``, set for every test, makes ``"pallas"`` traced for
+CPU run the TPU kernel in Pallas' interpreter (the HLO interpreter, which
+runs under ``vmap``; one test runs ``pltpu.InterpretParams``, with SMEM,
+VMEM and the block pipeline simulated), so the checks against the float64
+reference below exercise the body a TPU compiles: its scalar-prefetched
+block counts and page table, the clamped key-block ``index_map``, the online
+softmax in VMEM scratch, the row scales of an int8 or fp8 cache.  Shapes are
+tiny (head dim 16, blocks of 16 to 32 keys): the interpreter is slow.
+Lowered for TPU with a head dim of 128 the kernel is one
+``tpu_custom_call``; where TPU tiling does not take a view, and for
+``"auto"``, TPU reads buckets.
 """
 
 import functools
