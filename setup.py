@@ -1,4 +1,4 @@
-"""Builds the optional native CPU library (attention kernel, row writer, CRC-32); the metadata is in setup.cfg.
+"""Builds the optional native CPU library (attention, row writes, CRC-32, owned copies); the metadata is in setup.cfg.
 
 The kernel (``csrc/decode_attention.cc``) includes the XLA FFI headers that
 jaxlib ships (``jax.ffi.include_dir()``).  The build is optional: without a
@@ -31,7 +31,7 @@ class BuildWithFfiHeaders(build_ext):
 
 setup(
     ext_modules=[Extension("jax_session_state._core._decode_attention",
-                           ["csrc/decode_attention.cc", "csrc/write_rows.cc", "csrc/crc32.cc"],
+                           ["csrc/decode_attention.cc", "csrc/write_rows.cc", "csrc/crc32.cc", "csrc/owned_copy.cc"],
                            depends=["csrc/decode_attention_isa.h", "csrc/decode_attention_vectors.h",
                                     "csrc/decode_attention_elements.h", "csrc/decode_attention_tiles.h",
                                     "csrc/decode_attention_prefetch.h", "csrc/decode_attention_row_reader.h",

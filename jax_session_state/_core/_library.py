@@ -1,17 +1,18 @@
 """The native CPU library: loaded once, its instruction-set path chosen, its XLA FFI targets registered.
 
-``csrc/decode_attention.cc``, ``csrc/write_rows.cc`` and ``csrc/crc32.cc``
-(for :mod:`._crc32`) are compiled at install time into the shared library
-``_decode_attention`` next to this module.  The build is optional: without
-a C++ compiler the install still succeeds, attention stays pure JAX and
-checkpoints checksum with zlib.  At import the library, when
+``csrc/decode_attention.cc``, ``csrc/write_rows.cc``, ``csrc/owned_copy.cc``
+and ``csrc/crc32.cc`` (for :mod:`._crc32`) are compiled at install time into
+the shared library ``_decode_attention`` next to this module.  The build is
+optional: without a C++ compiler the install still succeeds, attention stays
+pure JAX and checkpoints checksum with zlib.  At import the library, when
 present, is loaded and its handlers (decode attention over a head-major
-cache or a paged one, plain or quantized, and the row writer of
-:mod:`._writes`) are registered as XLA FFI targets for the ``"cpu"``
-platform; attention (:mod:`jax_session_state.attention._native`) and the
-bfloat16 / float8 writes call them through ``lax.platform_dependent``, so
-GPU and TPU lowering never see them.  ``JSS_NATIVE_ATTENTION=0`` in the
-environment leaves them unregistered.
+cache or a paged one, plain or quantized, the row writer of :mod:`._writes`,
+and the copy of :func:`owned_copy`) are registered as XLA FFI targets for
+the ``"cpu"`` platform; attention
+(:mod:`jax_session_state.attention._native`) and the bfloat16 / float8
+writes call them through ``lax.platform_dependent``, so GPU and TPU lowering
+never see them.  ``JSS_NATIVE_ATTENTION=0`` in the environment leaves them
+unregistered.
 
 The library holds the kernels once per instruction set (``baseline``
 x86-64, ``avx2`` = x86-64-v3 with FMA, ``avx512`` = x86-64-v4) and uses the
@@ -39,13 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["AVAILABLE", "ISA", "ISAS", "LIBRARY", "STATUS", "enabled", "status", "use", "write_rows"]
+__all__ = ["AVAILABLE", "ISA", "ISAS", "LIBRARY", "STATUS", "enabled", "owned_copy", "status", "use", "write_rows"]
 
 TARGET = "jax_session_state_decode_attention"
 PAGED_TARGET = "jax_session_state_paged_decode_attention"
 QUANTIZED_TARGET = "jax_session_state_quantized_decode_attention"
 QUANTIZED_PAGED_TARGET = "jax_session_state_quantized_paged_decode_attention"
 WRITE_TARGET = "jax_session_state_write_rows"
+OWNED_COPY_TARGET = "jax_session_state_owned_copy"
 ENV_SWITCH = "JSS_NATIVE_ATTENTION"
 ENV_ISA = "JSS_NATIVE_ISA"
 
@@ -83,11 +85,11 @@ def _load() -> tuple[bool, str, dict[str, bool], str | None, ctypes.CDLL | None]
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
         handlers = (library.JssDecodeAttention, library.JssPagedDecodeAttention, library.JssQuantizedDecodeAttention,
-                    library.JssQuantizedPagedDecodeAttention, library.JssWriteRows)
+                    library.JssQuantizedPagedDecodeAttention, library.JssWriteRows, library.JssOwnedCopy)
     except (OSError, AttributeError) as error:
         return False, f"{path.name} could not be loaded: {error}", {}, None, None
     paths, isa = _select_isa(library)
-    targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET)
+    targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET, OWNED_COPY_TARGET)
     for target, handler in zip(targets, handlers):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"
@@ -166,3 +168,16 @@ def write_rows(buffer: Array, slots: Array, rows: Array, *, axis: int) -> Array:
     call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
                             input_output_aliases={0: 0}, vmap_method="broadcast_all")
     return call(buffer, slots.astype(jnp.int32), rows, tail_rank=np.int64(buffer.ndim - 1 - axis))
+
+
+@jax.jit
+def owned_copy(x: Array) -> Array:
+    """``x`` (on one CPU device) copied by the native library into a buffer XLA allocated for the result.
+
+    The buffer is the runtime's, so a donated step reuses it, and the library
+    asks Linux to back its whole 2 MiB pages by huge pages before writing it:
+    XLA:CPU's fresh buffers otherwise fault in 4 KiB pages as they are first
+    written (``csrc/owned_copy.cc``), which made a copy from the host into
+    one four times slower.  Needs :data:`AVAILABLE`.
+    """
+    return jax.ffi.ffi_call(OWNED_COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)

@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar
 import jax
 import numpy as np
 
+from jax_session_state._core import _library
 from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
 from jax_session_state.errors import DonatedError, NotResidentError, PayloadError
@@ -120,6 +121,10 @@ class Placement:
 def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) -> Any:
     """``x`` on ``sharding``, committed to it or not (None: ``x`` as it is).
 
+    On CPU an uncommitted placement lands in buffers the runtime owns (a
+    donated step reuses them); from 2 MiB on, the native library makes that
+    one copy and asks Linux for huge pages first.
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jax_session_state.manager.offload import place
@@ -139,9 +144,31 @@ def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) ->
     # Only uncommitted arrays on one device exist, and only a transfer from the host makes one:
     # jax.device_put onto a device or sharding commits what it returns.
     (device,) = sharding.device_set
+    data = np.asarray(x)
     with jax.default_device(device):
-        uncommitted = jax.device_put(np.asarray(x))
-        return runtime_owned(uncommitted) if device.platform == "cpu" else uncommitted
+        if device.platform != "cpu":
+            return jax.device_put(data)
+        if _library.AVAILABLE and data.nbytes >= _HUGE_PAGE:  # wrapped where it lies, copied once onto huge pages
+            return _library.owned_copy(jax.device_put(_aligned(data)))
+        return runtime_owned(jax.device_put(data))
+
+
+_ALIGNMENT = 64
+"""The alignment at which XLA:CPU wraps a host array instead of copying it."""
+
+_HUGE_PAGE = 2 << 20
+"""Arrays from this size on are placed on CPU by the native library's copy (:func:`_library.owned_copy`)."""
+
+
+def _aligned(data: np.ndarray) -> np.ndarray:
+    """``data``, or a copy of it, C-contiguous at an address XLA:CPU wraps without copying."""
+    if data.flags.c_contiguous and data.ctypes.data % _ALIGNMENT == 0:
+        return data
+    raw = np.empty(data.nbytes + _ALIGNMENT, np.uint8)  # numpy asks for huge pages for large arrays itself
+    start = -raw.ctypes.data % _ALIGNMENT
+    aligned = raw[start : start + data.nbytes].view(data.dtype).reshape(data.shape)
+    np.copyto(aligned, data)
+    return aligned
 
 
 _identity_donated = jax.jit(lambda x: x, donate_argnums=0)

@@ -12,6 +12,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state import offload
+from jax_session_state._core import _library
 from tests.support.devices import DEVICE, PINNED
 from tests.support.kinds import KINDS
 from tests.support.world import assert_same
@@ -105,6 +106,41 @@ def test_placement_refuses_another_structure():
         with pytest.raises(jss.PayloadError, match=r"cannot place .* where an object of another structure was"):
             placement.apply(wrong)
     assert_same(placement.apply(cache.empty()), cache)
+
+
+def _host_bytes_at(offset, nbytes, dtype, seed):
+    """Random bytes of ``dtype`` (0 and 1 for bool) in host memory ``offset`` bytes past a 64-byte boundary."""
+    raw = np.empty(nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    host = raw[start : start + nbytes]
+    host[...] = np.random.default_rng(seed).integers(0, 2 if dtype == "bool" else 256, nbytes, dtype=np.uint8)
+    return host.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int8", "bool", "uint32"])
+@pytest.mark.parametrize("offset", [0, 16], ids=["aligned", "unaligned"])
+def test_a_large_host_array_is_placed_uncommitted_in_a_buffer_the_runtime_owns(dtype, offset, monkeypatch):
+    # From 2 MiB on the CPU placement copies by the native library, which asks for huge pages first.
+    copies = []
+    if _library.AVAILABLE:
+        monkeypatch.setattr(_library, "owned_copy", lambda x, copy=_library.owned_copy: copies.append(x) or copy(x))
+    host = _host_bytes_at(offset, 3 << 20, dtype, seed=offset)
+    placed = offload.place(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]), committed=False)
+    assert not placed.committed and placed.dtype == host.dtype and placed.shape == host.shape
+    assert np.asarray(placed).tobytes() == host.tobytes()
+    assert placed.unsafe_buffer_pointer() != host.ctypes.data
+    assert len(copies) == int(_library.AVAILABLE)
+    at = placed.unsafe_buffer_pointer()
+    assert jax.jit(lambda x: x, donate_argnums=0)(placed).unsafe_buffer_pointer() == at  # owned: donation reuses it
+
+
+@pytest.mark.skipif(not _library.AVAILABLE, reason="the native library is not built here")
+def test_the_native_copy_moves_every_byte_into_a_new_buffer_and_keeps_committed():
+    x = jax.device_put(_host_bytes_at(0, 5 << 20, "float32", seed=3).copy(), jax.devices()[0])
+    copied = _library.owned_copy(x)
+    assert copied.unsafe_buffer_pointer() != x.unsafe_buffer_pointer() and copied.committed
+    assert np.asarray(copied).tobytes() == np.asarray(x).tobytes()
+    assert not _library.owned_copy(jnp.zeros((7, 3), jnp.bfloat16) + 1).committed
 
 
 SHARDED = textwrap.dedent(
