@@ -38,7 +38,6 @@ ffi::Error OwnedCopy(ffi::AnyBuffer source, ffi::Result<ffi::AnyBuffer> out) {
   if (source.size_bytes() != out->size_bytes() || source.element_type() != out->element_type()) {
     return ffi::Error::InvalidArgument("owned copy: the result must have the operand's type and size");
   }
-  if (out->untyped_data() == source.untyped_data()) return ffi::Error::Success();  // aliased: nothing to move
   AskForHugePages(out->untyped_data(), out->size_bytes());
   std::memcpy(out->untyped_data(), source.untyped_data(), source.size_bytes());
   return ffi::Error::Success();
