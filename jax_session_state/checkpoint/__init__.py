@@ -49,13 +49,14 @@ every process.
 :data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
 format version this library writes and reads (``CHANGELOG.md`` lists each).
 
-Layout: ``_save_restore`` (:func:`save`, :func:`restore` and the tree they
-walk), ``_manifest`` (the JSON that names every array and its digest),
+Layout: ``_save_restore`` (:func:`save`, :func:`restore` and a manager's
+record), ``_sessions`` (a session's record, and where a restore places its
+arrays), ``_manifest`` (the JSON that names every array and its digest),
 ``_codec`` (objects and their static specs to and from JSON), ``_digest``
 (the chunked digests of what was written), ``_pieces`` (digests of arrays
-no one process holds whole), ``_processes`` (primary, barriers and small
-exchanges between processes), ``_atomic`` (a checkpoint appears whole or
-not at all) and ``_orbax_io`` (the arrays, through Orbax, onto any mesh).
+no one process holds whole), ``_processes`` (primary and small exchanges
+between processes), ``_atomic`` (a checkpoint appears whole or not at all)
+and ``_orbax_io`` (the arrays, through Orbax, onto any mesh).
 It may import everything below it (``errors``, ``base``, ``session``,
 ``sharding``, ``manager``); nothing in the package imports it.
 

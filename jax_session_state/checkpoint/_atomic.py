@@ -2,22 +2,25 @@
 
 A save writes into ``.partial-N``, flushes it, renames it to ``ckpt-N`` (a
 rename is atomic) and only then renames older checkpoints to
-``.superseded-M`` and deletes them off the caller's path.  A crash at any
-moment leaves the previous ``ckpt-*`` complete; readers only ever open the
-newest ``ckpt-*``.
+``.superseded-M`` and deletes them off the caller's path (the interpreter
+waits for the deletion at exit).  A crash at any moment leaves the previous
+``ckpt-*`` complete; readers only ever open the newest ``ckpt-*``; a save
+that fails with an error removes its ``.partial-N``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from jax_session_state.errors import CheckpointError
 
-__all__ = ["begin", "named", "newest", "publish", "write_durably"]
+__all__ = ["begin", "named", "newest", "publish", "removed_on_failure", "save_number", "write_durably"]
 
 _COMPLETE = re.compile(r"ckpt-(\d+)")
 _PARTIAL = ".partial-"
@@ -53,16 +56,32 @@ def named(root: Path, number: int) -> tuple[Path, Path]:
     return root / f"{_PARTIAL}{number:06d}", root / f"ckpt-{number:06d}"
 
 
+def save_number(directory: Path) -> int:
+    """The number of the save a partial or complete checkpoint directory holds (``ckpt-000007``: 7)."""
+    return int(directory.name.rpartition("-")[2])
+
+
+@contextlib.contextmanager
+def removed_on_failure(partial: Path) -> Iterator[None]:
+    """Removes the partial directory of a save if the block raises, so a failed save leaves nothing behind."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
 def publish(partial: Path, final: Path) -> Path:
     """Makes ``partial`` the newest checkpoint, durably, then removes the older ones."""
     root = final.parent
     _fsync_directory(partial)
     os.rename(partial, final)
     _fsync_directory(root)
-    # Older checkpoints leave by an atomic rename; their files are deleted off the caller's path.
+    # Older checkpoints leave by an atomic rename; their files are deleted off the caller's path, by a
+    # thread that is not a daemon: the interpreter waits for it at exit, so none is left half deleted.
     trash = [older.rename(root / f"{_SUPERSEDED}{n:06d}") for n, older in _complete(root)[:-1]]
     if trash:
-        threading.Thread(target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash], daemon=True).start()
+        threading.Thread(target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash]).start()
     return final
 
 

@@ -7,6 +7,7 @@ spec that was saved, so a restored object compiles like the original).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -73,7 +74,11 @@ def _decode_node(record: Any) -> Any:
 
 
 def encode_value(value: Any, *, where: str) -> Any:
-    """A JSON record of a static spec value (numbers, strings, tuples, dtypes, structures, shapes)."""
+    """A JSON record of a static spec value.
+
+    Numbers, strings, tuples, dtypes, pytree structures, and the shapes and
+    dtypes of arrays (typed PRNG keys included).
+    """
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, tuple):
@@ -83,7 +88,7 @@ def encode_value(value: Any, *, where: str) -> Any:
     if isinstance(value, jax.tree_util.PyTreeDef):
         return {"treedef": encode_treedef(value, where=where)}
     if isinstance(value, jax.ShapeDtypeStruct):
-        return {"shape_dtype": [list(value.shape), np.dtype(value.dtype).name]}
+        return {"shape_dtype": [list(value.shape), encode_dtype(value.dtype)]}
     raise CheckpointError(
         f"{where}: cannot record a spec value of type {type(value).__qualname__} ({value!r}) in a checkpoint."
     )
@@ -102,8 +107,22 @@ def decode_value(record: Any) -> Any:
         return decode_treedef(body)
     if tag == "shape_dtype":
         shape, dtype = body
-        return jax.ShapeDtypeStruct(tuple(shape), np.dtype(jnp.dtype(dtype)))
+        return jax.ShapeDtypeStruct(tuple(shape), decode_dtype(dtype))
     raise CheckpointError(f"unknown spec value {tag!r} in a checkpoint record.")
+
+
+def encode_dtype(dtype: Any) -> str | dict[str, str]:
+    """A JSON record of an array's dtype: its name, or for typed PRNG keys their implementation (``{"key": "rbg"}``)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return {"key": str(jax.random.key_impl(jnp.zeros((), dtype)))}  # a key's implementation is read off a key
+    return np.dtype(dtype).name
+
+
+def decode_dtype(record: str | dict[str, str]) -> Any:
+    """The dtype recorded by :func:`encode_dtype`."""
+    if isinstance(record, dict):
+        return jax.eval_shape(functools.partial(jax.random.key, 0, impl=record["key"])).dtype
+    return np.dtype(jnp.dtype(record))
 
 
 def class_name(cls: type, where: str) -> str:

@@ -4,7 +4,7 @@ The manifest is one JSON object::
 
     {"format": FORMAT, "version": VERSION, "content": "session" | "manager",
      "record": {...},                     what is saved, without array bytes
-     "arrays": {"0": {"where", "type", "shape", "dtype", "digest", ["impl"]}, ...},
+     "arrays": {"0": {"where", "type", "shape", "dtype", ["weak_type"], "digest", ["impl"]}, ...},
      "digest": "..."}                     BLAKE2b of everything above
 
 Reading checks, in order: the file parses, it is a checkpoint of this format
@@ -38,7 +38,10 @@ class ArrayTable:
     """The arrays of one checkpoint, keyed ``"0"``, ``"1"``, ..., with their manifest entries.
 
     Typed PRNG keys are held as their key data, with the implementation in
-    the entry; numpy arrays and scalars are marked so they restore as numpy.
+    the entry; numpy arrays and scalars are marked so they restore as numpy
+    (and held in native byte order); a weakly typed jax array (made from a
+    Python scalar) is marked ``weak_type`` (an entry without the mark is
+    not).
     """
 
     def __init__(self, *, keep_values: bool = True) -> None:
@@ -47,7 +50,12 @@ class ArrayTable:
         self.entries: dict[str, dict[str, Any]] = {}
 
     def add(self, x: Any, where: str) -> str:
-        """Adds array ``x`` (described as ``where`` in errors); returns its key."""
+        """Adds array ``x`` (described as ``where`` in errors); returns its key.
+
+        Raises:
+          CheckpointError: ``x`` is a numpy array of strings, objects, dates
+            or records (what Orbax cannot write), naming ``where``.
+        """
         key = str(len(self.entries))
         entry: dict[str, Any] = {"where": where}
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -57,8 +65,10 @@ class ArrayTable:
             entry["type"] = "jax"
         else:
             entry["type"] = "numpy_scalar" if isinstance(x, np.generic) else "numpy"
-            x = np.asarray(x)
+            x = _numbers_in_native_order(np.asarray(x), where)
         entry.update(shape=list(x.shape), dtype=np.dtype(x.dtype).name)
+        if isinstance(x, jax.Array) and x.weak_type:
+            entry["weak_type"] = True
         if self.keep_values:
             self.values[key] = x
         self.entries[key] = entry
@@ -68,6 +78,21 @@ class ArrayTable:
         """The manifest entries, each with its array's digest."""
         digests = array_digests(self.values)
         return {key: {**entry, "digest": digests[key]} for key, entry in self.entries.items()}
+
+
+def _numbers_in_native_order(x: np.ndarray, where: str) -> np.ndarray:
+    """``x`` in this machine's byte order (a big-endian array's values kept), if it holds booleans or numbers.
+
+    Raises:
+      CheckpointError: ``x`` holds strings, objects, dates, durations or records.
+    """
+    numbers = x.dtype.kind in "biufc" or (x.dtype.kind == "V" and jax.dtypes.issubdtype(x.dtype, np.number))
+    if not numbers:  # kind "V" holds bfloat16, float8 and int4 as well as records
+        raise CheckpointError(
+            f"{where}: cannot save a numpy array of dtype {x.dtype}; checkpoints hold arrays of booleans and "
+            "numbers (bfloat16, float8 and int4 among them). Convert it to one, or keep strings as str attrs."
+        )
+    return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
 
 
 def write(directory: Path, content: str, record: dict[str, Any], entries: dict[str, Any]) -> None:
@@ -110,4 +135,4 @@ def read(directory: Path) -> dict[str, Any]:
 
 def malformed(directory: Path, error: BaseException) -> CheckpointError:
     """The error for a manifest whose digest matched but whose record does not decode."""
-    return CheckpointError(f"{directory / MANIFEST} is malformed: {type(error).__name__}: {error}.")
+    return CheckpointError(f"{directory / MANIFEST} is malformed: {type(error).__name__}: {str(error).rstrip('.')}.")

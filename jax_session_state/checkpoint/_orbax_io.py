@@ -5,6 +5,10 @@ and read back placed where the restore wants them: on a sharding, or as
 numpy arrays.  Orbax's warnings about OCDBT merges (there is nothing to
 merge without OCDBT) are silenced only while these calls run.
 
+Orbax refuses arrays of zero size: those are not written (the manifest
+records their shape and dtype) and a read makes them anew, placed as the
+others.
+
 Orbax's per-process array metadata files are not written: the manifest
 records every array's shape and dtype (typed PRNG keys are saved as their
 key data), and with several processes every non-primary process polled a
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -88,11 +93,17 @@ def _handler() -> Iterator[ocp.PyTreeCheckpointHandler]:
 
 
 def write_arrays(directory: Path, values: Mapping[str, Any]) -> None:
-    """Writes ``values`` (jax or numpy arrays by key) to ``directory``, which must not exist."""
+    """Writes ``values`` (jax or numpy arrays by key) to ``directory``, which must not exist.
+
+    Arrays of zero size are left out; with none of another size nothing is written.
+    """
+    stored = {key: x for key, x in values.items() if x.size}
+    if not stored:
+        return
     with _handler() as handler:
         ocp = _orbax()
-        save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in values}
-        ocp.Checkpointer(handler).save(directory, args=ocp.args.PyTreeSave(dict(values), save_args=save_args))
+        save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in stored}
+        ocp.Checkpointer(handler).save(directory, args=ocp.args.PyTreeSave(stored, save_args=save_args))
 
 
 def read_arrays(
@@ -100,22 +111,30 @@ def read_arrays(
 ) -> dict[str, Any]:
     """Reads every array of ``layout`` (key -> shape, dtype name) onto its destination.
 
+    Arrays of zero size (never written) are made anew there.
+
     Raises:
       CheckpointError: the files cannot be read (missing, damaged or truncated).
     """
-    ocp, item, restore_args = _orbax(), {}, {}
+    ocp, item, restore_args, empty = _orbax(), {}, {}, {}
     for key, (shape, dtype_name) in layout.items():
         place, dtype = destinations[key], jnp.dtype(dtype_name)
         on_host = isinstance(place, str)
+        if not math.prod(shape):
+            empty[key] = np.zeros(shape, dtype) if on_host else jax.device_put(np.zeros(shape, dtype), place)
+            continue
         item[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=None if on_host else place)
         restore_args[key] = (
             ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
             if on_host
             else ocp.ArrayRestoreArgs(sharding=place, dtype=dtype)
         )
+    if not item:
+        return empty
     try:  # the handler alone: the checkpoint's own checks (and, with processes, its exchange) follow the read
         with _handler() as handler:
-            return handler.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+            read = handler.restore(directory, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+        return {**read, **empty}
     except Exception as error:  # Orbax and TensorStore raise many types for damaged files
         raise CheckpointError(
             f"{directory.parent}: the arrays cannot be read (damaged or truncated files?): {error}"

@@ -1,22 +1,27 @@
-"""What a checkpoint needs from JAX's multi-controller runtime: who is primary, barriers, small exchanges.
+"""What a checkpoint needs from JAX's multi-controller runtime: who is primary, small exchanges.
 
-Every call here is collective when ``jax.process_count() > 1``: all processes
-make it, in the same order.  With one process each is a no-op or returns
-its input, so a single-process save or restore runs no collective.  The
-exchanges go through :mod:`jax.experimental.multihost_utils` (device
-collectives, CPU ones included when ``jax_cpu_collectives_implementation``
-is set); the barriers are ``sync_global_devices``.
+Every call here but :func:`count` and :func:`is_primary` is collective when
+``jax.process_count() > 1``: all processes make it, in the same order.  With
+one process each is a no-op or returns its input, so a single-process save
+or restore runs no collective.  The exchanges go through
+:mod:`jax.experimental.multihost_utils` (device collectives, CPU ones
+included when ``jax_cpu_collectives_implementation`` is set); an exchange
+returns on no process before every process has made it, so it doubles as a
+barrier.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["allgather_ints", "allgather_json", "barrier", "broadcast_int", "count", "is_primary"]
+from jax_session_state.errors import CheckpointError
+
+__all__ = ["allgather_ints", "allgather_json", "broadcast_int", "count", "is_primary", "run_on_primary"]
 
 
 def count() -> int:
@@ -35,17 +40,33 @@ def _multihost() -> Any:
     return multihost_utils
 
 
-def barrier(name: str) -> None:
-    """Waits until every process reaches the barrier ``name``."""
-    if count() > 1:
-        _multihost().sync_global_devices(name)
-
-
 def broadcast_int(value: int) -> int:
     """The primary process's ``value``, on every process."""
     if count() == 1:
         return value
     return int(_multihost().broadcast_one_to_all(np.int32(value)))
+
+
+def run_on_primary(action: Callable[[], int], what: str) -> int:
+    """``action()`` run by the primary process; its result (an int >= 0) on every process.
+
+    The outcome is exchanged, so a failure reaches every process and none
+    waits for a primary that gave up: the primary raises what ``action``
+    raised, the others a :class:`CheckpointError` saying that the primary
+    could not ``what``.
+    """
+    failure, result = None, -1
+    if is_primary():
+        try:
+            result = action()
+        except Exception as error:
+            failure = error
+    result = broadcast_int(result)
+    if failure is not None:
+        raise failure
+    if result < 0:
+        raise CheckpointError(f"the primary process could not {what} (its own error says why); nothing was saved.")
+    return result
 
 
 def allgather_ints(values: list[int]) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""``save`` and ``restore``: the tree of a session or a manager they walk, and its manifest's entries.
+"""``save`` and ``restore``: what they write and read, and the record of a manager (a session's is in ``_sessions``).
 
 The format is told in the package docstring (:mod:`jax_session_state.checkpoint`).
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,11 +16,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_session_state.base import StateObject
 from jax_session_state.checkpoint import _atomic, _codec, _manifest, _orbax_io, _pieces, _processes
 from jax_session_state.checkpoint._manifest import FORMAT, VERSION, ArrayTable
 from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
-from jax_session_state.errors import CheckpointError, PayloadTypeError
+from jax_session_state.checkpoint._sessions import Plan, encode_session, plan_session, refuse_donated
+from jax_session_state.errors import CheckpointError, PayloadError, PayloadTypeError
 from jax_session_state.manager import (
     ManagerSnapshot,
     SessionStateManager,
@@ -55,16 +54,20 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
         every session it holds (:meth:`~SessionStateManager.snapshot`),
         least recently used first, parked objects included (read from host
         memory, nothing is brought back), evicted objects recorded as
-        evicted.  Pins, counters, callbacks and rebuild functions are not
-        saved.  Sessions between a ``get`` and the ``put`` of a step that
-        donated them cannot be saved.
+        evicted.  Pins, counters, callbacks, rebuild and demotion functions
+        are not saved.  Sessions between a ``get`` and the ``put`` of a step
+        that donated them cannot be saved.
 
     Returns:
       The directory of the new checkpoint.
 
     Raises:
       PayloadTypeError: ``state`` is not something a checkpoint can hold.
-      CheckpointError: a spec, structure or attr that cannot be recorded.
+      CheckpointError: a spec, structure or attr that cannot be recorded
+        (numpy arrays of strings, objects, dates or records among them),
+        naming it; nothing is written.
+      DonatedError: an array of the session was donated to a jitted step
+        (deleted), naming the object or attr; nothing is written.
 
     Example:
       >>> import tempfile
@@ -85,12 +88,11 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
     record = content.encode(state, table)
     if _processes.count() == 1:
         partial, final = _atomic.begin(Path(path))
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # digests (hashlib releases the GIL) beside Orbax
-            entries = pool.submit(table.digested_entries)
-            if table.values:
-                _orbax_io.write_arrays(partial / _ARRAYS, table.values)
+        with _atomic.removed_on_failure(partial), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            entries = pool.submit(table.digested_entries)  # digests (hashlib releases the GIL) beside Orbax
+            _orbax_io.write_arrays(partial / _ARRAYS, table.values)
             _manifest.write(partial, content.name, record, entries.result())
-        return _atomic.publish(partial, final)
+            return _atomic.publish(partial, final)
     return _save_from_processes(Path(path), content.name, record, table)
 
 
@@ -101,12 +103,18 @@ def _save_from_processes(root: Path, content: str, record: dict[str, Any], table
     clears leftovers and creates the partial directory; Orbax writes every
     process's shards and finishes with its own barrier; the digests of every
     process's pieces are gathered; the primary writes the manifest and
-    publishes; a last barrier returns on every process only once the
-    checkpoint is in place.  A process that dies anywhere in between leaves
-    no ``ckpt-N`` behind, so the previous one stays the newest.
+    publishes; a last exchange returns on every process only once the
+    checkpoint is in place.  What only the primary does is exchanged with
+    its outcome: if it fails, every process raises (none waits for it), and
+    a manifest or rename that failed takes the partial directory with it.
+    A process that dies or raises anywhere before leaves no ``ckpt-N``
+    behind, so the previous one stays the newest; its partial directory,
+    which other processes may still be writing into, is cleared by the next
+    save.
     """
-    number = _atomic.begin(root)[1].name if _processes.is_primary() else ""
-    number = _processes.broadcast_int(int(number.rpartition("-")[2]) if number else 0)
+    number = _processes.run_on_primary(
+        lambda: _atomic.save_number(_atomic.begin(root)[1]), f"start a checkpoint in {root}"
+    )
     partial, final = _atomic.named(root, number)
     # Orbax refuses arrays one process holds whole: those (numpy, attrs on one device) are the same on
     # every process (checked by their digests) and written once, by the primary, as numpy.
@@ -114,14 +122,22 @@ def _save_from_processes(root: Path, content: str, record: dict[str, Any], table
               for k, x in table.values.items()}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         local = pool.submit(_pieces.local_digests, table.values)
-        if values:
-            _orbax_io.write_arrays(partial / _ARRAYS, values)
+        _orbax_io.write_arrays(partial / _ARRAYS, values)
         entries = _pieces.gather_digests(table.entries, local.result())
-    if _processes.is_primary():
-        _manifest.write(partial, content, record, entries)
-        _atomic.publish(partial, final)
-    _processes.barrier(f"jss-checkpoint-published-{final}")
+    _processes.run_on_primary(
+        lambda: _publish(partial, final, content, record, entries), f"write the manifest of {final} and publish it"
+    )
     return final
+
+
+def _publish(partial: Path, final: Path, content: str, record: dict[str, Any], entries: dict[str, Any]) -> int:
+    """Writes the manifest into ``partial`` and publishes it as ``final``; returns the save's number.
+
+    Every process has written its shards by then, so a failure removes ``partial``.
+    """
+    with _atomic.removed_on_failure(partial):
+        _manifest.write(partial, content, record, entries)
+        return _atomic.save_number(_atomic.publish(partial, final))
 
 
 def restore(
@@ -137,22 +153,28 @@ def restore(
       target: for a session checkpoint, a session the checkpoint must match
         (object names, kinds, specs, attrs structure, shapes and dtypes);
         restored objects take its placement (each object's ShardingRules,
-        else where its arrays are).  For a manager checkpoint, an empty
-        manager to fill (its own settings, callbacks and registered rebuilds
-        apply); without one, a new manager with the saved settings.
+        else where its arrays are, memory kind included) and what a
+        checkpoint does not record (demotion functions).  For a manager
+        checkpoint, an empty manager to fill (its own settings, callbacks
+        and registered rebuilds apply); without one, a new manager with the
+        saved settings.
       shardings: rules to place every object by (attrs are replicated on the
         mesh), whatever the checkpoint was saved on; overrides ``target``'s.
 
     Without ``target`` or ``shardings`` everything lands on the default
-    device.  A restored session continues a rollout bit for bit.  A restored
-    manager admits the sessions least recently used first, by its usual
-    rules (:meth:`SessionStateManager.load`).
+    device (``jax.default_device``'s, where ``jnp`` puts new arrays).  A
+    restored session continues a rollout bit for bit.  A restored manager
+    admits the sessions least recently used first, by its usual rules
+    (:meth:`SessionStateManager.load`).
 
     Raises:
       CheckpointError: no checkpoint, another format version, a manifest or
         array that does not match its digest (damaged files), truncated
-        files, or a target that does not match; naming the file and what is
-        wrong.  Nothing is half-restored.
+        files, or a target that does not match (or a manager target that
+        is not empty); naming the file and what is wrong.  Nothing is
+        half-restored.
+      PayloadError, PayloadTypeError: ``shardings`` (or ``target``'s rules)
+        cannot place an object, naming the argument.
       BudgetExceededError, SessionAdmissionError: a manager's sessions do
         not fit ``target``; it is left empty.
 
@@ -183,13 +205,15 @@ def restore(
         raise CheckpointError(
             f"{directory} holds a {content.type.__name__}; restore(target=...) got a {type(target).__name__}."
         )
+    if isinstance(target, SessionStateManager) and len(target):
+        raise CheckpointError(f"restore(target=...): the manager must be empty; it holds {len(target)} sessions.")
     entries = manifest["arrays"]
     with _decoding(directory):
         destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings)
         layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
         pieces = _pieces.expected(entries)
     read_to = {key: AS_NUMPY if key in uncommitted else where for key, where in destinations.items()}
-    arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, read_to) if entries else {}
+    arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, read_to)
     _pieces.verify(directory, arrays, entries, pieces)
     with _decoding(directory):
         values = {
@@ -201,9 +225,15 @@ def restore(
 
 @contextlib.contextmanager
 def _decoding(directory: Path) -> Iterator[None]:
-    """Turns what a record that does not decode raises into a CheckpointError naming the manifest."""
+    """Turns what a record that does not decode raises into a CheckpointError naming the manifest.
+
+    Errors about restore's own arguments (rules that cannot place an object)
+    pass as they are.
+    """
     try:
         yield
+    except (PayloadError, PayloadTypeError):
+        raise
     except CheckpointError as error:
         raise CheckpointError(f"{directory / _manifest.MANIFEST}: {error}") from error
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
@@ -219,7 +249,9 @@ def _finish(x: Any, entry: dict[str, Any], uncommitted_on: jax.sharding.Sharding
     placed uncommitted, at most one copy.  Orbax returns the others committed
     to their sharding; on CPU the shards that wrap Orbax's host buffers are
     copied into runtime-owned ones, one array at a time (the peak stays the
-    state plus its largest array).
+    state plus its largest array).  An array saved weakly typed (made from a
+    Python scalar) is weakly typed again, so a jitted step does not trace
+    once more for it.
     """
     if uncommitted_on is not None:
         x = jax.block_until_ready(place(x, uncommitted_on, committed=False))  # before the next array's copy
@@ -229,158 +261,20 @@ def _finish(x: Any, entry: dict[str, Any], uncommitted_on: jax.sharding.Sharding
         return jax.random.wrap_key_data(x, impl=entry["impl"])
     if entry["type"] == "numpy_scalar":
         return np.asarray(x)[()]
+    if entry.get("weak_type", False):
+        return _weakly_typed(x)
     return x
 
 
-# ------------------------------------------------------------- sessions
-def _encode_session(session: Session, table: ArrayTable) -> dict[str, Any]:
-    objects = {}
-    for name, obj in session.objects.items():
-        where = f"session object {name!r}"
-        record = _object_spec(obj, where)
-        storage = {field: getattr(obj, field) for field in obj.storage_fields()}
-        record["storage"] = (
-            [table.add(x, f"{name}.{jax.tree_util.keystr(p)}") for p, x in jax.tree_util.tree_leaves_with_path(storage)]
-            if obj.resident
-            else None
-        )
-        objects[name] = record
-    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(session.attrs)
-    leaves = [_encode_attr(leaf, f"attrs{jax.tree_util.keystr(p)}", table) for p, leaf in paths_and_leaves]
-    return {"objects": objects, "attrs": {"treedef": _codec.encode_treedef(treedef, where="attrs"), "leaves": leaves}}
+def _weakly_typed(x: jax.Array) -> jax.Array:
+    """``x`` weakly typed, as an array made from a Python scalar is; placement and commitment kept.
 
+    JAX sets the mark publicly only on arrays it makes from Python scalars;
+    this is ``lax.convert_element_type`` with its private ``weak_type=True``.
+    """
+    from jax._src.lax import lax  # private: see the docstring
 
-def _object_spec(obj: StateObject, where: str) -> dict[str, Any]:
-    """What makes an object what it is, without storage or placement."""
-    return {
-        "kind": _codec.class_name(type(obj), where),
-        "spec": {f: _codec.encode_value(getattr(obj, f), where=f"{where} spec {f}") for f in obj.spec_fields()},
-        "recompute_source": list(obj.recompute_source),
-        "recompute_cost": obj.recompute_cost,
-    }
-
-
-def _encode_attr(leaf: Any, where: str, table: ArrayTable) -> dict[str, Any]:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        return {"array": table.add(leaf, where)}
-    if isinstance(leaf, (bool, int, float, str)):
-        return {"value": leaf}
-    raise CheckpointError(
-        f"{where}: cannot save an attr of type {type(leaf).__qualname__}; attrs hold arrays (jax, numpy, "
-        "typed PRNG keys) and bool/int/float/str values."
-    )
-
-
-def _plan_session(
-    record: dict[str, Any], entries: dict[str, Any], target: Session | None, shardings: ShardingRules | None
-) -> tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], Session]]:
-    """Where each array of a session record goes, and how to build the session from them."""
-    if target is not None:
-        _check_matches(record, entries, target)
-    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    destinations: dict[str, Destination] = {}
-    uncommitted: set[str] = set()  # placed like arrays jnp makes: on the default device, not committed to it
-    objects: dict[str, StateObject] = {}
-    storages: dict[str, tuple[Any, list[str]]] = {}
-    for name, obj_record in record["objects"].items():
-        cls = _codec.import_class(obj_record["kind"], StateObject)
-        known = target[name] if target is not None else None
-        rules = shardings if shardings is not None else getattr(known, "sharding", None)
-        obj = cls(
-            **{f: _codec.decode_value(v) for f, v in obj_record["spec"].items()},
-            recompute_source=tuple(obj_record["recompute_source"]),
-            recompute_cost=obj_record["recompute_cost"],
-            sharding=rules,
-        )
-        objects[name] = obj
-        if obj_record["storage"] is None:
-            continue
-        shapes = obj.storage_shapes()
-        leaves, treedef = jax.tree_util.tree_flatten(shapes)
-        keys = obj_record["storage"]
-        _check_table(entries, keys, leaves, f"session object {name!r}")
-        if rules is not None:
-            where = jax.tree_util.tree_leaves(rules.shardings(obj.storage_axes(), shapes, owner=obj.describe()))
-        elif known is not None and known.resident:
-            known_leaves = jax.tree_util.tree_leaves({f: getattr(known, f) for f in known.storage_fields()})
-            where = [x.sharding for x in known_leaves]
-            uncommitted.update(k for k, x in zip(keys, known_leaves) if not x.committed)
-        else:
-            where = [default] * len(keys)
-            uncommitted.update(keys)
-        destinations.update(zip(keys, where))
-        storages[name] = (treedef, keys)
-    attr_treedef = _codec.decode_treedef(record["attrs"]["treedef"])
-    known_attrs = jax.tree_util.tree_leaves(target.attrs) if target is not None else None
-    for i, leaf in enumerate(record["attrs"]["leaves"]):
-        if "array" in leaf:
-            entry = entries[leaf["array"]]
-            if entry["type"] in ("numpy", "numpy_scalar"):
-                destinations[leaf["array"]] = AS_NUMPY
-            elif shardings is not None:
-                destinations[leaf["array"]] = shardings.replicated()
-            elif known_attrs is not None and isinstance(known_attrs[i], jax.Array):
-                destinations[leaf["array"]] = known_attrs[i].sharding
-                if not known_attrs[i].committed:
-                    uncommitted.add(leaf["array"])
-            else:
-                destinations[leaf["array"]] = default
-                uncommitted.add(leaf["array"])
-
-    def assemble(arrays: dict[str, Any]) -> Session:
-        for name, (treedef, keys) in storages.items():
-            storage = treedef.unflatten([arrays[k] for k in keys])
-            objects[name] = objects[name].replace(**storage)
-        attrs = [arrays[leaf["array"]] if "array" in leaf else leaf["value"] for leaf in record["attrs"]["leaves"]]
-        try:
-            return Session(objects=objects, attrs=attr_treedef.unflatten(attrs))
-        except (ValueError, TypeError) as error:  # e.g. a recompute source that names no object
-            raise CheckpointError(f"the checkpoint's record does not make a valid session: {error}") from error
-
-    return destinations, uncommitted, assemble
-
-
-def _check_table(entries: dict[str, Any], keys: list[str], leaves: list[Any], where: str) -> None:
-    saved = [(tuple(entries[k]["shape"]), entries[k]["dtype"]) for k in keys]
-    expected = [(tuple(x.shape), np.dtype(x.dtype).name) for x in leaves]
-    if saved != expected:
-        raise CheckpointError(f"{where}: the checkpoint's arrays {saved} do not fit its spec, which needs {expected}.")
-
-
-def _check_matches(record: dict[str, Any], entries: dict[str, Any], target: Session) -> None:
-    """Raises naming every way the checkpoint differs from ``target``."""
-    problems = []
-    saved, wanted = set(record["objects"]), set(target.objects)
-    if saved != wanted:
-        problems.append(f"objects {sorted(saved)} in the checkpoint, {sorted(wanted)} in the target")
-    for name in sorted(saved & wanted):
-        obj_record = dict(record["objects"][name])
-        del obj_record["storage"]
-        if obj_record != json.loads(json.dumps(_object_spec(target[name], f"target object {name!r}"))):
-            problems.append(
-                f"object {name!r} is {_describe(obj_record)} in the checkpoint, {target[name].describe()} in the target"
-            )
-    table = ArrayTable(keep_values=False)
-    target_attrs = json.loads(json.dumps(_encode_session(Session(objects={}, attrs=target.attrs), table)["attrs"]))
-    saved_attrs = [_signature(leaf, entries) for leaf in record["attrs"]["leaves"]]
-    wanted_attrs = [_signature(leaf, table.entries) for leaf in target_attrs["leaves"]]
-    if record["attrs"]["treedef"] != target_attrs["treedef"] or saved_attrs != wanted_attrs:
-        problems.append(f"attrs {saved_attrs} in the checkpoint, {wanted_attrs} in the target")
-    if problems:
-        raise CheckpointError("the checkpoint does not match the target: " + "; ".join(problems) + ".")
-
-
-def _signature(leaf: dict[str, Any], entries: dict[str, Any]) -> str:
-    if "value" in leaf:
-        return type(leaf["value"]).__name__
-    entry = entries[leaf["array"]]
-    return f"{entry['type']} {entry['dtype']}{entry['shape']}" + (f" {entry['impl']}" if "impl" in entry else "")
-
-
-def _describe(obj_record: dict[str, Any]) -> str:
-    spec = ", ".join(f"{k}={_codec.decode_value(v)!r}" for k, v in obj_record["spec"].items())
-    return f"{obj_record['kind'].rpartition(':')[2]}({spec})"
-
+    return lax._convert_element_type(x, weak_type=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +284,7 @@ class _Content:
     name: str
     type: type
     encode: Callable[[Any, ArrayTable], dict[str, Any]]
-    plan: Callable[..., tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], Any]]]
+    plan: Callable[..., Plan]
 
 
 # ------------------------------------------------------------- managers
@@ -408,7 +302,7 @@ def _encode_manager(manager: SessionStateManager, table: ArrayTable) -> dict[str
     sessions = [
         {
             "id": _codec.encode_value(held.session_id, where=f"session id {held.session_id!r}"),
-            "session": _encode_session(held.session, table),
+            "session": encode_session(held.session, table),
             "evicted": sorted(held.evicted),
         }
         for held in snapshot.sessions
@@ -421,16 +315,14 @@ def _plan_manager(
     entries: dict[str, Any],
     target: SessionStateManager | None,
     shardings: ShardingRules | None,
-) -> tuple[dict[str, Destination], set[str], Callable[[dict[str, Any]], SessionStateManager]]:
-    """Each session planned as a session checkpoint; the manager filled in LRU order."""
-    if target is not None and len(target):
-        raise CheckpointError(f"restore(target=manager): the manager must be empty; it holds {len(target)} sessions.")
+) -> Plan:
+    """Each session planned as a session checkpoint; the (empty) manager filled in LRU order."""
     settings = dict(record["settings"])
     destinations: dict[str, Destination] = {}
     uncommitted: set[str] = set()
     sessions = []
     for saved in record["sessions"]:
-        where, not_committed, assemble = _plan_session(saved["session"], entries, None, shardings)
+        where, not_committed, assemble = plan_session(saved["session"], entries, None, shardings)
         destinations.update(where)
         uncommitted |= not_committed
         sessions.append((_codec.decode_value(saved["id"]), assemble, frozenset(saved["evicted"])))
@@ -447,8 +339,14 @@ def _plan_manager(
     return destinations, uncommitted, assemble_manager
 
 
+def _encode_saved_session(session: Session, table: ArrayTable) -> dict[str, Any]:
+    """The record of a session to save, refused (before anything is written) if its arrays were donated."""
+    refuse_donated(session)
+    return encode_session(session, table)
+
+
 _CONTENTS = {
-    "session": _Content("session", Session, _encode_session, _plan_session),
+    "session": _Content("session", Session, _encode_saved_session, plan_session),
     "manager": _Content("manager", SessionStateManager, _encode_manager, _plan_manager),
 }
 """What checkpoints hold, by the name in the manifest."""

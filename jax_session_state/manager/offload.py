@@ -36,7 +36,7 @@ import numpy as np
 from jax_session_state._core import _library
 from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
-from jax_session_state.errors import DonatedError, NotResidentError, PayloadError
+from jax_session_state.errors import DonatedError, NotResidentError, PayloadError, PayloadTypeError
 
 __all__ = ["Parked", "Placement", "is_donated", "park", "place", "restore"]
 
@@ -182,7 +182,9 @@ def runtime_owned(x: jax.Array) -> jax.Array:
     alignment), and a donated step cannot reuse a wrapped buffer: it copies
     the whole array.  Donating ``x`` to an identity keeps every shard the
     runtime owns where it is and copies only the wrapped ones; where ``x`` is
-    placed, and whether it is committed, stay.
+    placed, and whether it is committed, stay.  An array in a host memory
+    kind (``pinned_host``, as parked arrays are) is returned as it is: XLA
+    runs no donated step over host memory (on CPU it aborts the process).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -192,6 +194,8 @@ def runtime_owned(x: jax.Array) -> jax.Array:
       >>> runtime_owned(x).unsafe_buffer_pointer() == at  # owned already: not copied
       True
     """
+    if x.sharding.memory_kind not in (None, "device"):
+        return x
     return _identity_donated(x)
 
 
@@ -241,6 +245,7 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
       memory is released when the last reference to it goes.
 
     Raises:
+      PayloadTypeError: ``obj`` is not a state object.
       NotResidentError: ``obj`` holds no storage.
       DonatedError: some array of ``obj`` was deleted (donated); park the
         step's output instead.
@@ -254,6 +259,11 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
       >>> parked.obj.k.sharding.memory_kind, parked.nbytes_by_device()
       ('pinned_host', {'cpu:0/pinned_host': 80})
     """
+    if not isinstance(obj, StateObject):
+        raise PayloadTypeError(
+            f"park() takes a state object (a StateObject such as KVCache or FixedState); got "
+            f"{type(obj).__qualname__}. Park each object of a session on its own."
+        )
     if not obj.resident:
         raise NotResidentError(f"park() of {_name(obj)}, which is not resident: there is nothing to park.")
     if is_donated(obj):

@@ -66,6 +66,26 @@ def test_park_refuses_what_it_cannot_park():
         offload.park(donated)
 
 
+@pytest.mark.parametrize(
+    "what, name",
+    [(lambda: jnp.ones(3), "ArrayImpl"), (lambda: jss.Session(objects={}), "Session"), (lambda: {"k": 1}, "dict")],
+    ids=["array", "session", "dict"],
+)
+def test_park_of_what_is_not_a_state_object_is_refused_naming_its_type(what, name):
+    with pytest.raises(jss.PayloadTypeError, match=rf"park\(\) takes a state object .*; got {name}\."):
+        offload.park(what())
+
+
+def test_runtime_owned_leaves_arrays_in_host_memory_where_they_are():
+    values = np.random.default_rng(2).normal(size=(5, 3)).astype(np.float32)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    x = jax.device_put(values, host)
+    owned = offload.runtime_owned(x)  # no donated identity over host memory (XLA:CPU may abort on one)
+    assert owned is x and not x.is_deleted()
+    assert owned.sharding == host and owned.committed
+    assert np.asarray(owned).tobytes() == values.tobytes()
+
+
 BACKEND_COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, seconds, **kw: (

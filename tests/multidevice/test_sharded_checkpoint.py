@@ -92,6 +92,30 @@ def test_restore_without_placement_lands_on_the_default_device(tmp_path):
     assert_equal_bits(restored, saved)
 
 
+def test_restore_without_placement_honours_jax_default_device(tmp_path):
+    saved = rolled_out()
+    checkpoint.save(tmp_path, saved)
+    chosen = jax.devices()[5]
+    with jax.default_device(chosen):
+        restored = checkpoint.restore(tmp_path)
+        made_by_jnp = jnp.ones(2)
+    assert {d for x in shardings(restored) for d in x.device_set} == made_by_jnp.devices() == {chosen}
+    assert not any(x.committed for x in jax.tree_util.tree_leaves(restored) if isinstance(x, jax.Array))
+    assert_equal_bits(restored, saved)
+
+
+def test_rules_that_cannot_place_a_restored_object_are_refused_naming_the_argument(tmp_path):
+    odd = jss.KVCache.allocate(batch=3, kv_heads=H, head_dim=D, capacity=CAPACITY)  # 3 rows over 2 "data" devices
+    checkpoint.save(tmp_path, jss.Session(objects={"kv": odd}))
+    with pytest.raises(jss.PayloadError, match=r"^restore\(shardings=\.\.\.\): KVCache\(batch=3.*does not divide"):
+        checkpoint.restore(tmp_path, shardings=RULES)
+    whole = jss.ShardingRules(RULES.mesh, {"kv_heads": "model"})
+    target = jss.Session(objects={"kv": odd.with_sharding(whole)})
+    target = target.with_objects(kv=target["kv"].replace(sharding=RULES))  # the target's own rules do not fit
+    with pytest.raises(jss.PayloadError, match=r"^restore\(target=\.\.\.\): KVCache\(batch=3.*does not divide"):
+        checkpoint.restore(tmp_path, target=target)
+
+
 def test_a_restored_sharded_session_continues_bit_for_bit_and_in_place(tmp_path):
     original = rolled_out()
     checkpoint.save(tmp_path, original)
