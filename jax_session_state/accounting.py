@@ -5,7 +5,7 @@ A *device key* names where bytes live:
 - ``"cpu:0"``, ``"cuda:0"``, ``"tpu:3"`` (``platform:id``) for a device's
   default memory;
 - ``"cpu:0/pinned_host"`` for another memory kind of that device;
-- ``"host"`` for numpy arrays.
+- ``"host"`` for numpy arrays (a view counts as the whole array it reads).
 
 A sharded :class:`jax.Array` counts each addressable shard on its own device,
 so a replicated array counts once on every device that holds it.  Storage is
@@ -149,8 +149,9 @@ def storages(x: Any) -> list[Storage]:
 
     Args:
       x: a :class:`jax.Array` (one storage per addressable shard, on its
-        device and memory kind), a :class:`numpy.ndarray` (under ``"host"``),
-        or anything else (no storage).
+        device and memory kind), a :class:`numpy.ndarray` (under ``"host"``;
+        a view counts as the whole array it reads), or anything else (no
+        storage).
 
     Returns:
       ``(device key, pointer, bytes)`` per buffer; none for a deleted (donated)
@@ -184,8 +185,21 @@ def storages(x: Any) -> list[Storage]:
             for shard in x.addressable_shards
         ]
     if isinstance(x, np.ndarray):
-        return [(HOST, x.__array_interface__["data"][0], x.nbytes)]
+        owner = _owning_array(x)
+        return [(HOST, owner.__array_interface__["data"][0], owner.nbytes)]
     return []
+
+
+def _owning_array(x: np.ndarray) -> np.ndarray:
+    """The array whose memory the view ``x`` reads (``x`` itself when it owns its memory).
+
+    Views of one array (``a[:1]``, ``a[500:]``) all count as its whole
+    storage, once: what they keep alive is the owner's memory, not the part
+    they show.
+    """
+    while isinstance(x.base, np.ndarray):
+        x = x.base
+    return x
 
 
 def tree_storages(tree: Any) -> list[Storage]:
@@ -222,8 +236,9 @@ def device_bytes(x: Any, seen: SeenStorages | set | None = None) -> dict[str, in
 
     Args:
       x: a :class:`jax.Array` (each addressable shard counts on its device), a
-        :class:`numpy.ndarray` (counts under ``"host"``), or anything else
-        (Python scalars, None: no storage).
+        :class:`numpy.ndarray` (counts under ``"host"``; a view counts as the
+        whole array it reads), or anything else (Python scalars, None: no
+        storage).
       seen: storages already counted (a :class:`SeenStorages`, or a plain
         set of ``(device key, pointer)`` pairs); updated with those counted
         here.  None counts everything.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state.accounting import SeenStorages, device_bytes, device_key
+from jax_session_state.accounting import SeenStorages, device_bytes, device_key, tree_bytes_by_device
 from tests.support.devices import DEVICE
 
 
@@ -77,3 +77,14 @@ def test_sharded_arrays_count_each_shard_on_its_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_numpy_views_count_the_array_they_read_once():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=1000)  # 8000 bytes
+    assert tree_bytes_by_device({"a_head": a[:1], "b_all": a}) == {"host": a.nbytes}
+    assert jss.Session(objects={}, attrs={"a_head": a[:1], "b_all": a}).nbytes_by_device() == {"host": a.nbytes}
+    assert tree_bytes_by_device({"x": a[500:], "y": a[:600]}) == {"host": a.nbytes}  # overlapping views
+    assert device_bytes(a[::2][:3]) == {"host": a.nbytes}  # a view of a view
+    b = rng.normal(size=1000)
+    assert tree_bytes_by_device({"a": a[:10], "b": b[:10]}) == {"host": a.nbytes + b.nbytes}

@@ -1,8 +1,10 @@
 """Many sessions on the host: the ``SessionStateManager``, its planner and what it parks.
 
-Owns the manager (``_manager``: the public class; ``_core``: the table of
-sessions, LRU, admission, pins and counters; ``_table``: byte figures per
-session and object; ``_events``: what it reports; ``_snapshot``: its state
+Owns the manager (``_manager``: the public class; ``_arguments``: the
+checks of what callers pass it; ``_core``: the table of sessions, LRU,
+admission, pins and counters; ``_prepare``: the new objects of its actions,
+all computed before any is applied; ``_table``: byte figures per session
+and object; ``_events``: what it reports; ``_snapshot``: its state
 for checkpoints; ``_checkout``: sessions lent to a ``SessionPool``;
 ``_agreement`` with ``_coordination``: the decisions on sessions spanning
 several JAX processes, agreed through the distributed runtime's key-value

@@ -65,6 +65,11 @@ class PoolCheckouts:
             return self._checked_out_error(session_id)
         return super()._lost_error(session_id)
 
+    def _admit(self, session_id: Hashable, new: Entry, events: list[ManagerEvent]) -> None:
+        if session_id in self._checked_out:
+            raise self._checked_out_error(session_id)
+        super()._admit(session_id, new, events)
+
     def _usages(self, *args: Any, **kwargs: Any) -> list[SessionUsage]:
         # Pools holding checked-out sessions: counted against the budgets, never acted on.
         return [*super()._usages(*args, **kwargs), *self._pool_usages()]

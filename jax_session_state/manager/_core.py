@@ -20,10 +20,12 @@ The state:
   version the planner's cached figures are keyed by;
 - ``_hits``, ``_misses``, ``_counts``: what ``stats()`` reports.
 
-Making room (:meth:`ManagerCore._make_room`) asks the pure planner for a
-plan over every session's cached figures, prepares each action's new object
-before anything changes, then applies them all: a refusal or an error
-leaves every session as it was.
+Making room (:meth:`ManagerCore._plan_room`) asks the pure planner for a
+plan over every session's cached figures and prepares each action's new
+object (:mod:`~jax_session_state.manager._prepare`) before anything changes;
+a restore also copies back and rebuilds its objects then; only then are the
+actions applied (:meth:`ManagerCore._apply`): a refusal or an error leaves
+every session as it was.
 """
 
 from __future__ import annotations
@@ -32,42 +34,17 @@ import collections
 import contextlib
 import functools
 import threading
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
-import jax
-
-from jax_session_state._core._validation import non_negative
 from jax_session_state.accounting import Storage
-from jax_session_state.base import StateObject
-from jax_session_state.errors import (
-    BudgetExceededError,
-    PayloadError,
-    PayloadTypeError,
-    SessionAdmissionError,
-    SessionStateLostError,
-)
+from jax_session_state.errors import BudgetExceededError, PayloadError, SessionAdmissionError, SessionStateLostError
 from jax_session_state.manager import offload
 from jax_session_state.manager._agreement import DEFAULT_TIMEOUT_S, ProcessAgreement, agree_on
 from jax_session_state.manager._events import ManagerEvent, deliver
-from jax_session_state.manager._table import (
-    Entry,
-    Ledger,
-    ObjectRecord,
-    Rebuild,
-    distinct_bytes,
-    split_shared,
-)
-from jax_session_state.manager.planner import (
-    Action,
-    DemoteObject,
-    EvictObject,
-    Plan,
-    PreemptSession,
-    SessionUsage,
-    plan,
-)
+from jax_session_state.manager._prepare import Prepared, Room, prepared, release_replaced, restored_session
+from jax_session_state.manager._table import Entry, Ledger, Rebuild, split_shared
+from jax_session_state.manager.planner import DemoteObject, EvictObject, Plan, SessionUsage, plan
 from jax_session_state.session import Session
 
 LOST_REASONS_KEPT = 4096
@@ -75,14 +52,6 @@ LOST_REASONS_KEPT = 4096
 
 COUNTERS = ("evictions", "demotions", "preemptions", "parks", "restores", "rebuilds", "refusals")
 """The action counters ``stats()`` reports."""
-
-
-_demoted_in_place = jax.jit(lambda obj: obj.demote(), donate_argnums=0)
-"""An object's next lower tier, its storage donated: the bookkeeping is reused in place and the float
-storage read once, so the peak is the float storage plus its quantized copy (compiled once per spec)."""
-
-_demoted_copy = jax.jit(lambda obj: obj.demote())
-"""The same, for an object that shares a buffer with another object or session the manager holds."""
 
 
 class _Donated(Exception):
@@ -108,8 +77,7 @@ class ManagerCore:
         on_event: Callable[[ManagerEvent], None] | None,
         agreement_timeout: float = DEFAULT_TIMEOUT_S,
     ):
-        timeout = non_negative("SessionStateManager", "agreement_timeout", agreement_timeout)
-        self._agreement = ProcessAgreement(timeout)  # decisions on sessions spanning processes
+        self._agreement = ProcessAgreement(agreement_timeout)  # decisions on sessions spanning processes
         self.max_sessions = max_sessions
         self.byte_budget = byte_budget
         self.evict_when_full = evict_when_full
@@ -126,6 +94,7 @@ class ManagerCore:
         self._ledger = Ledger()
         self._rebuilds: dict[str, Rebuild] = {}
         self._rebuilds_version = 0
+        self._table_version = 0  # counts changes of _entries (a rebuild function may make some)
         self._hits = self._misses = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
         # More reports for stats(), by name (a reuse.SharedStore adds "shared"); called outside the lock.
@@ -145,9 +114,11 @@ class ManagerCore:
         """Holds ``entry`` for the id (a new id is the most recently used)."""
         self._entries[session_id] = entry
         self._recency[session_id] = entry.session if entry.ready else None
+        self._table_version += 1
 
     def _forget(self, session_id: Hashable) -> Entry:
         del self._recency[session_id]
+        self._table_version += 1
         return self._entries.pop(session_id)
 
     def _by_recency(self) -> Iterator[tuple[Hashable, Entry]]:
@@ -205,7 +176,35 @@ class ManagerCore:
         events.append(ManagerEvent("refusal", session_id, None, {}, message))
         raise SessionAdmissionError(message)
 
-    def _make_room(
+    def _admit(self, session_id: Hashable, new: Entry, events: list[ManagerEvent]) -> None:
+        """Holds ``new`` under an id not held yet, making room as ``create`` describes; else changes nothing."""
+        if session_id in self._entries:
+            raise PayloadError(
+                f"create({session_id!r}): that session exists already. put() replaces it; "
+                "release() it first to start over."
+            )
+        victim = None
+        if len(self._entries) >= self.max_sessions:
+            victim = self._count_cap_victim()
+            if victim is None or not self.evict_when_full:
+                self._refuse_admission(session_id, events)
+        removed = list(self._entries[victim].storages()) if victim is not None else []
+        action = f"creating session {session_id!r}"
+        self._make_room(
+            session_id, action, new, removed=removed, added=list(new.storages()), exclude=victim, events=events
+        )
+        if victim is not None:
+            reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
+            self._preempt(victim, reason, events)
+        self._ledger.apply((), new.storages())
+        self._store(session_id, new)
+        self._lost.pop(session_id, None)
+
+    def _make_room(self, session_id: Hashable, action: str, proposal: Entry, **kwargs: Any) -> None:
+        """Frees bytes, if need be, so that ``action`` fits every budget (:meth:`_plan_room`, then applied)."""
+        self._apply(self._plan_room(session_id, action, proposal, **kwargs))
+
+    def _plan_room(
         self,
         session_id: Hashable,
         action: str,
@@ -216,8 +215,10 @@ class ManagerCore:
         restored: Mapping[str, int] | None = None,
         exclude: Hashable | None = None,
         events: list[ManagerEvent],
-    ) -> None:
-        """Frees bytes, if need be, so that ``action`` fits every budget; else refuses, changing nothing.
+    ) -> Room:
+        """The prepared actions that make ``action`` fit every budget (none when it fits); else refuses.
+
+        Nothing changes here but the counters: :meth:`_apply` applies the room.
 
         The action releases storages ``removed``, takes ``added`` and, for a
         restore, brings back ``restored`` bytes (``proposal`` is then the
@@ -244,7 +245,7 @@ class ManagerCore:
         if not over:
             if spanning:
                 agreed()
-            return
+            return Room([], "", events)
         reason = ", ".join(
             f"{key} over its budget of {self.byte_budget[key]} bytes by {n}" for key, n in over.items()
         )
@@ -274,14 +275,13 @@ class ManagerCore:
                     agreed(refused=True)
                 raise BudgetExceededError(message)
             try:
-                prepared = self._prepare(result)
+                room = Room(self._prepare(result), reason, events)
             except _Donated as donated:
                 untouchable |= donated.session_ids
                 continue
             if spanning:
                 agreed(actions=result.actions)
-            self._apply(prepared, reason, events)
-            return
+            return room
 
     def _host_room(self) -> int | None:
         if self.host_budget is None:
@@ -313,11 +313,8 @@ class ManagerCore:
             views.append((proposal, proposal.usage(session_id, last, True, self._rebuilds, self._rebuilds_version)))
         return split_shared(views)
 
-    def _prepare(self, result: Plan) -> list[tuple[Action, tuple[StateObject, ObjectRecord] | None]]:
-        """Each action's new object (evicted or parked), computed before anything changes.
-
-        Demotions are computed when applied (:meth:`_demote`): they donate the
-        object's storage, so only once nothing can refuse the plan.
+    def _prepare(self, result: Plan) -> list[Prepared]:
+        """Each action's new object (evicted, demoted or parked), computed before anything changes.
 
         Raises:
           _Donated: naming every acted-on session whose arrays were donated.
@@ -326,95 +323,65 @@ class ManagerCore:
         donated = {a.session_id for a in result.actions if offload.is_donated(self._entries[a.session_id].session)}
         if donated:
             raise _Donated(donated)
-        prepared = []
-        for action in result.actions:
-            entry = self._entries[action.session_id]
-            if isinstance(action, (PreemptSession, DemoteObject)):
-                prepared.append((action, None))
-            elif isinstance(action, EvictObject):
-                obj = entry.session[action.name]
-                record = entry.records[action.name].evicted(offload.Placement.of(obj))
-                prepared.append((action, (obj.evict()[0], record)))
-            else:
-                obj = entry.session[action.name]
-                record = entry.records[action.name].parked_as(offload.park(obj, self.park_memory_kind))
-                prepared.append((action, (obj.reset(), record)))
-        return prepared
+        return [prepared(action, self._entries[action.session_id], self.park_memory_kind) for action in result.actions]
 
-    def _demote(self, entry: Entry, name: str) -> tuple[StateObject, ObjectRecord]:
-        """Object ``name`` of ``entry`` demoted, and its record.
-
-        Its storage is donated where the manager holds each of its buffers
-        once, for this object only; an object sharing a buffer with another
-        object or session is demoted into new buffers, the shared ones kept.
-        """
-        storages = entry.records[name].storages
-        counts = collections.Counter(storages)
-        alone = all(n == 1 and self._ledger.refs.get(storage) == 1 for storage, n in counts.items())
-        with warnings.catch_warnings():  # the float storage is donated to be freed, not reused: no warning
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            demoted = (_demoted_in_place if alone else _demoted_copy)(entry.session[name])
-        return demoted, ObjectRecord.of(demoted)
-
-    def _apply(
-        self,
-        prepared: list[tuple[Action, tuple[StateObject, ObjectRecord] | None]],
-        reason: str,
-        events: list[ManagerEvent],
-    ) -> None:
-        for action, change in prepared:
+    def _apply(self, room: Room) -> None:
+        """Applies the room's prepared actions in order, and reports each."""
+        for action, change in room.actions:
             session_id = action.session_id
-            if isinstance(action, PreemptSession):
-                self._preempt(session_id, f"preempted ({reason})", events)
+            if change is None:
+                self._preempt(session_id, f"preempted ({room.reason})", room.events)
                 continue
             entry = self._entries[session_id]
-            obj, record = self._demote(entry, action.name) if isinstance(action, DemoteObject) else change
-            new = entry.with_object(action.name, obj, record)
+            obj, record = change
             removed = entry.records[action.name].storages
             freed = {k: -b for k, b in self._ledger.delta(removed, record.storages).items() if b}
             self._ledger.apply(removed, record.storages)
-            self._store(session_id, new)
+            self._store(session_id, entry.with_object(action.name, obj, record))
             if isinstance(action, EvictObject):
                 self._counts["evictions"] += 1
-                events.append(ManagerEvent("evict", session_id, action.name, dict(action.freed), reason))
+                room.events.append(ManagerEvent("evict", session_id, action.name, freed, room.reason))
             elif isinstance(action, DemoteObject):
+                release_replaced(entry.session[action.name], self._ledger)
                 self._counts["demotions"] += 1
-                events.append(ManagerEvent("demote", session_id, action.name, freed, reason))
+                room.events.append(ManagerEvent("demote", session_id, action.name, freed, room.reason))
             else:
                 self._counts["parks"] += 1
-                events.append(ManagerEvent("park", session_id, action.name, dict(action.moved), reason))
+                room.events.append(ManagerEvent("park", session_id, action.name, dict(action.moved), room.reason))
 
     def _preempt(self, session_id: Hashable, reason: str, events: list[ManagerEvent]) -> None:
         entry = self._forget(session_id)
-        freed = distinct_bytes(entry.storages())
+        freed = {k: -b for k, b in self._ledger.delta(entry.storages(), ()).items() if b}
         self._ledger.apply(entry.storages(), ())
         self._remember_loss(session_id, reason)
         self._counts["preemptions"] += 1
         events.append(ManagerEvent("preempt", session_id, None, freed, reason))
 
     def _restore(self, session_id: Hashable, entry: Entry, events: list[ManagerEvent]) -> Entry:
-        """Brings the session's parked and evicted objects back (making room first); the new entry."""
+        """Brings the session's parked and evicted objects back; the new entry.
+
+        The room is planned and prepared, then the objects are copied back and
+        rebuilt, and only then is the room made: a refusal or a failing rebuild
+        leaves every session as it was.
+        """
         parked, evicted = entry.names("parked"), entry.names("evicted")
-        released = [storage for name in parked for storage in entry.records[name].storages]
         restored: dict[str, int] = {}
         for name in parked + evicted:
             for key, nbytes in entry.records[name].home_bytes.items():
                 restored[key] = restored.get(key, 0) + nbytes
-        self._make_room(
+        room = functools.partial(
+            self._plan_room,
             session_id,
             f"restoring session {session_id!r}",
             entry,
-            removed=released,
+            removed=[storage for name in parked for storage in entry.records[name].storages],
             restored=restored,
             events=events,
         )
-        objects = dict(entry.session.objects)
-        for name in parked:
-            objects[name] = offload.restore(entry.records[name].parked)
-        session = entry.session.replace(objects=objects)
-        for name in evicted:
-            objects[name] = self._rebuild(session_id, name, session, entry.records[name].placement)
-        new = Entry.of(entry.session.replace(objects=objects)).carrying(entry)
+        planned = room()
+        version = self._table_version
+        new = Entry.of(restored_session(session_id, entry, self._rebuilds)).carrying(entry)
+        self._apply(planned if self._table_version == version else room())  # a rebuild function changed the table
         self._ledger.apply(entry.storages(), new.storages())
         self._store(session_id, new)
         reason = f"session {session_id!r} looked up"
@@ -425,44 +392,3 @@ class ManagerCore:
             self._counts["rebuilds"] += 1
             events.append(ManagerEvent("rebuild", session_id, name, new.records[name].home_bytes, reason))
         return new
-
-    def _rebuild(
-        self, session_id: Hashable, name: str, session: Session, placement: offload.Placement | None
-    ) -> StateObject:
-        original = session[name]
-        where = f"rebuilding {name!r} of session {session_id!r}"
-        try:
-            rebuilt = self._rebuilds[name].fn(session)
-        except Exception as error:
-            raise RuntimeError(
-                f"{where}: the registered rebuild function raised {type(error).__name__}: {error}. The "
-                f"session is unchanged ({name!r} is still evicted); fix the function given to "
-                f"register_rebuild({name!r})."
-            ) from error
-        if not isinstance(rebuilt, StateObject):
-            got = type(rebuilt).__name__
-        elif not rebuilt.resident:
-            got = f"{rebuilt.describe()} (not resident)"
-        else:
-            got = rebuilt.describe()
-        if got != original.describe():
-            raise PayloadError(
-                f"{where}: the rebuild function must return a resident {original.describe()}; it returned "
-                f"{got}. The session is unchanged; fix the function given to register_rebuild({name!r})."
-            )
-        rebuilt = rebuilt.replace(
-            recompute_source=original.recompute_source, recompute_cost=original.recompute_cost
-        )
-        return rebuilt if placement is None else placement.apply(rebuilt)
-
-def checked_session(session: Any, operation: str, session_id: Hashable) -> Session:
-    if not isinstance(session, Session):
-        raise PayloadTypeError(
-            f"{operation}({session_id!r}, session): expected a jss.Session; got {type(session).__name__}."
-        )
-    if offload.is_donated(session):
-        raise PayloadError(
-            f"{operation}({session_id!r}, session): some of its arrays were deleted (donated to a jitted "
-            "step). Pass the step's output instead. Nothing changed."
-        )
-    return session

@@ -23,7 +23,11 @@ served) in this order (see :func:`jax_session_state.planner.plan`):
    and parks looks for a plan that fits before anything is preempted;
 5. then, if ``evict_when_full``, it preempts least recently used sessions.
 
-If nothing fits it refuses and changes nothing.  A later ``get`` rebuilds
+A buffer several objects hold (in one session or several) counts once, and
+an object holding one is neither demoted nor parked: either would copy the
+buffer and free nothing.  If nothing fits it refuses and changes nothing;
+an action that fails on the way (a demotion or a rebuild that raises)
+leaves every session as it was.  A later ``get`` rebuilds
 evicted objects and copies parked ones back before returning the session
 (demoted ones stay demoted).  Nothing is lost silently: every action is
 reported through ``on_event`` and a preempted session raises
@@ -40,11 +44,11 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal
 
-from jax_session_state._core._validation import non_negative, positive_int
 from jax_session_state.base import StateObject
-from jax_session_state.errors import BudgetExceededError, PayloadError, PayloadTypeError, SessionStateLostError
+from jax_session_state.errors import BudgetExceededError, SessionStateLostError
+from jax_session_state.manager._arguments import checked_session, manager_settings, rebuild_arguments
 from jax_session_state.manager._checkout import PoolCheckouts
-from jax_session_state.manager._core import ManagerCore, checked_session
+from jax_session_state.manager._core import ManagerCore
 from jax_session_state.manager._events import ManagerEvent
 from jax_session_state.manager._snapshot import (
     Held,
@@ -100,9 +104,12 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
 
     Raises:
       PayloadTypeError: ``max_sessions``, a ``byte_budget`` value or
-        ``host_budget`` is not an int, or a ``byte_budget`` key not a str.
-      PayloadError: ``max_sessions`` is below 1, a budget below 0, or
-        ``park_memory_kind`` neither ``"pinned_host"`` nor None.
+        ``host_budget`` is not an int, a ``byte_budget`` key not a str,
+        ``evict_when_full`` not a bool, or ``on_event`` neither callable nor
+        None.
+      PayloadError: ``max_sessions`` is below 1, a budget below 0,
+        ``park_memory_kind`` neither ``"pinned_host"`` nor None, or
+        ``agreement_timeout`` below 0 or not finite.
 
     A manager is always truthy (so ``manager or default`` never replaces an
     empty one); ``len(manager)`` is the number of sessions held.
@@ -136,32 +143,16 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         on_event: Callable[[ManagerEvent], None] | None = None,
         agreement_timeout: float = 60.0,
     ):
-        max_sessions = positive_int("SessionStateManager", "max_sessions", max_sessions)
-        budgets = {}
-        for key, nbytes in dict(byte_budget or {}).items():
-            if not isinstance(key, str):
-                raise PayloadTypeError(
-                    "SessionStateManager: byte_budget is keyed by device keys ('cpu:0', 'cuda:0', "
-                    f"'cuda:0/pinned_host'); got the key {key!r}."
-                )
-            budgets[key] = positive_int("SessionStateManager", f"byte_budget[{key!r}]", nbytes, minimum=0)
-        if park_memory_kind not in ("pinned_host", None):
-            raise PayloadError(
-                f"SessionStateManager: park_memory_kind is 'pinned_host' or None; got {park_memory_kind!r}."
-            )
-        if host_budget is not None:
-            host_budget = positive_int("SessionStateManager", "host_budget", host_budget, minimum=0)
-        ManagerCore.__init__(
-            self,
+        settings = manager_settings(
             max_sessions=max_sessions,
-            byte_budget=budgets,
+            byte_budget=byte_budget,
             evict_when_full=evict_when_full,
             park_memory_kind=park_memory_kind,
             host_budget=host_budget,
-            lock=lock_factory(),
             on_event=on_event,
             agreement_timeout=agreement_timeout,
         )
+        ManagerCore.__init__(self, lock=lock_factory(), **settings)
         self._init_checkouts()
 
     # ------------------------------------------------------------ mapping
@@ -180,9 +171,9 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
 
         The session returned is the one stored: donating it to a jitted step
         deletes the stored copy's arrays, so ``put`` the step's result back.
-        Demoting a session donates its storage too, so a handle kept while
-        other sessions are put may find its arrays deleted ("Array has been
-        deleted"); ``get`` it again.
+        Demoting an object deletes the arrays it replaces (so their memory
+        is freed), so a handle kept while other sessions are put may find
+        its arrays deleted ("Array has been deleted"); ``get`` it again.
 
         Args:
           session_id: the id the session was created under.
@@ -351,35 +342,7 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
         new = Entry.of(checked_session(session, "create", session_id))
         events: list[ManagerEvent] = []
         with self._delivering(events), self._lock:  # events go out once the lock is released
-            if session_id in self._checked_out:
-                raise self._checked_out_error(session_id)
-            if session_id in self._entries:
-                raise PayloadError(
-                    f"create({session_id!r}): that session exists already. put() replaces it; "
-                    "release() it first to start over."
-                )
-            victim = None
-            if len(self._entries) >= self.max_sessions:
-                victim = self._count_cap_victim()
-                if victim is None or not self.evict_when_full:
-                    self._refuse_admission(session_id, events)
-            removed = list(self._entries[victim].storages()) if victim is not None else []
-            action = f"creating session {session_id!r}"
-            self._make_room(
-                session_id,
-                action,
-                new,
-                removed=removed,
-                added=list(new.storages()),
-                exclude=victim,
-                events=events,
-            )
-            if victim is not None:
-                reason = f"preempted at the count cap (max_sessions={self.max_sessions}) while {action}"
-                self._preempt(victim, reason, events)
-            self._ledger.apply((), new.storages())
-            self._store(session_id, new)
-            self._lost.pop(session_id, None)
+            self._admit(session_id, new, events)
 
     def put(self, session_id: Hashable, session: Session) -> Session:
         """Replaces the session (typically with a step's result) and returns it.
@@ -469,9 +432,9 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
             evicted first); None uses the object's ``recompute_cost``.
 
         Raises:
-          PayloadTypeError: ``fn`` is not callable, or ``cost`` is neither a
-            number nor None.
-          PayloadError: ``cost`` is below 0 (or NaN).
+          PayloadTypeError: ``name`` is not a str, ``fn`` not callable, or
+            ``cost`` neither a number nor None.
+          PayloadError: ``name`` is empty, or ``cost`` below 0 (or NaN).
 
         Example:
           >>> import jax.numpy as jnp
@@ -488,10 +451,7 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
           >>> [(e.kind, e.session_id, e.object_name) for e in events]
           [('evict', 'a', 'cond'), ('evict', 'b', 'cond'), ('rebuild', 'a', 'cond')]
         """
-        if not callable(fn):
-            raise PayloadTypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
-        if cost is not None:
-            non_negative(f"register_rebuild({name!r})", "cost", cost)
+        rebuild_arguments(name, fn, cost)
         with self._lock:
             self._rebuilds[name] = Rebuild(fn, cost)
             self._rebuilds_version += 1

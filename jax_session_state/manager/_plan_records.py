@@ -12,21 +12,36 @@ import warnings
 from collections.abc import Hashable, Mapping
 from typing import Literal
 
-from jax_session_state._core._validation import is_number, non_negative
+import numpy as np
+
+from jax_session_state._core._validation import non_negative
 from jax_session_state.errors import PayloadError, PayloadTypeError
 
 ObjectState = Literal["resident", "evicted", "parked"]
 
 
-def _frozen_bytes(owner: str, field: str, bytes_by_device: Mapping[str, int]) -> Mapping[str, int]:
-    # A byte count is an int count, so a bool is not one.
-    wrong = {key: count for key, count in bytes_by_device.items() if isinstance(count, bool) or not is_number(count)}
+def byte_counts(
+    owner: str, field: str, bytes_by_device: Mapping[str, int], *, keep_zeros: bool = False
+) -> Mapping[str, int]:
+    """``bytes_by_device`` as a read-only mapping of ints (keys with 0 bytes left out unless ``keep_zeros``);
+    else raises naming it.
+
+    Raises:
+      PayloadTypeError: a count is not an int (a bool, a float such as 1.5,
+        NaN or inf is not one).
+      PayloadError: a count is below 0.
+    """
+    wrong = {
+        key: count
+        for key, count in bytes_by_device.items()
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer))
+    }
     if wrong:
         raise PayloadTypeError(f"{owner}: {field} must map device keys to byte counts (ints >= 0); got {wrong}.")
     negative = {key: count for key, count in bytes_by_device.items() if count < 0}
     if negative:
         raise PayloadError(f"{owner}: {field} must map device keys to byte counts >= 0; got {negative}.")
-    return types.MappingProxyType({k: b for k, b in bytes_by_device.items() if b})
+    return types.MappingProxyType({k: int(b) for k, b in bytes_by_device.items() if b or keep_zeros})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,10 +59,13 @@ class ObjectUsage:
       rebuildable: whether a rebuild function is registered for the object.
       demoted_bytes_by_device: bytes per device key the object would hold
         once demoted to its next lower tier; None when it has none.
+      parkable: whether parking the object moves exactly its
+        ``bytes_by_device`` (False for one that shares storage with another
+        object, which a park would copy without freeing it).
 
     Raises:
-      PayloadTypeError: a byte count is not a number, or is a bool, or
-        ``recompute_cost`` is not a number.
+      PayloadTypeError: a byte count is not an int (a bool, 1.5, NaN or inf
+        is not one), or ``recompute_cost`` is not a number.
       PayloadError: a byte count or ``recompute_cost`` is below 0, or
         ``state`` is not one of the three.
 
@@ -65,6 +83,7 @@ class ObjectUsage:
     recompute_cost: float = 0.0
     rebuildable: bool = False
     demoted_bytes_by_device: Mapping[str, int] | None = None
+    parkable: bool = True
 
     def __post_init__(self) -> None:
         if self.state == "dropped":
@@ -76,10 +95,10 @@ class ObjectUsage:
             )
         owner = f"ObjectUsage {self.name!r}"
         non_negative(owner, "recompute_cost", self.recompute_cost)
-        object.__setattr__(self, "bytes_by_device", _frozen_bytes(owner, "bytes_by_device", self.bytes_by_device))
+        object.__setattr__(self, "bytes_by_device", byte_counts(owner, "bytes_by_device", self.bytes_by_device))
         object.__setattr__(self, "sources", tuple(self.sources))
         if self.demoted_bytes_by_device is not None:
-            demoted = _frozen_bytes(owner, "demoted_bytes_by_device", self.demoted_bytes_by_device)
+            demoted = byte_counts(owner, "demoted_bytes_by_device", self.demoted_bytes_by_device)
             object.__setattr__(self, "demoted_bytes_by_device", demoted)
 
     @property
@@ -105,7 +124,7 @@ class SessionUsage:
         or parked individually.
 
     Raises:
-      PayloadTypeError: an attrs byte count is not a number, or is a bool.
+      PayloadTypeError: an attrs byte count is not an int.
       PayloadError: an attrs byte count is below 0.
 
     Example:
@@ -124,7 +143,7 @@ class SessionUsage:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objects", tuple(self.objects))
-        attrs = _frozen_bytes(f"SessionUsage {self.session_id!r}", "attrs_bytes_by_device", self.attrs_bytes_by_device)
+        attrs = byte_counts(f"SessionUsage {self.session_id!r}", "attrs_bytes_by_device", self.attrs_bytes_by_device)
         object.__setattr__(self, "attrs_bytes_by_device", attrs)
 
 

@@ -67,11 +67,11 @@ def demotable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]
 
 
 def parkable(session: SessionUsage) -> list[tuple[ObjectUsage, dict[str, int]]]:
-    """Resident objects with their default-kind bytes, largest first."""
+    """Resident, parkable objects with their default-kind bytes, largest first."""
     parks = []
     for obj in session.objects:
         moved = {k: b for k, b in obj.bytes_by_device.items() if parking_destination(k)}
-        if obj.state == "resident" and moved:
+        if obj.state == "resident" and obj.parkable and moved:
             parks.append((obj, moved))
     parks.sort(key=lambda p: (-sum(p[1].values()), p[0].name))
     return parks

@@ -10,13 +10,18 @@ checkpoints save and restore; and its reports (``held()``, ``stats()``,
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple, Self
 
 from jax_session_state.errors import DonatedError, PayloadError
 from jax_session_state.manager import offload
+from jax_session_state.manager._arguments import checked_session
 from jax_session_state.manager._core import COUNTERS, ManagerCore
+from jax_session_state.manager._events import ManagerEvent
+from jax_session_state.manager._prepare import rebuilt
+from jax_session_state.manager._table import Entry
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerSnapshot", "ManagerSnapshots", "SnapshotSession"]
@@ -68,19 +73,23 @@ class SnapshotSession(NamedTuple):
       session: the session; parked objects hold their arrays in host memory,
         evicted objects are non-resident.
       evicted: names of the objects the manager evicted (to be rebuilt).
+      parked: the parked objects by name, with where their arrays go back
+        to (their objects are the ones in ``session``); a manager loading
+        the snapshot holds them parked.
 
     Example:
       >>> import jax_session_state as jss
       >>> manager = jss.SessionStateManager()
       >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))}))
-      >>> session_id, session, evicted = manager.snapshot().sessions[0]
-      >>> session_id, list(session.objects), evicted
-      ('user', ['h'], frozenset())
+      >>> held = manager.snapshot().sessions[0]
+      >>> held.session_id, list(held.session.objects), held.evicted, dict(held.parked)
+      ('user', ['h'], frozenset(), {})
     """
 
     session_id: Hashable
     session: Session
     evicted: frozenset[str]
+    parked: Mapping[str, offload.Parked] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +166,12 @@ class ManagerSnapshots(ManagerCore):
                         f"session {session_id!r} is in use: its arrays were donated to a step that has not "
                         "been put back. put() it (or release() it) first."
                     )
-                objects = {name: entry.records[name].parked.obj for name in entry.names("parked")}
-                session = entry.session.with_objects(**objects) if objects else entry.session
-                sessions.append(SnapshotSession(session_id, session, frozenset(entry.names("evicted"))))
+                parked = {name: entry.records[name].parked for name in entry.names("parked")}
+                session = entry.session
+                if parked:
+                    session = session.with_objects(**{name: p.obj for name, p in parked.items()})
+                evicted = frozenset(entry.names("evicted"))
+                sessions.append(SnapshotSession(session_id, session, evicted, types.MappingProxyType(parked)))
             return ManagerSnapshot(self.settings(), tuple(sessions))
 
     @classmethod
@@ -174,10 +186,12 @@ class ManagerSnapshots(ManagerCore):
 
         This manager's own settings, ``on_event`` and registered rebuilds
         apply: evicted objects with a registered rebuild are rebuilt before
-        their session is admitted, the others stay non-resident; admission
-        follows ``create``'s rules (so under a smaller budget it parks or
-        preempts as ``create`` would).  Counters start at zero.  No other
-        thread may use the manager meanwhile.
+        their session is admitted, the others stay non-resident; parked
+        objects stay parked (a lookup copies them back, as it would have
+        in the manager saved); admission follows ``create``'s rules (so
+        under a smaller budget it parks or preempts as ``create`` would).
+        Counters start at zero.  No other thread may use the manager
+        meanwhile.
 
         Raises:
           PayloadError: the manager holds sessions already.
@@ -193,8 +207,11 @@ class ManagerSnapshots(ManagerCore):
             for held in snapshot.sessions:
                 objects = dict(held.session.objects)
                 for name in sorted(held.evicted & self._rebuilds.keys()):
-                    objects[name] = self._rebuild(held.session_id, name, held.session, None)
-                self.create(held.session_id, held.session.replace(objects=objects))
+                    objects[name] = rebuilt(self._rebuilds[name].fn, held.session_id, name, held.session, None)
+                session = checked_session(held.session.replace(objects=objects), "load", held.session_id)
+                events: list[ManagerEvent] = []
+                with self._delivering(events), self._lock:  # events go out once the lock is released
+                    self._admit(held.session_id, Entry.holding_parked(session, held.parked), events)
                 loaded.append(held.session_id)
         except Exception:
             for session_id in loaded:
@@ -216,8 +233,8 @@ class ManagerSnapshots(ManagerCore):
         """Counters and bytes.
 
         Returns:
-          ``sessions``; ``hits`` and ``misses`` (lookups by get, update and
-          pin: a miss found the id lost or had to bring objects back) and
+          ``sessions``; ``hits`` and ``misses`` (lookups by get, update, pin
+          and checkout: a miss found the id lost or had to bring objects back) and
           their sum ``lookups``; ``evictions`` (objects evicted to be
           rebuilt), ``demotions`` (objects replaced by their lower tier),
           ``preemptions`` (whole sessions released), ``parks``, ``restores``

@@ -18,7 +18,7 @@ from typing import Literal
 
 import jax
 
-from jax_session_state.accounting import Storage, tree_storages
+from jax_session_state.accounting import Storage, device_key, tree_storages
 from jax_session_state.base import StateObject
 from jax_session_state.manager.offload import Parked, Placement
 from jax_session_state.manager.planner import ObjectUsage, SessionUsage
@@ -133,6 +133,7 @@ class Entry:
     """One held session: its objects (parked and evicted ones non-resident), records, pins and use."""
 
     __slots__ = (
+        "_shared_within",
         "_usage",
         "attrs_bytes",
         "attrs_storages",
@@ -154,10 +155,21 @@ class Entry:
         self.busy: int | None = None  # the thread running update() on it
         self.origin = object()  # which create() this entry descends from
         self._usage: tuple[int, tuple[ObjectUsage, ...]] | None = None
+        self._shared_within: frozenset[Storage] | None = None
 
     @classmethod
     def of(cls, session: Session) -> Entry:
         return cls(session, {name: ObjectRecord.of(obj) for name, obj in session.objects.items()})
+
+    @classmethod
+    def holding_parked(cls, session: Session, parked: Mapping[str, Parked]) -> Entry:
+        """The entry of ``session`` with the objects named in ``parked`` held parked as given there."""
+        session = session.with_objects(**{name: p.obj.reset() for name, p in parked.items()})
+        records = {name: ObjectRecord.of(obj) for name, obj in session.objects.items()}
+        for name, p in parked.items():
+            home = distinct_bytes(placed_storages(p.obj, p.placement))
+            records[name] = ObjectRecord("parked", tuple(tree_storages(p.obj)), home, parked=p)
+        return cls(session, records)
 
     def with_object(self, name: str, obj: StateObject, record: ObjectRecord) -> Entry:
         """A new entry with object ``name`` and its record replaced; pins and update hold carried over."""
@@ -182,6 +194,17 @@ class Entry:
 
     def names(self, state: RecordState) -> list[str]:
         return [name for name, record in self.records.items() if record.state == state]
+
+    def shared_within(self) -> frozenset[Storage]:
+        """The buffers that several of this session's objects (or an object and its attrs) hold."""
+        if self._shared_within is None:
+            holders = collections.Counter(
+                storage
+                for storages in (*(record.storages for record in self.records.values()), self.attrs_storages)
+                for storage in set(storages)
+            )
+            self._shared_within = frozenset(storage for storage, count in holders.items() if count > 1)
+        return self._shared_within
 
     def usage(
         self,
@@ -259,28 +282,48 @@ SHARED_STORAGES = _SharedStorages()
 
 
 def split_shared(views: list[tuple[Entry, SessionUsage]]) -> list[SessionUsage]:
-    """The planner's sessions with every buffer that several of them hold taken out of each, and counted once
-    in one pinned session of its own (:data:`SHARED_STORAGES`, first).
+    """The planner's sessions with every buffer that several objects hold taken out of each object, and
+    counted once: in one pinned session of its own (:data:`SHARED_STORAGES`, first) when several sessions
+    hold it, else in its session's own bytes (with its attrs).
 
-    Evicting, demoting, parking or preempting a session's object frees only the buffers no other session
-    reads (a conditioning shared by content, say), so only those are what an action frees; the shared ones
-    count once in usage and no plan acts on them.
+    Evicting, demoting, parking or preempting frees only the buffers nothing else reads (a conditioning
+    shared by content, two names for one array), so only those are what an action on an object frees; a
+    buffer shared within a session goes only with the whole session, and no plan acts on one several
+    sessions read.
     """
     holders = collections.Counter(s for entry, _ in views for s in set(entry.storages()))
-    shared = {s for s, n in holders.items() if n > 1}
-    if not shared:
-        return [usage for _, usage in views]
-    out = [SessionUsage(SHARED_STORAGES, (), -1, True, distinct_bytes(shared))]
+    across = {s for s, n in holders.items() if n > 1}
+    out = [SessionUsage(SHARED_STORAGES, (), -1, True, distinct_bytes(across))] if across else []
     for entry, usage in views:
+        within = entry.shared_within() - across
+        if not across and not within:
+            out.append(usage)
+            continue
+        shared = across | within
         objects = tuple(_without(obj, entry.records[obj.name].storages, shared) for obj in usage.objects)
-        attrs = distinct_bytes(s for s in entry.attrs_storages if s not in shared)
+        attrs = distinct_bytes(s for s in (*entry.attrs_storages, *within) if s not in across)
         out.append(dataclasses.replace(usage, objects=objects, attrs_bytes_by_device=attrs))
     return out
 
 
 def _without(obj: ObjectUsage, storages: tuple[Storage, ...], shared: set[Storage]) -> ObjectUsage:
-    """``obj``'s figures less its ``shared`` buffers; no demotion for an object that shares one (it would copy)."""
+    """``obj``'s figures less its ``shared`` buffers; an object holding one is neither demoted nor parked (either
+    would copy the buffer without freeing it)."""
     if obj.state == "evicted" or shared.isdisjoint(storages):
         return obj
     kept = distinct_bytes(s for s in storages if s not in shared)
-    return dataclasses.replace(obj, bytes_by_device=kept, demoted_bytes_by_device=None)
+    return dataclasses.replace(obj, bytes_by_device=kept, demoted_bytes_by_device=None, parkable=False)
+
+
+def placed_storages(obj: StateObject, placement: Placement) -> list[Storage]:
+    """The buffers ``obj``'s arrays would hold once put on ``placement`` (same layout, another memory)."""
+    placed = []
+    for leaf, sharding in zip(jax.tree_util.tree_leaves(obj), placement.shardings):
+        if sharding is None:  # not a jax array: it stays as it is
+            placed.extend(tree_storages(leaf))
+            continue
+        placed.extend(
+            (device_key(shard.device, sharding.memory_kind), shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
+            for shard in leaf.addressable_shards
+        )
+    return placed

@@ -22,11 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import math
 import types
 import warnings
 from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 
+from jax_session_state.errors import PayloadError
 from jax_session_state.manager import _plan_search
 from jax_session_state.manager._plan_records import (
     Action,
@@ -38,6 +40,7 @@ from jax_session_state.manager._plan_records import (
     PreemptSession,
     Refusal,
     SessionUsage,
+    byte_counts,
 )
 from jax_session_state.manager._plan_search import (
     Projection,
@@ -107,9 +110,17 @@ def _evict_phase(
 
 
 def _demote_phase(
-    ledger: Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
+    ledger: Projection,
+    actors: Sequence[SessionUsage],
+    allowed: Mapping[int, Collection[str]] | None = None,
+    room_keys: Collection[str] = (),
 ) -> None:
-    """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name)."""
+    """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name).
+
+    A demotion must save bytes on an over-budget key or, when replaying a
+    searched selection (``allowed``), on a destination key its parks need
+    room in (``room_keys``).
+    """
     for index, session in enumerate(actors):
         if not ledger.over:
             return
@@ -122,7 +133,7 @@ def _demote_phase(
         for obj, freed in candidates:
             if not ledger.over:
                 return
-            if not ledger.gain(freed):
+            if not ledger.gain(freed) and not any(k in room_keys for k in freed):
                 continue
             ledger.record(index, obj.name, DemoteObject(session.session_id, obj.name, types.MappingProxyType(freed)),
                           freed)
@@ -200,8 +211,9 @@ def _searched_plan(
     actors: Sequence[SessionUsage],
     park: bool,
     search_limit: int,
-) -> tuple[Plan | None, bool]:
-    """The exact search's evictions, demotions and parks, replayed in rule order; (None, proven) if none fit."""
+) -> tuple[Plan | None, str]:
+    """The exact search's evictions, demotions and parks, replayed in rule order, and why a refusal would not be
+    proven ("" when it would be); (None, why) if no replayed plan fits."""
     start = Projection(usage, budgets, host_room)
     over = start.over
 
@@ -216,7 +228,7 @@ def _searched_plan(
 
     selection, proven = _plan_search.search(start, candidates, parking_destination, search_limit)
     if selection is None:
-        return None, proven
+        return None, "" if proven else f"search gave up at search_limit={search_limit}"
     replay = Projection(usage, budgets, host_room)
     parks = {i: option.parks for i, option in selection.items()}
     room_keys = {
@@ -227,9 +239,11 @@ def _searched_plan(
         for k in moved
     } & budgets.keys()
     _evict_phase(replay, actors, {i: option.evictions for i, option in selection.items()}, room_keys)
-    _demote_phase(replay, actors, {i: option.demotions for i, option in selection.items()})
+    _demote_phase(replay, actors, {i: option.demotions for i, option in selection.items()}, room_keys)
     _park_phase(replay, actors, parks)
-    return replay.to_plan(), True
+    if replay.over:  # a plan is returned only when it fits
+        return None, "the search's selection did not fit once replayed in rule order"
+    return replay.to_plan(), ""
 
 
 def plan(
@@ -255,8 +269,8 @@ def plan(
       lists as a source;
     - demote: a resident object with ``demoted_bytes_by_device`` (a lower
       tier); it frees the difference and stays resident, lossy;
-    - park (if ``park``): a resident object; its default-kind bytes on k move
-      to k + "/pinned_host";
+    - park (if ``park``): a resident, ``parkable`` object; its default-kind
+      bytes on k move to k + "/pinned_host";
     - preempt (if ``allow_preempt``): a session; frees all its bytes.
 
     A *valid* plan is evictions, demotions, parks, then preemptions, all candidates,
@@ -271,8 +285,8 @@ def plan(
     first; (3) park, LRU session first, larger objects first (an object
     demoted in the plan is not also parked); (4) preempt LRU sessions first.
     Each action frees bytes on a key over budget when taken (a replayed
-    search evict may instead free room its parks need), and the plan stops
-    as soon as every key fits.  A preemption that later ones made needless
+    search eviction or demotion may instead free room its parks need), and
+    the plan stops as soon as every key fits.  A preemption that later ones made needless
     is left out (preemption loses history, so the plan keeps as few as this
     greedy order allows).
 
@@ -286,7 +300,9 @@ def plan(
     complete always: preempting every candidate session is the least usage
     any plan reaches.  Without it the search is exact unless a session has
     more than ``search_limit`` options or the search backtracks more than
-    ``search_limit`` times; then it gives up with ``Refusal.proven`` False.
+    ``search_limit`` times; then it gives up with ``Refusal.proven`` False
+    (as it does in the rare case where the search's selection does not fit
+    once replayed in rule order).
 
     Args:
       sessions: every session, with unique ids.
@@ -298,7 +314,12 @@ def plan(
       search_limit: work bound of the exact search (see Completeness).
 
     Returns:
-      A :class:`Plan`, or a :class:`Refusal` if no valid plan fits.
+      A :class:`Plan` (its ``usage_after`` within every budget), or a
+      :class:`Refusal` if no valid plan fits.
+
+    Raises:
+      PayloadTypeError: a budget is not an int.
+      PayloadError: a budget is below 0, or two sessions have one id.
 
     Example:
       The greedy pass evictions the cheap ``cond_kv`` first, which pins
@@ -313,6 +334,8 @@ def plan(
       >>> dict(result.usage_after)
       {'cuda:0': 10}
     """
+    budgets = byte_counts("plan", "budgets", budgets, keep_zeros=True)
+    _require_unique_ids(sessions)
     usage: dict[str, int] = {}
     for session in sessions:
         add_footprint(usage, session)
@@ -326,19 +349,26 @@ def plan(
         _park_phase(greedy, actors)
     if not greedy.over:
         return greedy.to_plan()
-    searched, proven = _searched_plan(usage, budgets, host_room, actors, park, search_limit)
+    searched, unproven = _searched_plan(usage, budgets, host_room, actors, park, search_limit)
     if searched is not None:
         return searched
     if allow_preempt:
         _preempt_phase(greedy, actors)
         if not greedy.over:
             return greedy.to_plan()
-        proven = True
+        unproven = ""
     shortfall = {k: greedy.usage[k] - budgets[k] for k in sorted(greedy.over)}
     message = "over budget: " + ", ".join(f"{k} by {b} bytes" for k, b in shortfall.items())
-    if not proven:
-        message += f" (search gave up at search_limit={search_limit})"
-    return Refusal(types.MappingProxyType(shortfall), proven, message)
+    if unproven:
+        message += f" ({unproven})"
+    return Refusal(types.MappingProxyType(shortfall), not unproven, message)
+
+
+def _require_unique_ids(sessions: Sequence[SessionUsage]) -> None:
+    counts = collections.Counter(session.session_id for session in sessions)
+    repeated = [session_id for session_id, count in counts.items() if count > 1]
+    if repeated:
+        raise PayloadError(f"plan: every session needs its own id; {repeated!r} appear more than once.")
 
 
 def __getattr__(name: str) -> type:

@@ -9,6 +9,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state.manager import _core as _manager_core
+from tests.manager.frozen import assert_frozen, frozen_state
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import (
     TRACES,
@@ -36,33 +37,6 @@ def kinds(events):
     return [(e.kind, e.session_id, e.object_name) for e in events]
 
 
-def frozen_state(m):
-    """Everything a refusal must leave as it was (counters but refusals, bytes, order, holdings, contents)."""
-    stats = m.stats()
-    stats.pop("refusals")
-    held = {
-        sid: (
-            sorted(h.parked),
-            sorted(h.evicted),
-            contents(h.session),
-            {n: contents(p.obj) for n, p in h.parked.items()},
-        )
-        for sid, h in m.held().items()
-    }
-    return stats, m.nbytes_by_device(), list(m.held()), held
-
-
-def assert_frozen(before, m):
-    after = frozen_state(m)
-    assert after[:3] == before[:3]
-    for sid, (parked, dropped, session, parked_contents) in before[3].items():
-        now = after[3][sid]
-        assert now[:2] == (parked, dropped)
-        assert now[2].keys() == session.keys() and all(np.array_equal(now[2][k], session[k]) for k in session)
-        for name, arrays in parked_contents.items():
-            assert all(np.array_equal(now[3][name][k], arrays[k]) for k in arrays)
-
-
 # ----------------------------------------------------------- reference design's scenarios
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
@@ -76,6 +50,10 @@ def assert_frozen(before, m):
         ({"host_budget": -5}, jss.PayloadError, r"host_budget must be >= 0; got -5\."),
         ({"host_budget": 1.5}, jss.PayloadTypeError, r"host_budget must be an int >= 0; got 1\.5\."),
         ({"park_memory_kind": "device"}, jss.PayloadError, r"park_memory_kind is 'pinned_host' or None; got 'device'"),
+        ({"evict_when_full": "no"}, jss.PayloadTypeError, r"evict_when_full must be True or False; got 'no'\."),
+        ({"on_event": "log"}, jss.PayloadTypeError, r"on_event must be callable .* or None; got str 'log'\."),
+        ({"agreement_timeout": float("inf")}, jss.PayloadError, r"agreement_timeout must be a finite number"),
+        ({"agreement_timeout": -1.0}, jss.PayloadError, r"agreement_timeout must be >= 0; got -1\.0\."),
     ],
 )
 def test_constructor_arguments_are_checked_and_named(kwargs, error, message):
@@ -381,6 +359,10 @@ def test_register_rebuild_checks_its_arguments():
     m, _ = manager()
     with pytest.raises(jss.PayloadTypeError, match="fn must be callable"):
         m.register_rebuild("cond", 3)
+    with pytest.raises(jss.PayloadTypeError, match=r"name must be an object name \(a str\); got tuple \('cond',\)\."):
+        m.register_rebuild(("cond",), rebuild_cond)
+    with pytest.raises(jss.PayloadError, match="name must be an object name; got the empty string"):
+        m.register_rebuild("", rebuild_cond)
     for bad in (
         dict(max_sessions=0),
         dict(byte_budget={DEVICE: -1}),

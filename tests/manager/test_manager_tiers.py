@@ -214,7 +214,7 @@ def assert_within_half_a_step(demoted, written):
 
 
 @pytest.mark.parametrize("make", [tier_session, paged_session])
-def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer(make):
+def test_demotion_frees_what_the_manager_alone_holds_and_keeps_a_shared_buffer(make):
     size = nbytes(make(0))
     saved = size - nbytes(make(0).with_objects(kv=make(0)["kv"].demote()))
     sessions = {sid: make(seed) for seed, sid in enumerate("abc")}
@@ -223,18 +223,17 @@ def test_demotion_donates_what_the_manager_alone_holds_and_keeps_a_shared_buffer
     bookkeeping = [
         name for name in old.storage_fields() if name not in old.data_fields and getattr(old, name) is not None
     ]
-    pointers = {name: getattr(old, name).unsafe_buffer_pointer() for name in bookkeeping}
-    kept = {name: np.asarray(jnp.copy(getattr(old, name))) for name in bookkeeping}  # copies: `old` stays donatable
+    kept = {name: np.asarray(jnp.copy(getattr(old, name))) for name in bookkeeping}  # copies: `old` stays deletable
     m, events = manager(3 * size - saved // 2, rebuild=False)
     for sid in "abc":
         m.create(sid, sessions[sid])
     assert kinds(events) == [("demote", "a", "kv")] and m.stats()["demotions"] == 1
-    assert all(getattr(old, name).is_deleted() for name in bookkeeping)  # donated
+    # Freed, though this handle still refers to it: only the manager held it.
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(old))
     demoted = m.get("a")["kv"]
-    assert {name: getattr(demoted, name).unsafe_buffer_pointer() for name in bookkeeping} == pointers  # in place
     assert demoted.quantize == "int8" and m.stats()["bytes"][DEVICE] == 3 * size - saved
     assert_within_half_a_step(demoted, written["a"])  # nothing lost
-    for name in bookkeeping:  # written in place, and holding what it held: demotion requantizes only the K/V
+    for name in bookkeeping:  # holding what it held: demotion requantizes only the K/V
         np.testing.assert_array_equal(np.asarray(getattr(demoted, name)), kept[name], err_msg=name)
     for got, want in zip(demoted.view().materialize(), written["a"]):
         np.testing.assert_array_equal(got["positions"], want["positions"])

@@ -542,6 +542,14 @@ _COUNTS = r"must map device keys to byte counts \(ints >= 0\); got "
             PayloadTypeError,
             rf"^ObjectUsage 'x': bytes_by_device {_COUNTS}\{{'cuda:0': '4'\}}\.$",
         ),
+        *(
+            (
+                lambda count=count: obj("x", {"cuda:0": count}),
+                PayloadTypeError,
+                rf"^ObjectUsage 'x': bytes_by_device {_COUNTS}\{{'cuda:0': {count}\}}\.$",
+            )
+            for count in (1.5, float("nan"), float("inf"))  # a byte count is an int
+        ),
         (
             lambda: obj("x", {"cpu:0": 4}, demoted_bytes_by_device={"cpu:0": None}),
             PayloadTypeError,
