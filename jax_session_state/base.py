@@ -277,12 +277,17 @@ class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
         self._require_resident("commit")
         if payload is None:
             return self._commit_staged()
-        written, refused = self._stage(payload, "commit")
-        return written._commit_staged(when=jnp.logical_not(refused))
+        return self._write_and_commit(payload, "commit")
 
     def append(self: Self, payload: Any) -> Self:
-        """Stages and commits ``payload`` in one write."""
-        return self.commit(payload)
+        """Stages and commits ``payload`` in one write: ``commit(payload)``, its errors naming ``append``."""
+        self._require_resident("append")
+        return self._write_and_commit(payload, "append")
+
+    def _write_and_commit(self: Self, payload: Any, operation: str) -> Self:
+        """Writes ``payload`` after what is staged and commits it all, unless refused; messages name ``operation``."""
+        written, refused = self._stage(payload, operation)
+        return written._commit_staged(when=jnp.logical_not(refused))
 
     @abc.abstractmethod
     def discard(self: Self) -> Self:

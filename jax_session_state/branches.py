@@ -37,7 +37,8 @@ from flax import struct
 from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
-from jax_session_state.errors import PayloadError, PayloadTypeError
+from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
+from jax_session_state.kinds import refuse_now_if
 
 if TYPE_CHECKING:  # annotations only; at run time Session.branch imports this module
     from jax_session_state.session import Session
@@ -165,20 +166,26 @@ class Branches(struct.PyTreeNode):
         """The session with lane ``index``'s writes committed; the other lanes are dropped.
 
         Under ``jit`` ``index`` may be traced; an out-of-range traced index
-        adopts nothing (the prefix comes back unchanged).
+        adopts nothing (the prefix comes back unchanged).  A lane whose
+        writes were refused (they did not fit its window) passes the refusal
+        on: under ``jit`` the adopted object's ``overflowed`` flag is set, so
+        :func:`~jax_session_state.check` reports the lost rows; eagerly
+        nothing is adopted and :class:`CapacityError` is raised.
 
         Raises:
           PayloadTypeError: ``index`` is not an integer scalar (a bool is not one).
           IndexError: a concrete ``index`` outside ``[0, lanes)``.
+          CapacityError: eagerly, a write of lane ``index`` was refused.
         """
         self._check_index(index, "adopt")
         in_range = (index >= 0) & (index < self.lanes)
         lane = self.lane(jnp.clip(index, 0, self.lanes - 1))
+        self._refuse_lost_writes(lane, index)
         session = self.prefix.discard()
         objects = dict(session.objects)
         for name, window in lane.windows.items():
-            # An out-of-range lane contributes an empty window: nothing is written.
-            window = jax.tree_util.tree_map(lambda w, e: jnp.where(in_range, w, e), window, window.discard())
+            # An out-of-range lane contributes an empty window: nothing is written, nothing was refused.
+            window = jax.tree_util.tree_map(lambda w, e: jnp.where(in_range, w, e), window, window.empty())
             objects[name] = objects[name].commit_window(window)
         attrs = dict(session.attrs)
         for name, value in lane.attrs.items():
@@ -202,6 +209,20 @@ class Branches(struct.PyTreeNode):
     def nbytes(self) -> int:
         """Total bytes, all devices together (for reporting only)."""
         return sum(self.nbytes_by_device().values())
+
+    def _refuse_lost_writes(self, lane: Lane, index: int | jax.Array) -> None:
+        """Raises at once when a window of ``lane`` (concrete: not under ``jit``) refused a write."""
+        for name, window in lane.windows.items():
+            refuse_now_if(
+                window.overflowed,
+                lambda name=name, window=window: CapacityError(
+                    f"Branches.adopt: a write of lane {int(index)} to {name!r} ({self.prefix[name].describe()}) "
+                    f"was refused: it did not fit the lane's window of {window.capacity} entries "
+                    f"({window.describe()}), which holds {np.asarray(window.committed + window.staged).tolist()}; "
+                    "adopting the lane would lose that write, so nothing was adopted. Branch with a larger window "
+                    f"for {name!r}, or adopt another lane."
+                ),
+            )
 
     def _check_index(self, index: Any, operation: str) -> None:
         if not is_integer_scalar(index):  # a bool is not one: x[True] would add an axis, not pick lane 1

@@ -132,7 +132,7 @@ class PayloadError(SessionStateError, ValueError):
       ...     kv.append((jnp.ones((1, 1, 1, 3)),) * 2)  # head_dim 3, not 2
       ... except jss.PayloadError as error:
       ...     print(error)
-      KVCache(...).commit: k must have shape [1, T, 1, 2] and dtype float32 (with T=1); got shape
+      KVCache(...).append: k must have shape [1, T, 1, 2] and dtype float32 (with T=1); got shape
       [1, 1, 1, 3] and dtype float32.
     """
 
@@ -148,7 +148,7 @@ class PayloadTypeError(SessionStateError, TypeError):
       ...     kv.append((jnp.ones((1, 1, 1, 2), jnp.int32),) * 2)
       ... except jss.PayloadTypeError as error:
       ...     print(error)
-      KVCache(...).commit: k must have shape [1, T, 1, 2] and dtype float32; got shape [1, 1, 1, 2]
+      KVCache(...).append: k must have shape [1, T, 1, 2] and dtype float32; got shape [1, 1, 1, 2]
       and dtype int32. Cast it first.
     """
 

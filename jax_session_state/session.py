@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
-from jax_session_state.base import StateObject
+from jax_session_state.base import StateObject, is_state_object
 from jax_session_state.errors import PayloadError, PayloadTypeError, RecomputeGraphError
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ class Session(struct.PyTreeNode):
         never acted on); empty by default.
 
     Raises:
-      PayloadTypeError: ``objects`` or ``attrs`` is not a mapping, or an
-        object name is not a str.
+      PayloadTypeError: ``objects`` or ``attrs`` is not a mapping, an
+        object name is not a str, or an object is not a state object.
       PayloadError: an object name is the empty string.
       RecomputeGraphError: a recompute source is missing, or the sources
         form a cycle.
@@ -70,21 +70,30 @@ class Session(struct.PyTreeNode):
             raise PayloadTypeError("Session(objects=..., attrs=...) takes two mappings from names.")
         object.__setattr__(self, "objects", dict(self.objects))
         object.__setattr__(self, "attrs", dict(self.attrs))
-        for name in self.objects:
+        for name, obj in self.objects.items():
             if not isinstance(name, str):
                 raise PayloadTypeError(f"Session object names must be non-empty strings; got {name!r}.")
             if not name:
                 raise PayloadError(f"Session object names must be non-empty strings; got {name!r}.")
+            if not is_state_object(obj):
+                raise PayloadTypeError(
+                    f"Session object {name!r} must be a state object (a StateObject such as KVCache or "
+                    f"FixedState); got {type(obj).__name__}. Carry other values in attrs."
+                )
         _validate_recompute_graph(
-            tuple((name, getattr(obj, "recompute_source", ())) for name, obj in self.objects.items())
+            tuple((name, obj.recompute_source) for name, obj in self.objects.items())
         )
 
     # ----------------------------------------------------------- mapping
     def __getitem__(self, name: str) -> StateObject:
-        try:
-            return self.objects[name]
-        except KeyError:
-            raise KeyError(f"no object {name!r} in this session; it holds {sorted(self.objects)}.") from None
+        self._require_objects([name])
+        return self.objects[name]
+
+    def _require_objects(self, names: Iterable[str]) -> None:
+        """Raises ``KeyError`` for the first of ``names`` that names no object of this session."""
+        for name in names:
+            if name not in self.objects:
+                raise KeyError(f"no object {name!r} in this session; it holds {sorted(self.objects)}.")
 
     def __contains__(self, name: object) -> bool:
         return name in self.objects
@@ -123,7 +132,11 @@ class Session(struct.PyTreeNode):
 
         Objects named in ``payloads`` commit that payload (after anything they
         have staged); every other object promotes what it has staged.
+
+        Raises:
+          KeyError: a payload names no object of this session (nothing is committed).
         """
+        self._require_objects(payloads)
         return self._map(lambda name, obj: obj.commit(payloads.get(name)), self.objects)
 
     def append(self, **payloads: Any) -> Session:

@@ -146,3 +146,33 @@ def test_a_write_that_changes_a_storage_spec_is_refused_at_trace_time(jit):
         with pytest.raises(PayloadTypeError, match=rf"KVCache\(.*a write changed storage '[kv]' from .*{change}"):
             (jax.jit(write) if jit else write)(kv)
     np.testing.assert_array_equal(kv.k, np.zeros((1, 1, 4, 2)))  # nothing changed
+
+
+def with_wrong_dtype(payload):
+    """``payload`` with its first leaf in float16 (no kind's payload dtype here)."""
+    leaves, treedef = jax.tree_util.tree_flatten(payload)
+    return treedef.unflatten([leaves[0].astype(jnp.float16), *leaves[1:]])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("method", ["stage", "commit", "append"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_write_errors_name_the_method_called(kind, method, jit):
+    make, payload_of = KINDS[kind]
+    obj = make()
+    wrong = with_wrong_dtype(payload_of(np.random.default_rng(0)))
+
+    def write(obj, payload):
+        return getattr(obj, method)(payload)
+
+    with pytest.raises(PayloadTypeError) as raised:
+        (jax.jit(write) if jit else write)(obj, wrong)
+    message = str(raised.value)
+    assert message.startswith(f"{obj.describe()}.{method}: "), message
+    assert "float16" in message and "got" in message, message
+    others = {"stage", "commit", "append"} - {method}
+    assert not any(f".{other}" in message for other in others), message
+    assert obj.fill() == make().fill()  # nothing was written
+    not_resident = rf"^{method}\(\) on {re.escape(obj.describe())}, which is not resident"
+    with pytest.raises(jss.NotResidentError, match=not_resident):
+        getattr(obj.reset(), method)(payload_of(np.random.default_rng(0)))

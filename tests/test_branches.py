@@ -214,3 +214,115 @@ def test_lane_overflow_is_flagged_per_lane():
     flagged = branches.map(lambda lane, r: lane.stage(kv=(r, r)), rows)
     with pytest.raises(jss.CapacityError, match=r"windows\['kv'\]"):
         jss.check(flagged)
+
+
+
+def overflow_session(rng):
+    """A session whose K/V and frames hold a random prefix of 3 entries."""
+    session = jss.Session(
+        objects={
+            "kv": jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, capacity=32),
+            "frames": jss.LatentBuffer.allocate(capacity=8, item_shape=(2,)),
+        }
+    )
+    k, v = (jnp.asarray(rng.normal(size=(B, 3, H, D)), jnp.float32) for _ in "kv")
+    return session.append(kv=(k, v), frames=jnp.asarray(rng.normal(size=(3, 2)), jnp.float32))
+
+
+def random_entries(rng, name, n, lanes=2):
+    """``n`` random entries of ``name`` for each of ``lanes`` lanes: K/V rows or frames."""
+    if name == "kv":
+        return tuple(jnp.asarray(rng.normal(size=(lanes, B, n, H, D)), jnp.float32) for _ in "kv")
+    return jnp.asarray(rng.normal(size=(lanes, n, 2)), jnp.float32)
+
+
+def first_entry(name, payload):
+    """The first entry of one lane's payload of ``name``."""
+    return tuple(x[:, :1] for x in payload) if name == "kv" else payload[:1]
+
+
+def of_lane(tree, lane):
+    return jax.tree_util.tree_map(lambda x: x[lane], tree)
+
+
+def overflowing_lanes(branches, name, first, more, over):
+    """Each lane stages ``first``, then all of ``more`` where ``over`` (2 entries: past its window of 2, refused),
+    else the first entry of ``more``."""
+
+    def roll(lane, first, more, over):
+        lane = lane.stage(**{name: first})
+        return jax.lax.cond(
+            over,
+            lambda lane: lane.stage(**{name: more}),
+            lambda lane: lane.stage(**{name: first_entry(name, more)}),
+            lane,
+        )
+
+    return branches.map(roll, first, more, over)
+
+
+def read_entries(session, name):
+    """The committed entries of ``name``: K/V rows of batch row 0, or frames."""
+    if name == "kv":
+        (row,) = session.view()["kv"].materialize()
+        return {key: row[key] for key in "kv"}
+    return session.view()["frames"].materialize()
+
+
+def appended_entries(session, name, *payloads):
+    """What ``name`` must read once ``payloads`` (one lane's) are appended to ``session``: a numpy model."""
+    before = read_entries(session, name)
+    if name == "kv":
+        return {
+            key: np.concatenate([before[key], *(np.asarray(p[i])[0] for p in payloads)]) for i, key in enumerate("kv")
+        }
+    return np.concatenate([before, *(np.asarray(p) for p in payloads)])
+
+
+def refused_lane_case(name):
+    """A session, its branches, one lane's refused write, and what adopting lane 0 or lane 1 must read."""
+    rng = np.random.default_rng(5)
+    session = overflow_session(rng)
+    first, more = random_entries(rng, name, 1), random_entries(rng, name, 2)
+    over = jnp.array([True, False])  # lane 0's second write does not fit its window: refused
+    kept = (
+        appended_entries(session, name, of_lane(first, 0)),
+        appended_entries(session, name, of_lane(first, 1), first_entry(name, of_lane(more, 1))),
+    )
+    return session, session.branch(2, window=2), (first, more, over), kept
+
+
+@pytest.mark.parametrize("name", ["kv", "frames"])
+def test_adopting_a_lane_whose_write_was_refused_raises_eagerly_and_adopts_nothing(name):
+    session, branches, lane_data, kept = refused_lane_case(name)
+    rolled = overflowing_lanes(branches, name, *lane_data)
+    kind = type(session[name]).__name__
+    message = (
+        rf"^Branches\.adopt: a write of lane 0 to '{name}' \({kind}\(.*capacity=(32|8).*\)\) was refused: it did not "
+        rf"fit the lane's window of 2 entries \({kind}\(.*capacity=2.*\)\), which holds (\[1\]|1); adopting the "
+        rf"lane would lose that write, so nothing was adopted\. Branch with a larger window for '{name}', or "
+        r"adopt another lane\.$"
+    )
+    with pytest.raises(jss.CapacityError, match=message):
+        rolled.adopt(0)
+    assert_logically_equal(rolled.prefix.view(), session.view(), "a refused adopt changed the prefix")
+    assert bool(rolled.windows[name].overflowed[0]) and not bool(rolled.windows[name].overflowed[1])
+    adopted = rolled.adopt(1)  # the other lane's writes all fit
+    jss.check(adopted)
+    chex.assert_trees_all_equal(read_entries(adopted, name), kept[1])
+
+
+@pytest.mark.parametrize("name", ["kv", "frames"])
+def test_adopting_a_lane_whose_write_was_refused_under_jit_flags_the_object(name):
+    session, branches, lane_data, kept = refused_lane_case(name)
+    step = jax.jit(lambda branches, lane_data, lane: overflowing_lanes(branches, name, *lane_data).adopt(lane))
+    lost = step(branches, lane_data, 0)
+    with pytest.raises(jss.CapacityError, match=rf"refused and wrote nothing.*\.objects\['{name}'\]"):
+        jss.check(lost)
+    chex.assert_trees_all_equal(read_entries(lost, name), kept[0])  # the lane's writes that fit
+    adopted = step(branches, lane_data, 1)
+    jss.check(adopted)
+    chex.assert_trees_all_equal(read_entries(adopted, name), kept[1])
+    nothing = step(branches, lane_data, jnp.int32(7))  # out of range: adopts nothing, so loses nothing
+    jss.check(nothing)
+    assert_logically_equal(nothing.view(), session.view(), "out-of-range adopt")

@@ -53,6 +53,17 @@ def test_commit_with_payloads_also_promotes_the_rest():
     assert int(session.view(include_staged=False)["frames"].count) == 1
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_commit_of_a_name_not_in_the_session_is_a_key_error_and_commits_nothing(jit):
+    rng = np.random.default_rng(2)
+    session = make_session().stage(kv=rows(rng, 2))
+    commit = jax.jit(lambda s, chunk: s.commit(kvv=chunk)) if jit else (lambda s, chunk: s.commit(kvv=chunk))
+    message = r"no object 'kvv' in this session; it holds \['cond', 'frames', 'kv', 'prompt'\]\."
+    with pytest.raises(KeyError, match=message):
+        commit(session, rows(rng, 3))
+    assert session["kv"].fill().staged == [2] and session["kv"].fill().committed == [0]  # still staged
+
+
 def test_jitted_donated_step_compiles_once_and_keeps_buffers():
     rng = np.random.default_rng(2)
 
@@ -105,6 +116,29 @@ def test_object_names_tell_a_non_string_from_an_empty_one(name, error):
     with pytest.raises(error, match=match) as raised:
         jss.Session(objects={"ok": kv, name: kv})
     assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (jnp.ones(3), "ArrayImpl"),
+        (np.ones(3), "ndarray"),
+        (3, "int"),
+        (None, "NoneType"),
+        ({"kv": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)}, "dict"),  # nested, not an object
+    ],
+)
+def test_an_object_that_is_not_a_state_object_is_a_type_error_naming_it(value, shown):
+    kv = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=3, capacity=4)
+    message = (
+        rf"^Session object 'x' must be a state object \(a StateObject such as KVCache or FixedState\); got {shown}\. "
+        r"Carry other values in attrs\.$"
+    )
+    with pytest.raises(jss.PayloadTypeError, match=message):
+        jss.Session(objects={"kv": kv, "x": value})
+    with pytest.raises(jss.PayloadTypeError, match=message):
+        jss.Session(objects={"kv": kv}).with_objects(x=value)
+    assert jss.Session(objects={"kv": kv}, attrs={"x": value}).attrs["x"] is value  # attrs carry anything
 
 
 def test_missing_recompute_source():

@@ -100,6 +100,10 @@ class ItemBuffer(StateObject, kw_only=True):
     def _with_bookkeeping(self, *, count: Array, staged: Array, refused: Array) -> ItemBuffer:
         return self.with_storage(bookkeeping=jnp.stack([count, staged, refused], axis=-1).astype(jnp.int32))
 
+    def _with_refusals_of(self, other: ItemBuffer) -> ItemBuffer:
+        """This buffer with ``other``'s refused writes added to its own (a lane's window, as it is committed)."""
+        return self.with_storage(bookkeeping=self.bookkeeping.at[..., _REFUSED].add(other.bookkeeping[..., _REFUSED]))
+
     def _items(self, payload: Any, operation: str) -> tuple[list[Array], int]:
         """Checks one item or a batch of items; returns leaves ``[n, ...]`` and n."""
         owner = f"{self.describe()}.{operation}"

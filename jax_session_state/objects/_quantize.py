@@ -5,10 +5,13 @@ Each row of ``head_dim`` values (one token of one head) is stored as int8
 ``scale = max|x| / Q`` (``Q`` = 127 for int8, 448 for fp8).  The error
 bound: an int8 value is off by at most ``scale / 2 = max|x| / 254`` (half a
 step), so each entry of a row is within ``0.4%`` of the row's largest
-magnitude; fp8 keeps 3 mantissa bits, a relative error of at most ``2**-4``
-per entry.  Attention over such K/V stays within about 1e-2 relative of the
-float32 result on normal data (``benchmarks/tiers.py`` measures the
-distribution).
+magnitude.  fp8 keeps 3 mantissa bits, a relative error of at most ``2**-4``
+per entry, down to float8's smallest normal number: an entry below
+``max|x| * 2**-6 / 448`` is a float8 subnormal, off by at most half its step,
+``max|x| / (448 * 2**10)``.  So each fp8 entry is within ``2**-4`` of itself
+relative or ``max|x| / (448 * 2**10)`` absolute, whichever is larger.
+Attention over such K/V stays within about 1e-2 relative of the float32
+result on normal data (``benchmarks/tiers.py`` measures the distribution).
 """
 
 from __future__ import annotations

@@ -125,13 +125,10 @@ class FixedState(StateObject, kw_only=True):
         )
         return new, False
 
-    def commit(self, payload: Any = None) -> FixedState:
-        """Replaces the committed value with ``payload``, or with the staged one."""
-        self._require_resident("commit")
-        if payload is None:
-            return self._commit_staged()
+    def _write_and_commit(self, payload: Any, operation: str) -> FixedState:
+        """Replaces the committed value (and any staged one) with ``payload``: no undo copy is kept."""
         return self.with_storage(
-            value=overwrite(self.value, self._checked(payload, "commit")),
+            value=overwrite(self.value, self._checked(payload, operation)),
             has_staged=overwrite(self.has_staged, False),
         )
 

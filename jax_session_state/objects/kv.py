@@ -49,9 +49,11 @@ class KVCache(StateObject, kw_only=True):
     quarter of the bytes plus 4 bytes per row and head.  Payloads stay in
     ``dtype``; ``append`` quantizes the rows it writes, and attention
     dequantizes block by block.  Each value is within half a step,
-    ``max|row| / 254``, of what was written (fp8: ``2**-4`` relative).  A
-    cache that declares ``tiers=("int8",)`` may be demoted to that form
-    (:meth:`demote`) when memory is short.
+    ``max|row| / 254``, of what was written (fp8: ``2**-4`` relative or
+    ``max|row| / (448 * 2**10)`` absolute, whichever is larger: entries
+    below ``max|row| * 2**-6 / 448`` are float8 subnormals).  A cache that
+    declares ``tiers=("int8",)`` may be demoted to that form (:meth:`demote`)
+    when memory is short.
 
     Staging is in-buffer: ``stage`` writes rows past the committed length,
     ``commit()`` advances the length and ``discard()`` forgets the staged
@@ -410,7 +412,11 @@ class KVCache(StateObject, kw_only=True):
         )
 
     def commit_window(self, window: KVCache) -> KVCache:
-        """Appends the lane's rows (in pieces of ``max_staged`` for a ring)."""
+        """Appends the lane's rows (in pieces of ``max_staged`` for a ring).
+
+        The window's refused writes are added to this cache's, so ``overflowed``
+        tells that rows of the lane were lost.
+        """
         counts = window.lengths + window.staged
         k, v = (_quantize.dequantize(x, scale, self.dtype).transpose(0, 2, 1, 3)  # token-major, window-sized
                 for x, scale in ((window.k, window.k_scale), (window.v, window.v_scale)))
@@ -419,7 +425,9 @@ class KVCache(StateObject, kw_only=True):
         for start in range(0, window.capacity, piece):
             taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)
             cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
-        return cache
+        return cache.with_storage(
+            bookkeeping=cache.bookkeeping.at[..., _REFUSED, :].add(window.bookkeeping[..., _REFUSED, :])
+        )
 
 
 def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array, *, whole: bool) -> Array:

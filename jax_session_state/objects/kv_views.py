@@ -111,8 +111,12 @@ class KVView(struct.PyTreeNode):
     Attributes:
       k: ``Float[Array, "batch kv_heads capacity head_dim"]``.
       v: ``Float[Array, "batch kv_heads capacity head_dim"]``.
-      lengths: ``Int[Array, "batch"]`` tokens visible per row; in append mode
-        slots ``0..lengths-1`` are exactly the valid ones.
+      lengths: ``Int[Array, "batch"]`` per row, one past the last position
+        shown: the tokens written so far.  In append mode slots
+        ``0..lengths-1`` are exactly the visible ones; in ring mode only the
+        sinks and the most recent positions before ``lengths`` are held
+        (``positions`` says which), so fewer tokens than ``lengths`` are
+        visible once the ring has wrapped.
       positions: ``Int[Array, "batch capacity"]`` absolute position held by
         each slot, -1 where a slot is empty or not visible.
       window: sliding-window size, or None in append mode.  A query at ``q``

@@ -101,7 +101,8 @@ class LatentBuffer(ItemBuffer, kw_only=True):
 
         Args:
           capacity: items kept (and visible); ``maxlen=`` is its deprecated name.
-          item_shape: the shape of one item.
+          item_shape: the shape of one item, a tuple of ints (``(n,)`` for
+            ``n`` values; a bare int is refused).
           dtype: storage dtype; payloads must match it exactly.
           ring: overwrite the oldest items instead of refusing writes.
           max_staged: ring mode: the most items staged between commits.
@@ -123,6 +124,11 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         axes = v.renamed(owner, options, "item_axes", "axes", axes)
         if not ring and max_staged:
             raise PayloadTypeError(f"{owner}: max_staged applies only to ring=True (append mode stages in place).")
+        if not isinstance(item_shape, (tuple, list)):
+            raise PayloadTypeError(
+                f"{owner}: item_shape must be a tuple of ints, the shape of one item ((n,) for n values); "
+                f"got {item_shape!r}."
+            )
         item_shape = tuple(v.positive_int(owner, "item_shape", d, minimum=0) for d in item_shape)
         return cls._allocated(
             options,
@@ -242,7 +248,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         return LatentView(items=jnp.where(lane, from_lane, from_prefix), count=jnp.minimum(end - start, self.capacity))
 
     def commit_window(self, window: LatentBuffer) -> LatentBuffer:
-        """Appends the lane's items."""
+        """Appends the lane's items; the window's refused writes are added to this buffer's."""
         written, refused = self._write(
             [window.items],
             window.capacity,
@@ -250,4 +256,4 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             operation="commit_window",
             take=window.committed + window.staged,
         )
-        return written._commit_staged(when=~refused)
+        return written._commit_staged(when=~refused)._with_refusals_of(window)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_session_state.errors import PayloadError
+from jax_session_state._core._validation import is_integer_scalar
+from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects import _prefix
 from jax_session_state.objects.paged import PagedKVCache
 from jax_session_state.reuse._keys import page_keys
@@ -83,6 +84,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._pages)
 
+    def __repr__(self) -> str:
+        return f"PrefixIndex(page_size={self.page_size}, identity={self.identity!r})"
+
     def _check(self, cache: PagedKVCache, where: str) -> None:
         if not isinstance(cache, PagedKVCache) or cache.page_size != self.page_size:
             got = cache.describe() if isinstance(cache, PagedKVCache) else type(cache).__name__
@@ -90,10 +94,25 @@ class PrefixIndex:
                 f"PrefixIndex.{where}: expected a PagedKVCache with page_size {self.page_size}; got {got}."
             )
 
+    def _check_slot(self, cache: PagedKVCache, slot: Any, where: str) -> int:
+        """``slot`` as an int, checked on the host: an out-of-range slot would read or map another slot's pages."""
+        if not is_integer_scalar(slot) or isinstance(slot, jax.core.Tracer):
+            raise PayloadTypeError(f"{self!r}.{where}: slot must be an integer (not traced); got {slot!r}.")
+        if not 0 <= int(slot) < cache.max_slots:
+            raise IndexError(
+                f"{self!r}.{where}: slot {int(slot)} is out of range: {cache.describe()} has slots "
+                f"[0, {cache.max_slots})."
+            )
+        return int(slot)
+
     def match(self, tokens: Any) -> list[int]:
         """The pages holding the longest indexed prefix of ``tokens``, in row order."""
+        return self._match_keys(page_keys(tokens, page_size=self.page_size, identity=self.identity))
+
+    def _match_keys(self, keys: list[str]) -> list[int]:
+        """The pages of the longest indexed run of ``keys``; each found page becomes the most recently matched."""
         found = []
-        for key in page_keys(tokens, page_size=self.page_size, identity=self.identity):
+        for key in keys:
             page = self._pages.get(key)
             if page is None:
                 break
@@ -104,23 +123,30 @@ class PrefixIndex:
     def attach(self, cache: PagedKVCache, slot: int, tokens: Any) -> tuple[PagedKVCache, int]:
         """Maps the longest indexed prefix of ``tokens`` into free slot ``slot``.
 
+        Everything is checked before anything is counted: a refused attach
+        counts no hit or miss and makes no page more recently matched.
+
         Returns:
           The cache, and how many of ``tokens`` the slot now holds (committed);
           append the K/V of the rest.
 
         Raises:
           PayloadError: the slot holds pages, or the cache's page size is not the index's.
+          PayloadTypeError: ``slot`` is not an integer.
+          IndexError: ``slot`` is outside ``[0, cache.max_slots)``.
         """
         self._check(cache, "attach")
-        pages = self.match(tokens)[: cache.max_pages_per_slot]
-        self.hits += len(pages)
-        self.misses += len(np.asarray(tokens)) // self.page_size - len(pages)
-        row = np.full(cache.max_pages_per_slot, -1, np.int32)
-        row[: len(pages)] = pages
+        slot = self._check_slot(cache, slot, "attach")
+        keys = page_keys(tokens, page_size=self.page_size, identity=self.identity)
         if int(cache.page_table[slot, 0]) >= 0 or int(cache.staged[slot]) > 0:
             raise PayloadError(
-                f"PrefixIndex.attach: slot {slot} of {cache.describe()} holds pages; attach to a free slot."
+                f"{self!r}.attach: slot {slot} of {cache.describe()} holds pages; attach to a free slot."
             )
+        pages = self._match_keys(keys)[: cache.max_pages_per_slot]
+        self.hits += len(pages)
+        self.misses += len(keys) - len(pages)
+        row = np.full(cache.max_pages_per_slot, -1, np.int32)
+        row[: len(pages)] = pages
         if not pages:
             return cache, 0
         return _map_pages(cache, jnp.int32(slot), jnp.asarray(row), jnp.int32(len(pages))), len(pages) * self.page_size
@@ -130,8 +156,14 @@ class PrefixIndex:
 
         Pages already indexed under their key are left as they are; each
         newly indexed page gets one more reference (the index's).
+
+        Raises:
+          PayloadError: the cache's page size is not the index's.
+          PayloadTypeError: ``slot`` is not an integer.
+          IndexError: ``slot`` is outside ``[0, cache.max_slots)``.
         """
         self._check(cache, "publish")
+        slot = self._check_slot(cache, slot, "publish")
         keys = page_keys(tokens, page_size=self.page_size, identity=self.identity)
         committed = int(cache.lengths[slot]) // self.page_size
         table = np.asarray(cache.page_table[slot])

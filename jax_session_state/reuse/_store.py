@@ -168,8 +168,7 @@ class SharedStore:
     def _pin(self, key: str, user: Hashable) -> StateObject | None:
         """Pins the key's session for ``user`` (once per user); its object, or None when not held."""
         sid = SharedKey(key)
-        holds = self._holds.setdefault(key, {})
-        if user in holds:
+        if user in self._holds.get(key, {}):
             return self.manager.get(sid)[_VALUE]
         if sid not in self.manager:
             return None
@@ -178,7 +177,7 @@ class SharedStore:
             session = stack.enter_context(self.manager.pin(sid))
         except SessionStateLostError:
             return None
-        holds[user] = stack
+        self._holds.setdefault(key, {})[user] = stack  # a key is in use only once a user holds it
         return session[_VALUE]
 
     def release(self, key: str, user: Hashable) -> bool:

@@ -144,6 +144,23 @@ def test_ring_keeps_sinks_and_window_after_wraparound():
     np.testing.assert_array_equal(row["v"].ravel(), -np.array([0, 1, 5, 6, 7, 8, 9]) - 100)
 
 
+def test_ring_view_lengths_are_the_end_position_not_the_tokens_shown():
+    rng = np.random.default_rng(3)
+    window, sink, written = 3, 2, [int(n) for n in rng.integers(1, 3, size=8)]
+    cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=1, window=window, sink=sink, max_staged=2)
+    end = 0
+    for n in written:
+        x = jnp.asarray(rng.normal(size=(1, n, 1, 1)), jnp.float32)
+        cache = cache.append((x, x))
+        end += n
+        view = cache.view(include_staged=False)
+        shown = sorted(set(range(min(sink, end))) | set(range(max(end - window, 0), end)))  # the model
+        (row,) = view.materialize()
+        assert view.lengths.tolist() == [end]
+        assert row["positions"].tolist() == shown and len(shown) <= end
+    assert len(shown) < end  # wrapped: fewer shown than the length says
+
+
 def test_overflow_eager_raises_and_writes_nothing():
     cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
     x = jnp.ones((1, 3, 1, 2))

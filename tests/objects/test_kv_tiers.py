@@ -64,6 +64,25 @@ def test_fp8_ring_keeps_its_window_and_stays_within_fp8_precision():
             )
 
 
+def test_fp8_error_is_relative_down_to_subnormals_then_absolute():
+    """Each entry within ``2**-4`` relative or ``max|row| / (448 * 2**10)`` absolute, whichever is larger."""
+    rng = np.random.default_rng(7)
+    T = 512
+    magnitudes = 10.0 ** rng.uniform(-9, 3, size=(1, T, H, D)) * 10.0 ** rng.uniform(-6, 6, size=(1, T, H, 1))
+    x = (rng.choice([-1.0, 1.0], size=magnitudes.shape) * magnitudes).astype(np.float32)
+    cache = jss.KVCache.allocate(batch=1, kv_heads=H, head_dim=D, capacity=T, quantize="fp8")
+    (row,) = cache.append((jnp.asarray(x), jnp.asarray(x))).view().materialize()
+    want = x[0].astype(np.float64)
+    error = np.abs(row["k"].astype(np.float64) - want)
+    largest = np.abs(want).max(axis=-1, keepdims=True)
+    absolute = np.broadcast_to(largest / (448 * 2**10), want.shape)
+    assert np.all(error <= np.maximum(2.0**-4 * np.abs(want), absolute))
+    subnormal = np.abs(want) < largest * 2.0**-6 / 448
+    assert subnormal.sum() > 1000  # the rows span enough magnitudes to reach float8's subnormals
+    assert np.any(error[subnormal] > 2.0**-4 * np.abs(want[subnormal]))  # there, relative alone does not hold ...
+    assert (error[subnormal] / absolute[subnormal]).max() > 0.99  # ... and the absolute figure is tight
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_demote_quantizes_every_row_and_keeps_the_counts(jit):
     rng = np.random.default_rng(2)

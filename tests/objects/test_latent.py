@@ -88,3 +88,25 @@ def test_branch_window_takes_a_numpy_integer_size_and_bounds_a_ring():
     message = r"^LatentBuffer\(.*\): a lane window of 5 items exceeds the ring's 4 slots\.$"
     with pytest.raises(jss.PayloadError, match=message):
         ring.branch_window(5)
+
+
+NOT_A_SHAPE = r"item_shape must be a tuple of ints, the shape of one item \(\(n,\) for n values\); got "
+
+
+@pytest.mark.parametrize(
+    ("item_shape", "error", "tail"),
+    [
+        (2, jss.PayloadTypeError, NOT_A_SHAPE + r"2\."),
+        ("ab", jss.PayloadTypeError, NOT_A_SHAPE + r"'ab'\."),
+        ((2.0,), jss.PayloadTypeError, r"item_shape must be an int >= 0; got 2\.0\."),
+        ((2, -1), jss.PayloadError, r"item_shape must be >= 0; got -1\."),
+    ],
+)
+def test_allocate_names_an_item_shape_that_is_not_a_shape(item_shape, error, tail):
+    with pytest.raises(error, match=rf"^LatentBuffer\.allocate: {tail}$"):
+        jss.LatentBuffer.allocate(capacity=3, item_shape=item_shape)
+
+
+def test_allocate_takes_an_item_shape_as_a_tuple_or_a_list():
+    assert jss.LatentBuffer.allocate(capacity=3, item_shape=[2, 1]).item_shape == (2, 1)
+    assert jss.LatentBuffer.allocate(capacity=3, item_shape=()).view().items.shape == (3,)

@@ -82,6 +82,72 @@ def test_mapping_refuses_an_occupied_slot_and_unheld_pages():
     assert bool(jitted.overflowed)
 
 
+def small_cache_with_published(prompts: dict[int, np.ndarray]) -> tuple[jss.PagedKVCache, PrefixIndex]:
+    """A 2-slot cache (pages of 2) holding and indexing ``prompts`` (slot -> tokens), attached and published in turn."""
+    cache = jss.PagedKVCache.allocate(max_slots=2, kv_heads=H, head_dim=D, page_size=2, num_pages=12)
+    index = PrefixIndex(page_size=2, identity="lm@1")
+    for slot, tokens in prompts.items():
+        cache, start = index.attach(cache, slot, tokens)
+        cache = index.publish(write(cache, {slot: tokens}, {slot: start}), slot, tokens)
+    return cache, index
+
+
+def bookkeeping(cache: jss.PagedKVCache) -> dict[str, np.ndarray]:
+    return {name: np.asarray(getattr(cache, name)) for name in ("page_table", "lengths", "staged", "refcounts")}
+
+
+@pytest.mark.parametrize("method", ["attach", "publish"])
+@pytest.mark.parametrize("slot", [2, 5, -1])
+def test_a_slot_out_of_range_is_an_index_error_and_changes_nothing(method, slot):
+    rng = np.random.default_rng(4)
+    cache, index = small_cache_with_published({1: rng.integers(0, VOCAB, 6)})
+    before, stats = bookkeeping(cache), index.stats()
+    message = (
+        rf"^PrefixIndex\(page_size=2, identity='lm@1'\)\.{method}: slot {slot} is out of range: "
+        r"PagedKVCache\(max_slots=2, .*\) has slots \[0, 2\)\.$"
+    )
+    with pytest.raises(IndexError, match=message):
+        getattr(index, method)(cache, slot, rng.integers(0, VOCAB, 6))
+    assert index.stats() == stats
+    for name, array in bookkeeping(cache).items():  # not donated, not changed
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+
+
+@pytest.mark.parametrize("method", ["attach", "publish"])
+@pytest.mark.parametrize(("slot", "shown"), [(True, "True"), (1.0, "1.0"), (np.arange(2), r"array\(\[0, 1\]\)")])
+def test_a_slot_that_is_not_an_integer_is_a_type_error(method, slot, shown):
+    cache, index = small_cache_with_published({})
+    message = (
+        rf"^PrefixIndex\(page_size=2, identity='lm@1'\)\.{method}: slot must be an integer \(not traced\); "
+        rf"got {shown}\.$"
+    )
+    with pytest.raises(jss.PayloadTypeError, match=message):
+        getattr(index, method)(cache, slot, np.arange(4))
+    for slot in (np.int64(1), jnp.int32(1)):  # numpy and jax integers are slots
+        assert getattr(index, method)(cache, slot, np.arange(0)) is not None
+
+
+def test_a_refused_attach_counts_nothing_and_leaves_recency_as_it_was():
+    rng = np.random.default_rng(6)
+    a, b = rng.integers(0, VOCAB, 4), rng.integers(0, VOCAB, 4) + VOCAB  # 2 full pages each, no page in common
+    cache, index = small_cache_with_published({0: a, 1: b})  # indexed a's pages, then b's: a's least recent
+    cache = cache.free(0)
+    stats = index.stats()
+    with pytest.raises(jss.PayloadError, match=r"slot 1 of PagedKVCache\(.*\) holds pages; attach to a free slot"):
+        index.attach(cache, 1, a)  # slot 1 still holds b
+    assert index.stats() == stats
+    cache = cache.free(1)
+    cache, released = index.release_unused(cache, keep=2)  # the least recently matched: still a's
+    assert released == 2
+    assert index.match(a) == [] and len(index.match(b)) == 2
+    cache, rows = index.attach(cache, 0, b)  # b's K/V mapped, read back as written
+    (row, _) = cache.view().materialize()
+    want_k, want_v = kv_of(b)
+    assert rows == 4
+    np.testing.assert_array_equal(row["k"], want_k)
+    np.testing.assert_array_equal(row["v"], want_v)
+
+
 # ---------------------------------------------------------------- the stateful model
 SLOTS, PAGE, PAGES, PER_SLOT = 4, 2, 20, 7
 BASE = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])

@@ -166,6 +166,22 @@ def test_an_encoder_error_reaches_every_waiter_and_nothing_is_held():
         store.acquire("k", 0, lambda: jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=2).reset())
 
 
+def test_a_key_whose_encode_failed_is_not_counted_as_in_use():
+    manager = jss.SessionStateManager()
+    store = SharedStore(manager)
+    store.acquire("held", "alice", encoder(np.arange(8)))
+
+    def encode():
+        raise RuntimeError("encoder down")
+
+    before = store.stats()
+    with pytest.raises(RuntimeError, match="encoder down"):
+        store.acquire("failed", "bob", encode)
+    assert store.stats() == before and before["keys"] == 1 and before["users"] == 1
+    assert store.users("failed") == 0 and SharedKey("failed") not in manager
+    assert store.release_user("bob") == 0
+
+
 def test_release_unpins_and_an_unused_key_may_be_released_then_encoded_again():
     events = []
     manager = jss.SessionStateManager(max_sessions=2, on_event=events.append)
