@@ -150,7 +150,14 @@ def overwrite(old: Any, new: Any) -> Any:
       >>> overwrite({"flag": jnp.zeros(2, jnp.int32)}, {"flag": jnp.ones(2)})  # keeps old's dtype
       {'flag': Array([1, 1], dtype=int32)}
     """
-    return jax.tree_util.tree_map(lambda o, n: jnp.where(True, n, o).astype(o.dtype), old, new)
+    return jax.tree_util.tree_map(_overwrite_leaf, old, new)
+
+
+def _overwrite_leaf(old: Any, new: Any) -> Any:
+    if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):  # typed keys: through their key data
+        data = _overwrite_leaf(jax.random.key_data(old), jax.random.key_data(new))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+    return jnp.where(True, new, old).astype(old.dtype)
 
 
 def deprecated_alias(new: str, old: str) -> property:

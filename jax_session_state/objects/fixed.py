@@ -18,6 +18,11 @@ from jax_session_state.sharding import LogicalAxes
 __all__ = ["FixedState"]
 
 
+
+def _dtype_name(dtype: Any) -> str:
+    """A leaf's dtype as errors name it: ``float32``, or ``key<fry>`` for typed PRNG keys."""
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
+
 class FixedState(StateObject, kw_only=True):
     """A recurrent carry: linear-attention or SSM state, a causal-conv cache.
 
@@ -102,7 +107,7 @@ class FixedState(StateObject, kw_only=True):
 
     def describe(self) -> str:
         shapes = self.treedef.unflatten(
-            [f"{np.dtype(s.dtype).name}{list(s.shape)}" for s in self.leaf_specs]
+            [f"{_dtype_name(s.dtype)}{list(s.shape)}" for s in self.leaf_specs]
         )
         return f"FixedState({shapes})"
 

@@ -123,7 +123,7 @@ def session_with_keys(seed):
         return {"rng": jax.random.key(seed + i), "lanes": jax.random.split(jax.random.key(seed + i, impl="rbg"), 3),
                 "h": normal(rng, 2)}
 
-    carry = carry.replace(value=value(0), undo_value=value(1))  # the storage as written, whatever wrote it
+    carry = carry.commit(value(1)).stage(value(0))  # a committed value and a staged one
     return jss.Session(objects={"carry": carry}, attrs={"rng": jax.random.key(seed + 2)})
 
 

@@ -98,3 +98,30 @@ def test_staged_bytes_are_reported():
     state = jss.FixedState.allocate(shapes=(4, 4))
     assert state.staged_nbytes_by_device() == {DEVICE: 64}
     assert state.nbytes == 2 * 64 + 1  # committed value, staged slot, flag
+
+
+def test_a_typed_prng_key_is_committed_staged_and_discarded_like_any_leaf():
+    state = jss.FixedState.allocate(shapes={"rng": jax.random.key(0), "h": (3,)})
+    assert state.describe() == "FixedState({'h': 'float32[3]', 'rng': 'key<fry>[]'})"
+    data = lambda s: np.asarray(jax.random.key_data(s.view()["rng"]))  # noqa: E731
+    h = jax.random.normal(jax.random.key(1), (3,))
+    state = state.commit({"rng": jax.random.key(7), "h": h})
+    np.testing.assert_array_equal(data(state), jax.random.key_data(jax.random.key(7)))
+    np.testing.assert_array_equal(state.view()["h"], h)
+
+    @chex.assert_max_traces(n=1)
+    def step(s, key):
+        return s.commit({"rng": jax.random.split(key)[0], "h": s.view()["h"] + 1})
+
+    jitted = jax.jit(step, donate_argnums=0)
+    for seed in (2, 3):
+        key = jax.random.key(seed)
+        state = jitted(state, key)
+        np.testing.assert_array_equal(data(state), jax.random.key_data(jax.random.split(key)[0]))
+    np.testing.assert_allclose(state.view()["h"], h + 2)
+    discarded = state.stage({"rng": jax.random.key(9), "h": h}).discard()
+    np.testing.assert_array_equal(data(discarded), data(state))
+    with pytest.raises(jss.PayloadTypeError, match=r"FixedState\(.*key<fry>.*\)\.commit: .*dtype key<rbg>"):
+        state.commit({"rng": jax.random.key(1, impl="rbg"), "h": h})
+    with pytest.raises(jss.PayloadError, match=r"dtype key<fry>; got shape \[2\] and dtype uint32"):
+        state.commit({"rng": jnp.ones(2, jnp.uint32), "h": h})
