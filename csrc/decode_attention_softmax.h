@@ -64,11 +64,12 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
   }
   using Reader = RowReader<kDim, E, kIntegerInt8<kDim, E>>;
   const ChunkInput& first = ins[0];
-  // A dense pair's rows lie in order: float32 and bfloat16 ones are asked for ahead as they are read, in
-  // tiles of kDenseTile (int8 rows are read slower than memory delivers them; float16 and fp8 ones are
-  // widened into tile buffers of kTile rows).
+  // A dense pair's rows lie in order: float32 ones, and bfloat16 ones read as pairs (E = uint16_t), are
+  // asked for ahead as they are read in place, in tiles of kDenseTile (int8 rows are read slower than memory
+  // delivers them; float16, fp8 and, at a head dim without its own build, bfloat16 ones are widened into
+  // tile buffers of kTile rows).
   const bool dense_rows = first.source.pages == nullptr &&
-                          (first.source.dtype == Dtype::kF32 || first.source.dtype == Dtype::kBF16);
+                          (first.source.dtype == Dtype::kF32 || (first.source.dtype == Dtype::kBF16 && kPairRows));
   const int64_t ahead = dense_rows ? kAheadKeys * D : 0;  // elements
   const int64_t row_tile = dense_rows ? kDenseTile : kRowTile;
   std::vector<Reader> readers;  // [count, M]

@@ -44,8 +44,8 @@ over its share of the blocks up to that row's valid length, through the
 page table for a paged view, and the shares merge by log-sum-exp; compiled
 through Triton on GPU, run in Pallas' interpreter on CPU, for tests; float,
 int8 and fp8 caches with a power-of-two head dim of at least 16 and a
-capacity or page size a multiple of 16, and a static scale; other views
-read buckets; a float32 cache's dots are three TF32 products on a GPU,
+capacity or page size a multiple of 16; other views read buckets; a
+float32 cache's dots are three TF32 products on a GPU,
 about float32's accuracy; on TPU the Mosaic kernel of ``_pallas_tpu``,
 opt-in until measured there); :data:`IMPLEMENTATIONS` lists them.
 :data:`BLOCK_SIZE` is the keys per block of the loop over an append-mode
@@ -62,8 +62,11 @@ plugin), TPU and ROCm read buckets.
 A query at position ``qp`` sees a key at position ``p`` when
 ``0 <= p < lengths``, ``p <= qp`` (if ``causal``) and, with a window,
 ``p < sink or qp - p < window``.  A query that sees nothing returns exact
-zeros (and ``lse = -inf``), never NaN.  Accumulation is float32 whatever the
-cache dtype.
+zeros (and ``lse = -inf``), never NaN; a call without query rows (``T``
+or batch 0) returns empty results.  Accumulation is float32 whatever the
+cache dtype.  A scale traced under ``jit`` is folded into the queries (in
+float32), so every reader takes it, the kernels too (their scale is a
+constant).
 
 Why no ``jax.nn.dot_product_attention`` here: it wants token-major K/V (a
 transposed copy of the whole cache), its ``local_window_size`` counts slots,
@@ -71,16 +74,19 @@ not positions, so it is wrong once a ring wraps, it cannot express sinks,
 returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity.
 
-Gradients: append-mode attention through the native kernel or the Pallas
-kernel and float paged attention (native paged kernel, page loop or Pallas
-kernel) have a ``jax.custom_vjp`` (on CPU a flash-attention backward in pure
-JAX, blockwise like the forward; a paged one scatter-adds into the pages; on
-GPU and TPU, and for the dense Pallas kernel everywhere, the VJP of the
-bucketed pass, recomputed), so ``jax.grad`` works under ``jit`` with traced
-lengths; forward-mode ``jax.jvp`` of them does not, nor do quantized views
-have gradients.  ``"bucketed"`` itself is differentiable as it stands (its
-chunks recompute their scores rather than keep them).  Measurements and what
-was tried are in ``benchmarks/NOTES.md``.
+Gradients: attention over a float append-mode view, whichever reader reads
+it (native kernel, Pallas kernel, loop or buckets), and over a float paged
+view (native paged kernel, page loop, buckets or Pallas kernel) has a
+``jax.custom_vjp`` (on CPU a flash-attention backward in pure JAX, blockwise
+like the forward; a paged one scatter-adds into the pages; on GPU and TPU,
+and for the dense Pallas kernel everywhere, the VJP of the bucketed pass,
+recomputed: its chunks recompute their scores rather than keep them), so
+``jax.grad`` works under ``jit`` with traced lengths and through
+``jax.vmap`` over independent caches, where neither the loop (a traced trip
+count) nor buckets (switched by a batched index) could be differentiated
+as they stand; forward-mode ``jax.jvp`` of them does not, nor do quantized
+views have gradients.  Measurements and what was tried are in
+``benchmarks/NOTES.md``.
 
 Layout: ``_attend`` checks the operands and dispatches by view; one private
 module per reader: ``_blocks`` (the pieces every reader shares, the loop

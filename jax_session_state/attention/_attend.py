@@ -6,6 +6,7 @@ What each view is read by is told in the package docstring (:mod:`jax_session_st
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Any
 
@@ -37,7 +38,7 @@ from jax_session_state.attention._bucketed import _bucketed_append
 from jax_session_state.attention._dense import (
     _blockwise,
     _default_positions,
-    _native_or_blockwise,
+    _float_append,
     _pallas_or_bucketed,
     _quantized_native_or_blockwise,
 )
@@ -84,7 +85,8 @@ def attend(
         ``h`` reads kv head ``h // (q_heads // kv_heads)``).
       view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
       causal: mask keys after each query's position.
-      scale: score scale, default ``1 / sqrt(head_dim)``.
+      scale: score scale, default ``1 / sqrt(head_dim)``; a traced scalar
+        (or an array) is folded into the queries, in float32.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions (the rows just written).
       implementation: how append-mode and paged views are read (ring views
@@ -138,7 +140,7 @@ def attend_with_lse(
         ``q_heads`` a multiple of the view's ``kv_heads``.
       view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
       causal: mask keys after each query's position.
-      scale: score scale, default ``1 / sqrt(head_dim)``.
+      scale: score scale, default ``1 / sqrt(head_dim)``, as for :func:`attend`.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions.
       implementation: ``"auto"``, ``"native"``, ``"loop"``,
@@ -172,7 +174,8 @@ def attend_with_lse(
     if not isinstance(view, (KVView, BranchKVView, PagedView)):
         raise PayloadTypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
     if _eager(q, view, q_positions, scale):  # one compiled program per signature, not one per call
-        return _compiled_attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
+        return _compiled_attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation,
+                                native=_library.enabled())
     return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
 
 
@@ -183,8 +186,19 @@ def _eager(q: Array, view: Any, q_positions: Array | None, scale: Any) -> bool:
 
 
 def _attend(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Array | None, *, causal: bool,
-            scale: float | None, implementation: str) -> tuple[Array, Array]:
-    """:func:`attend_with_lse` once its arguments are checked."""
+            scale: Any, implementation: str) -> tuple[Array, Array]:
+    """:func:`attend_with_lse` once its arguments are checked.
+
+    A scale that is not a Python number (traced, or an array) is folded into
+    the queries, in float32, and the readers take 1.0: the kernels take
+    their scale as a constant.
+    """
+    if scale is not None and not isinstance(scale, numbers.Real):
+        out, lse = _attend(_scaled_queries(q, scale), view, q_positions, causal=causal, scale=1.0,
+                           implementation=implementation)
+        return out.astype(q.dtype), lse
+    if not math.prod(q.shape[:3]):
+        return _no_query_rows(q, view, q_positions)
     if isinstance(view, BranchKVView):
         q_positions = _default_positions(q, view.window.lengths, q_positions)
         prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions, implementation)
@@ -195,8 +209,44 @@ def _attend(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Arra
     return _kv_with_lse(q, view, causal, scale, q_positions, implementation)
 
 
+def _scaled_queries(q: Array, scale: Any) -> Array:
+    """``q * scale`` in float32, for a scale that is not a Python number.
+
+    Raises:
+      PayloadError: the scale is not a scalar.
+    """
+    scale = jnp.asarray(scale)
+    if scale.ndim:
+        raise PayloadError(f"attend(): scale must be a scalar; got shape {list(scale.shape)}.")
+    return q.astype(_F32) * scale.astype(_F32)
+
+
+def _no_query_rows(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Array | None
+                   ) -> tuple[Array, Array]:
+    """What a call without query rows (batch, ``T`` or ``q_heads`` 0) returns, its operands checked as any call
+    checks them: an empty output and log-sum-exp.  No reader runs: there is nothing to read for."""
+    if isinstance(view, PagedView):
+        _checked(q, view.page_table.shape[0], view.k_pages.shape[2], view.k_pages.shape[3], None)
+        lengths = view.lengths
+    else:
+        cache = view.prefix if isinstance(view, BranchKVView) else view
+        _checked_scale(q, cache.k, None)
+        lengths = cache.lengths
+    _default_positions(q, lengths, q_positions)
+    return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, _F32)
+
+
+def _compiled(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Array | None, *, causal: bool,
+              scale: float | None, implementation: str, native: bool) -> tuple[Array, Array]:
+    """:func:`_attend`; ``native`` (whether the native kernels are in use as it is traced,
+    :func:`_library.enabled`) only keys the compiled programs, so that a call after ``_library.use(False)``
+    does not run a program traced with them."""
+    del native
+    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
+
+
 # An eager call's loops would be traced and compiled again on every call: run them as one cached program.
-_compiled_attend = jax.jit(_attend, static_argnames=("causal", "scale", "implementation"))
+_compiled_attend = jax.jit(_compiled, static_argnames=("causal", "scale", "implementation", "native"))
 
 
 def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
@@ -244,18 +294,27 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
     if view.window is not None:
         return _ring_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
-    if _use_native(q, view.k, view.v, scale, implementation, quantized=view.quantized):
-        if view.quantized:  # row scales applied to scores and weights in the kernel
+    native = _use_native(q, view.k, view.v, implementation, quantized=view.quantized)
+    if view.quantized:  # row scales applied to scores and weights
+        if native:
             return _quantized_native_or_blockwise(q, view, causal, float(scale), q_positions)
-        if q_positions is None:
-            # The last T positions, as offsets from each row's length: a constant,
-            # so a step computes no positions (the kernel adds the lengths).
-            offsets = _relative_offsets(q)
-            return _native_or_blockwise(q, view.k, view.v, view.lengths, offsets, causal, float(scale), True)
-        q_positions = _default_positions(q, view.lengths, q_positions)
-        return _native_or_blockwise(q, view.k, view.v, view.lengths, q_positions, causal, float(scale), False)
-    # A quantized cache's row scales go to its scores and weights, block by block or bucket by bucket.
-    scales = {"k_scale": view.k_scale, "v_scale": view.v_scale} if view.quantized else {}
+        return _quantized_pure(q, view, causal, scale, _default_positions(q, view.lengths, q_positions),
+                               implementation)
+    # The last T positions, as offsets from each row's length: a constant, so a native step computes no
+    # positions (the kernel adds the lengths).
+    relative = native and q_positions is None
+    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+    if not native and _pallas_wanted(implementation, view.k, view.k.shape[2]):
+        return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, float(scale), implementation)
+    return _float_append(q, view.k, view.v, view.lengths, positions, causal, float(scale), relative,
+                         "native" if native else implementation)
+
+
+def _quantized_pure(q: Array, view: KVView, causal: bool, scale: float, positions: Array,
+                    implementation: str) -> tuple[Array, Array]:
+    """A quantized append-mode view read by ``implementation`` in pure JAX (or the Pallas kernel): its row
+    scales go to its scores and weights, block by block or bucket by bucket."""
+    scales = {"k_scale": view.k_scale, "v_scale": view.v_scale}
 
     def loop(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict) -> tuple[Array, Array]:
         return _blockwise(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
@@ -267,18 +326,15 @@ def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_po
                interpret: bool) -> tuple[Array, Array]:
         return _pallas_append(q, k, v, lengths, positions, causal=causal, scale=scale, interpret=interpret, **scales)
 
-    positions = _default_positions(q, view.lengths, q_positions)
-    takes = _pallas_wanted(implementation, view.k, view.k.shape[2], scale)
-    if takes and not view.quantized:  # float caches have gradients: through a VJP the kernel lacks
-        return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, scale, implementation)
+    takes = _pallas_wanted(implementation, view.k, view.k.shape[2])
     return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales,
                         pallas=pallas if takes else None)
 
 
-def _use_native(q: Array, k: Array, v: Array, scale: Any, implementation: str, kv_heads: int | None = None,
+def _use_native(q: Array, k: Array, v: Array, implementation: str, kv_heads: int | None = None,
                 quantized: bool = False) -> bool:
     """Whether this call runs the native kernel ("auto" where it takes the operands, or "native")."""
-    if implementation not in ("auto", "native") or not isinstance(scale, numbers.Real):
+    if implementation not in ("auto", "native"):
         return False
     takes = _library.enabled() and _native.supports(q, k, v, kv_heads=kv_heads, quantized=quantized)
     if implementation == "native" and not takes:
@@ -294,14 +350,14 @@ def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None
     slots = view.page_table.shape[0]
     _, scale = _checked(q, slots, kv_heads, dim, scale)
     if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
-        if _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads, quantized=True):
+        if _use_native(q, view.k_pages, view.v_pages, implementation, kv_heads=kv_heads, quantized=True):
             return _quantized_paged_native(q, view, causal, float(scale), q_positions)
-        takes = _pallas_wanted(implementation, view.k_pages, view.page_size, scale)
+        takes = _pallas_wanted(implementation, view.k_pages, view.page_size)
         return _by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
                             functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
                             _default_positions(q, view.lengths, q_positions),
                             pallas=functools.partial(_pallas_paged, causal=causal, scale=scale) if takes else None)
-    native = _use_native(q, view.k_pages, view.v_pages, scale, implementation, kv_heads=kv_heads)
+    native = _use_native(q, view.k_pages, view.v_pages, implementation, kv_heads=kv_heads)
     relative = native and q_positions is None
     positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
     return _paged_attention(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions, causal,
@@ -328,7 +384,7 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
         return _pallas_paged(q, paged, _absolute(lengths, positions, relative), causal=causal, scale=scale,
                              interpret=interpret)
 
-    wanted = _pallas_wanted("auto", view.k_pages, view.page_size, scale)
+    wanted = _pallas_wanted("auto", view.k_pages, view.page_size)
     return _by_platform("auto", None, bucketed, q, view.k_pages, view.v_pages, view.k_scale, view.v_scale,
                         view.page_table, view.lengths, positions, native=kernel, pallas=pallas if wanted else None)
 

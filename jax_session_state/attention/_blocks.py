@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -253,13 +252,13 @@ def _by_platform(implementation: str, loop: Any, bucketed: Any, *operands: Any, 
     return lax.platform_dependent(*operands, default=bucketed, **branches)
 
 
-def _pallas_wanted(implementation: str, k: Array, extent: int, scale: Any) -> bool:
+def _pallas_wanted(implementation: str, k: Array, extent: int) -> bool:
     """Whether ``implementation`` reads a cache of ``k``'s keys in runs of ``extent`` through the Pallas kernel:
     ``"pallas"`` asked for, or ``"auto"`` (and ``"native"``, off CPU) where a CUDA GPU is attached (measured
-    faster than buckets there, see BENCHMARKS.md); a static scale (the kernel's constant) and a cache it reads
-    (``_attention_pallas.takes``).  Otherwise buckets off CPU."""
+    faster than buckets there, see BENCHMARKS.md), and a cache it reads (``_attention_pallas.takes``).
+    Otherwise buckets off CPU."""
     wanted = implementation == "pallas" or (implementation in ("auto", "native") and _attention_pallas.gpu_attached())
-    return wanted and isinstance(scale, numbers.Real) and _attention_pallas.takes(k, extent)
+    return wanted and _attention_pallas.takes(k, extent)
 
 
 

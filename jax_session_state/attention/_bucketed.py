@@ -60,10 +60,10 @@ def _bucket_scores(q_dtype: Any, qh: Array, keys: Array) -> Array:
 
 def _chunk_units(score_rows: int, unit: int) -> int:
     """Units (of ``unit`` keys) per chunk of a long bucket: the most keys, a power of two from
-    :data:`SMALLEST_BUCKET` on, whose float32 scores for ``score_rows`` query rows fit
-    :data:`BUCKET_SCORE_BYTES`; at least one unit."""
-    keys = SMALLEST_BUCKET
-    while 2 * keys * score_rows * 4 <= BUCKET_SCORE_BYTES:
+    :data:`SMALLEST_BUCKET` on, whose float32 scores for ``score_rows`` query rows (counted as one where there
+    are none) fit :data:`BUCKET_SCORE_BYTES`; at least one unit."""
+    keys, rows = SMALLEST_BUCKET, max(score_rows, 1)
+    while 2 * keys * rows * 4 <= BUCKET_SCORE_BYTES:
         keys *= 2
     return max(1, keys // unit)
 

@@ -1,7 +1,7 @@
 """Attention over one append-mode cache: the native kernel on CPU, the pure-JAX block loop elsewhere.
 
-:func:`_native_or_blockwise` reads a float cache (its VJP the flash-attention
-backward, block by block up to the longest row);
+:func:`_float_append` reads a float cache (natively or in pure JAX; its VJP
+the flash-attention backward, block by block up to the longest row);
 :func:`_quantized_native_or_blockwise` an int8 or fp8 cache with its row
 scales; :func:`_blockwise` is the loop both fall back to, with its own
 batching rule under ``jax.vmap`` over a pool's caches.
@@ -73,7 +73,7 @@ def _quantized_native_or_blockwise(q: Array, view: KVView, causal: bool, scale: 
         return _pallas_append(q, k, v, lengths, _absolute(lengths, positions, relative), causal=causal, scale=scale,
                               interpret=interpret, k_scale=k_scale, v_scale=v_scale)
 
-    wanted = _pallas_wanted("auto", view.k, view.k.shape[2], scale)
+    wanted = _pallas_wanted("auto", view.k, view.k.shape[2])
     return _by_platform("auto", None, bucketed, q, view.k, view.v, view.k_scale, view.v_scale, view.lengths,
                         positions, native=native, pallas=pallas if wanted else None)
 
@@ -97,12 +97,21 @@ def _blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array,
     return fold_slots(read, functools.partial(_cache_blocks, n=n))(q, q_positions, cache)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool,
-                         scale: float, relative: bool) -> tuple[Array, Array]:
-    """Append-mode attention: the native kernel on CPU (:func:`_blockwise` under a ``vmap`` it does not fold), the
-    Pallas kernel on CUDA where a GPU is attached (:func:`_pallas_wanted`), one bucketed pass
-    (:func:`_bucketed_append`) elsewhere.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _float_append(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, causal: bool, scale: float,
+                  relative: bool, reader: str) -> tuple[Array, Array]:
+    """Append-mode attention over a float cache, read by ``reader``, with the VJP of :func:`_float_append_bwd`.
+
+    ``"native"``: the native kernel on CPU (:func:`_blockwise` under a
+    ``vmap`` it does not fold), the Pallas kernel on CUDA where a GPU is
+    attached (:func:`_pallas_wanted`), one bucketed pass
+    (:func:`_bucketed_append`) elsewhere; ``"auto"``, ``"loop"``,
+    ``"bucketed"`` and ``"pallas"`` (where the Pallas kernel does not take
+    the cache): the loop or buckets as :func:`_by_platform` picks them.
+    Neither pure reader could be reverse-differentiated as it stands under
+    ``jit`` (the loop's trip count is traced) or under ``vmap`` (buckets
+    switch on a batched index), so every reader takes this one VJP, batched
+    as a whole; forward-mode ``jax.jvp`` does not go through it.
 
     With ``relative`` the query positions are offsets from each row's length.
     """
@@ -115,25 +124,28 @@ def _native_or_blockwise(q: Array, k: Array, v: Array, lengths: Array, q_positio
         return _pallas_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal,
                               scale=scale, interpret=interpret)
 
-    native = _native.kernel(causal, scale, relative, blockwise)
     bucketed = functools.partial(_relative_bucketed, causal=causal, scale=scale, relative=relative)
-    wanted = _pallas_wanted("auto", k, k.shape[2], scale)
+    if reader != "native":
+        return _by_platform(reader, blockwise, bucketed, q, k, v, lengths, q_positions)
+    native = _native.kernel(causal, scale, relative, blockwise)
+    wanted = _pallas_wanted("auto", k, k.shape[2])
     return _by_platform("auto", None, bucketed, q, k, v, lengths, q_positions, native=native,
                         pallas=pallas if wanted else None)
 
 
 def _relative_bucketed(q: Array, k: Array, v: Array, lengths: Array, q_positions: Array, *, causal: bool,
                        scale: float, relative: bool) -> tuple[Array, Array]:
-    """:func:`_bucketed_append`, the query positions given as :func:`_native_or_blockwise` takes them."""
+    """:func:`_bucketed_append`, the query positions given as :func:`_float_append` takes them."""
     return _bucketed_append(q, k, v, lengths, _absolute(lengths, q_positions, relative), causal=causal, scale=scale)
 
 
-def _native_or_blockwise_fwd(q, k, v, lengths, q_positions, causal, scale, relative):
-    out, lse = _native_or_blockwise(q, k, v, lengths, q_positions, causal, scale, relative)
+def _float_append_fwd(q, k, v, lengths, q_positions, causal, scale, relative, reader):
+    out, lse = _float_append(q, k, v, lengths, q_positions, causal, scale, relative, reader)
     return (out, lse), (q, k, v, lengths, q_positions, out, lse)
 
 
-def _native_or_blockwise_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotangents: Any) -> tuple:
+def _float_append_bwd(causal: bool, scale: float, relative: bool, reader: str, residuals: Any,
+                      cotangents: Any) -> tuple:
     """On CPU :func:`_flash_bwd`; on GPU and TPU the VJP of the bucketed pass, recomputed (a few fused kernels per
     chunk of keys, not a dozen per block of 64)."""
     dq, dk, dv = lax.platform_dependent(
@@ -179,7 +191,7 @@ def _flash_bwd(causal: bool, scale: float, relative: bool, residuals: Any, cotan
     return _flash_loop(q, qh, k, v, _block_count(lengths, capacity, n), body)
 
 
-_native_or_blockwise.defvjp(_native_or_blockwise_fwd, _native_or_blockwise_bwd)
+_float_append.defvjp(_float_append_fwd, _float_append_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -206,7 +206,7 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
                              interpret=interpret)
 
     bucketed = functools.partial(_paged_bucketed, causal=causal, scale=scale, relative=relative, page_size=page_size)
-    takes = _pallas_wanted(reader, k_pages, page_size, scale)
+    takes = _pallas_wanted(reader, k_pages, page_size)
     return _by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
                         native=kernel if reader == "native" else None, pallas=pallas if takes else None)
 

@@ -26,7 +26,10 @@ plain ``vmap``.
 
 Derivatives are the reader's own (``jax.custom_jvp``: forward mode is
 ``jax.jvp`` of the reader, reverse mode transposes it), so ``jax.grad``
-works wherever it works through the reader itself.
+works wherever it works through the reader itself.  The readers of a float
+append-mode cache are wrapped in a ``jax.custom_vjp`` outside this rule
+(``_dense._float_append``): the loop's traced trip count, and buckets
+switched by a batched index, do not transpose.
 """
 
 from __future__ import annotations

@@ -257,8 +257,9 @@ def test_pallas_reads_buckets_where_the_kernel_does_not_take_the_view(declined):
     np.testing.assert_array_equal(lse, bucketed[1])
 
 
-def test_pallas_reads_buckets_for_a_traced_scale():
-    """The kernel takes its scale as a constant: a scale traced under ``jit`` reads buckets, and is right."""
+def test_pallas_reads_a_traced_scale_folded_into_the_queries():
+    """The kernel takes its scale as a constant: a scale traced under ``jit`` multiplies the queries, the kernel
+    runs with 1.0, and is right."""
     rng = np.random.default_rng(10)
     dense, _ = caches(rng, dim=DIM, lengths=[448, 301, 0])
     q = jnp.asarray(randn(rng, 3, 2, 4, DIM))
@@ -266,5 +267,5 @@ def test_pallas_reads_buckets_for_a_traced_scale():
     def attend(q, view, scale):
         return pallas_attend(q, view, scale=scale)
 
-    assert "pallas_call" not in str(jax.make_jaxpr(attend)(q, dense.view(), 0.3))
+    assert "pallas_call" in str(jax.make_jaxpr(attend)(q, dense.view(), 0.3))
     assert_close(*jax.jit(attend)(q, dense.view(), 0.3), *float64_reference(q, dense.view(), scale=0.3))
