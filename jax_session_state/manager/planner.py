@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import types
 import warnings
@@ -65,24 +66,31 @@ __all__ = [
     "plan",
 ]
 
-def _evict_phase(
-    ledger: Projection,
-    actors: Sequence[SessionUsage],
-    allowed: Mapping[int, Collection[str]] | None = None,
-    room_keys: Collection[str] = (),
-) -> None:
-    """Drops, LRU session first, cheapest recompute per over-budget byte first.
+@dataclasses.dataclass(frozen=True)
+class _Selection:
+    """What a replay of the exact search may take: each phase's object names by session index, and the
+    destination keys its parks need room in (an eviction or demotion freeing bytes there counts as a gain)."""
 
-    An eviction must free bytes on an over-budget key or, when replaying a searched
-    selection (``allowed``), on a destination key its parks need room in
-    (``room_keys``).
-    """
+    evictions: Mapping[int, Collection[str]]
+    demotions: Mapping[int, Collection[str]]
+    parks: Mapping[int, Collection[str]]
+    room_keys: Collection[str]
+
+
+def _frees_room(gain: int, freed: Mapping[str, int], selection: _Selection | None) -> bool:
+    """Whether an action freeing ``freed`` is worth taking: it gains on an over-budget key (``gain``), or it
+    frees a key the replayed ``selection``'s parks need room in."""
+    return bool(gain) or (selection is not None and any(k in selection.room_keys for k in freed))
+
+
+def _evict_phase(ledger: Projection, actors: Sequence[SessionUsage], selection: _Selection | None = None) -> None:
+    """Drops, LRU session first, cheapest recompute per over-budget byte first (each :func:`_frees_room`)."""
     for index, session in enumerate(actors):
         if not ledger.over:
             return
         candidates = evictable(session)
-        if allowed is not None:
-            candidates = [o for o in candidates if o.name in allowed.get(index, ())]
+        if selection is not None:
+            candidates = [o for o in candidates if o.name in selection.evictions.get(index, ())]
         evicted: set[str] = set()
         needed_by_evicted: set[str] = set()
         while ledger.over:
@@ -95,7 +103,7 @@ def _evict_phase(
                 ):
                     continue
                 gain = ledger.gain(obj.bytes_by_device)
-                if not gain and not any(k in room_keys for k in obj.bytes_by_device):
+                if not _frees_room(gain, obj.bytes_by_device, selection):
                     continue
                 rank = (obj.recompute_cost / gain if gain else math.inf, obj.name)
                 if best is None or rank < best[0]:
@@ -109,39 +117,29 @@ def _evict_phase(
                           obj.bytes_by_device)
 
 
-def _demote_phase(
-    ledger: Projection,
-    actors: Sequence[SessionUsage],
-    allowed: Mapping[int, Collection[str]] | None = None,
-    room_keys: Collection[str] = (),
-) -> None:
-    """Demotions, LRU session first, most bytes saved on over-budget keys first (ties by name).
-
-    A demotion must save bytes on an over-budget key or, when replaying a
-    searched selection (``allowed``), on a destination key its parks need
-    room in (``room_keys``).
-    """
+def _demote_phase(ledger: Projection, actors: Sequence[SessionUsage], selection: _Selection | None = None) -> None:
+    """Demotions (each :func:`_frees_room`), LRU session first, most bytes saved on over-budget keys first,
+    ties by name."""
     for index, session in enumerate(actors):
         if not ledger.over:
             return
         candidates = [
             (obj, freed)
             for obj, freed in demotable(session)
-            if (index, obj.name) not in ledger.acted_on and (allowed is None or obj.name in allowed.get(index, ()))
+            if (index, obj.name) not in ledger.acted_on
+            and (selection is None or obj.name in selection.demotions.get(index, ()))
         ]
         candidates.sort(key=lambda c: (-ledger.gain(c[1]), c[0].name))
         for obj, freed in candidates:
             if not ledger.over:
                 return
-            if not ledger.gain(freed) and not any(k in room_keys for k in freed):
+            if not _frees_room(ledger.gain(freed), freed, selection):
                 continue
             ledger.record(index, obj.name, DemoteObject(session.session_id, obj.name, types.MappingProxyType(freed)),
                           freed)
 
 
-def _park_phase(
-    ledger: Projection, actors: Sequence[SessionUsage], allowed: Mapping[int, Collection[str]] | None = None
-) -> None:
+def _park_phase(ledger: Projection, actors: Sequence[SessionUsage], selection: _Selection | None = None) -> None:
     """Parks, LRU session first, larger objects first, where room allows (not objects acted on)."""
     for index, session in enumerate(actors):
         if not ledger.over or ledger.room_left <= 0:  # every parkable object moves bytes
@@ -151,7 +149,7 @@ def _park_phase(
                 return
             total = sum(moved.values())
             if (
-                (allowed is not None and obj.name not in allowed.get(index, ()))
+                (selection is not None and obj.name not in selection.parks.get(index, ()))
                 or (index, obj.name) in ledger.acted_on
                 or not ledger.gain(moved)
                 or total > ledger.room_left
@@ -238,9 +236,15 @@ def _searched_plan(
         if obj.name in names
         for k in moved
     } & budgets.keys()
-    _evict_phase(replay, actors, {i: option.evictions for i, option in selection.items()}, room_keys)
-    _demote_phase(replay, actors, {i: option.demotions for i, option in selection.items()}, room_keys)
-    _park_phase(replay, actors, parks)
+    chosen = _Selection(
+        evictions={i: option.evictions for i, option in selection.items()},
+        demotions={i: option.demotions for i, option in selection.items()},
+        parks=parks,
+        room_keys=room_keys,
+    )
+    _evict_phase(replay, actors, chosen)
+    _demote_phase(replay, actors, chosen)
+    _park_phase(replay, actors, chosen)
     if replay.over:  # a plan is returned only when it fits
         return None, "the search's selection did not fit once replayed in rule order"
     return replay.to_plan(), ""
