@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
-from jax_session_state.base import StateObject, is_state_object
+from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError, PayloadTypeError, RecomputeGraphError
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ class Session(struct.PyTreeNode):
         never acted on); empty by default.
 
     Raises:
-      PayloadTypeError: ``objects`` or ``attrs`` is not a mapping, an
-        object name is not a str, or an object is not a state object.
+      PayloadTypeError: ``objects`` or ``attrs`` is not a mapping, or an
+        object name is not a str.
       PayloadError: an object name is the empty string.
       RecomputeGraphError: a recompute source is missing, or the sources
         form a cycle.
@@ -70,18 +70,13 @@ class Session(struct.PyTreeNode):
             raise PayloadTypeError("Session(objects=..., attrs=...) takes two mappings from names.")
         object.__setattr__(self, "objects", dict(self.objects))
         object.__setattr__(self, "attrs", dict(self.attrs))
-        for name, obj in self.objects.items():
+        for name in self.objects:
             if not isinstance(name, str):
                 raise PayloadTypeError(f"Session object names must be non-empty strings; got {name!r}.")
             if not name:
                 raise PayloadError(f"Session object names must be non-empty strings; got {name!r}.")
-            if not is_state_object(obj):
-                raise PayloadTypeError(
-                    f"Session object {name!r} must be a state object (a StateObject such as KVCache or "
-                    f"FixedState); got {type(obj).__name__}. Carry other values in attrs."
-                )
         _validate_recompute_graph(
-            tuple((name, obj.recompute_source) for name, obj in self.objects.items())
+            tuple((name, getattr(obj, "recompute_source", ())) for name, obj in self.objects.items())
         )
 
     # ----------------------------------------------------------- mapping

@@ -6,7 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from jax_session_state._core import _validation as v
@@ -17,11 +16,6 @@ from jax_session_state.sharding import LogicalAxes
 
 __all__ = ["FixedState"]
 
-
-
-def _dtype_name(dtype: Any) -> str:
-    """A leaf's dtype as errors name it: ``float32``, or ``key<fry>`` for typed PRNG keys."""
-    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
 class FixedState(StateObject, kw_only=True):
     """A recurrent carry: linear-attention or SSM state, a causal-conv cache.
@@ -107,7 +101,7 @@ class FixedState(StateObject, kw_only=True):
 
     def describe(self) -> str:
         shapes = self.treedef.unflatten(
-            [f"{_dtype_name(s.dtype)}{list(s.shape)}" for s in self.leaf_specs]
+            [f"{v.dtype_name(s.dtype)}{list(s.shape)}" for s in self.leaf_specs]
         )
         return f"FixedState({shapes})"
 
