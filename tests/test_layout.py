@@ -8,12 +8,9 @@ import json
 import pkgutil
 from pathlib import Path
 
-import pytest
-
 import jax_session_state
 
 PACKAGE = Path(jax_session_state.__file__).parent
-MAX_LINES = 500
 
 
 def _modules() -> dict[str, Path]:
@@ -145,12 +142,6 @@ def test_data_flows_one_way_between_sub_packages():
         if any(target == a or target.startswith(a + ".") for a in above)
     )
     assert wrong == []
-
-
-@pytest.mark.parametrize("name", sorted(_modules()))
-def test_no_module_is_over_500_lines(name: str):
-    lines = len(_modules()[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines"
 
 
 def test_private_modules_live_in_their_sub_package():
