@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import types
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -50,10 +51,13 @@ from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, LaneDefaults, chec
 from jax_session_state.sharding import ShardingRules, rules_or_none
 
 __all__ = [
-    "StateObject", "check", "is_state_object",
+    "StateObject", "check", "is_state_object", "state_object_classes",
 ]
 
 Self = TypeVar("Self", bound="StateObject")
+
+_DEFINED: dict[str, type[StateObject]] = {}
+"""Every StateObject subclass defined at module level in this process, by ``"module:QualName"``."""
 
 class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
     """Abstract base of every kind of session state.
@@ -93,6 +97,11 @@ class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
     can_overflow: ClassVar[bool] = False
     # The storage fields that hold data (the rest is bookkeeping: counts, flags).
     data_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "<locals>" not in cls.__qualname__:  # a class made inside a function cannot be named by a checkpoint
+            _DEFINED[f"{cls.__module__}:{cls.__qualname__}"] = cls
 
     def __post_init__(self) -> None:
         # ``replace(recompute_source="prompt")`` means one name, as ``allocate`` reads it.
@@ -425,6 +434,26 @@ def _spec_repr(value: Any) -> str:
     if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
         return np.dtype(value).name
     return repr(value)
+
+
+def state_object_classes() -> Mapping[str, type[StateObject]]:
+    """The StateObject kinds defined in this process, by ``"module:QualName"``: what a checkpoint may name.
+
+    Every subclass of :class:`StateObject` defined at module level enters
+    this registry as its class statement runs (the library's kinds as soon as
+    it is imported, a user's kind once its module is imported).  A restore
+    resolves the kinds a checkpoint names here and imports nothing.
+
+    Returns:
+      A read-only mapping from ``"module:QualName"`` to the class.
+
+    Example:
+      >>> import jax_session_state as jss
+      >>> from jax_session_state.base import state_object_classes
+      >>> state_object_classes()["jax_session_state.objects.kv:KVCache"] is jss.KVCache
+      True
+    """
+    return types.MappingProxyType(_DEFINED)
 
 
 def is_state_object(x: Any) -> bool:

@@ -31,6 +31,16 @@ format or version, a damaged or truncated file, or a ``target`` that does not
 match.  Nothing is half-restored.  The digests detect damage, not forgery:
 whoever can write the files can write matching digests.
 
+**What a restore trusts.**  A checkpoint is data: a restore imports and
+evaluates nothing its manifest names.  Object kinds resolve among the
+:class:`~jax_session_state.StateObject` subclasses already defined in the
+process (:func:`~jax_session_state.base.state_object_classes`) and the
+``classes`` passed to :func:`restore`; namedtuples among modules already
+imported; dtypes and PRNG key implementations in fixed tables.  Before
+anything is read, every array entry is checked for its form and the bytes
+the entries claim against the files on disk, so an edited manifest cannot
+make a restore allocate more than the checkpoint holds.
+
 Arrays are placed on restore, not as they were saved, so a checkpoint written
 on 8 devices restores onto 4 or onto 1: pass ``shardings=`` (ShardingRules for
 every object, attrs replicated), or a ``target`` session to copy placement
@@ -52,7 +62,9 @@ format version this library writes and reads (``CHANGELOG.md`` lists each).
 Layout: ``_save_restore`` (:func:`save`, :func:`restore` and a manager's
 record), ``_sessions`` (a session's record, and where a restore places its
 arrays), ``_manifest`` (the JSON that names every array and its digest),
-``_codec`` (objects and their static specs to and from JSON), ``_digest``
+``_codec`` (objects and their static specs to and from JSON), ``_claims``
+(what a restore trusts of a manifest: names in fixed tables, sizes against
+the files), ``_digest``
 (the chunked digests of what was written), ``_pieces`` (digests of arrays
 no one process holds whole), ``_processes`` (primary and small exchanges
 between processes), ``_atomic`` (a checkpoint appears whole or not at all)

@@ -3,18 +3,20 @@
 Records are plain JSON, readable in the manifest, and decode to values equal
 to the ones encoded (a spec restored from a record compares equal to the
 spec that was saved, so a restored object compiles like the original).
+Decoding imports and evaluates nothing: the classes, dtypes and key
+implementations a record names are looked up as ``_claims`` says.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_session_state.checkpoint._claims import Classes, dtype_named, key_impl_named
 from jax_session_state.errors import CheckpointError
 
 LEAF = "*"
@@ -30,9 +32,9 @@ def encode_treedef(treedef: jax.tree_util.PyTreeDef, *, where: str) -> Any:
     return _encode_node(treedef.unflatten([_Leaf()] * treedef.num_leaves), where)
 
 
-def decode_treedef(record: Any) -> jax.tree_util.PyTreeDef:
-    """The pytree structure recorded by :func:`encode_treedef`."""
-    return jax.tree_util.tree_structure(_decode_node(record))
+def decode_treedef(record: Any, classes: Classes) -> jax.tree_util.PyTreeDef:
+    """The pytree structure recorded by :func:`encode_treedef`, its namedtuples resolved by ``classes``."""
+    return jax.tree_util.tree_structure(_decode_node(record, classes))
 
 
 class _Leaf:
@@ -56,20 +58,20 @@ def _encode_node(x: Any, where: str) -> Any:
     )
 
 
-def _decode_node(record: Any) -> Any:
+def _decode_node(record: Any, classes: Classes) -> Any:
     if record == LEAF:
         return _Leaf()
     if "namedtuple" in record:
-        return import_class(record["namedtuple"], tuple)(*(_decode_node(v) for v in record["items"]))
+        return classes.namedtuple(record["namedtuple"])(*(_decode_node(v, classes) for v in record["items"]))
     (tag, body), = record.items()
     if tag == "none":
         return None
     if tag == "tuple":
-        return tuple(_decode_node(v) for v in body)
+        return tuple(_decode_node(v, classes) for v in body)
     if tag == "list":
-        return [_decode_node(v) for v in body]
+        return [_decode_node(v, classes) for v in body]
     if tag == "dict":
-        return {k: _decode_node(v) for k, v in body}
+        return {k: _decode_node(v, classes) for k, v in body}
     raise CheckpointError(f"unknown pytree node {tag!r} in a checkpoint record.")
 
 
@@ -94,17 +96,17 @@ def encode_value(value: Any, *, where: str) -> Any:
     )
 
 
-def decode_value(record: Any) -> Any:
-    """The spec value recorded by :func:`encode_value`."""
+def decode_value(record: Any, classes: Classes) -> Any:
+    """The spec value recorded by :func:`encode_value`, its classes resolved by ``classes``."""
     if not isinstance(record, dict):
         return record
     (tag, body), = record.items()
     if tag == "tuple":
-        return tuple(decode_value(v) for v in body)
+        return tuple(decode_value(v, classes) for v in body)
     if tag == "dtype":
-        return np.dtype(jnp.dtype(body))
+        return dtype_named(body)
     if tag == "treedef":
-        return decode_treedef(body)
+        return decode_treedef(body, classes)
     if tag == "shape_dtype":
         shape, dtype = body
         return jax.ShapeDtypeStruct(tuple(shape), decode_dtype(dtype))
@@ -121,29 +123,15 @@ def encode_dtype(dtype: Any) -> str | dict[str, str]:
 def decode_dtype(record: str | dict[str, str]) -> Any:
     """The dtype recorded by :func:`encode_dtype`."""
     if isinstance(record, dict):
-        return jax.eval_shape(functools.partial(jax.random.key, 0, impl=record["key"])).dtype
-    return np.dtype(jnp.dtype(record))
+        return jax.eval_shape(functools.partial(jax.random.key, 0, impl=key_impl_named(record["key"]))).dtype
+    return dtype_named(record)
 
 
 def class_name(cls: type, where: str) -> str:
-    """``"module:QualName"`` of an importable class."""
+    """``"module:QualName"`` of a class defined at module level (what a restore can look up)."""
     if "<locals>" in cls.__qualname__:
         raise CheckpointError(
-            f"{where}: {cls.__qualname__} is defined inside a function, so a restore could not import "
+            f"{where}: {cls.__qualname__} is defined inside a function, so a restore could not find "
             "it; define it at module level."
         )
     return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def import_class(name: str, base: type) -> type:
-    """The class named by :func:`class_name`, which must subclass ``base``."""
-    module, _, qualname = name.partition(":")
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError) as error:
-        raise CheckpointError(f"the checkpoint names {name!r}, which cannot be imported here: {error}.") from None
-    if not (isinstance(found, type) and issubclass(found, base)):
-        raise CheckpointError(f"the checkpoint names {name!r}, which is not a {base.__name__}.")
-    return found

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jax_session_state.checkpoint import _atomic
+from jax_session_state.checkpoint._claims import DTYPES
 from jax_session_state.checkpoint._digest import array_digests, manifest_digest
 from jax_session_state.errors import CheckpointError
 
@@ -54,7 +55,8 @@ class ArrayTable:
 
         Raises:
           CheckpointError: ``x`` is a numpy array of strings, objects, dates
-            or records (what Orbax cannot write), naming ``where``.
+            or records, or of a dtype outside the table of those a
+            checkpoint holds (what Orbax cannot write), naming ``where``.
         """
         key = str(len(self.entries))
         entry: dict[str, Any] = {"where": where}
@@ -66,6 +68,11 @@ class ArrayTable:
         else:
             entry["type"] = "numpy_scalar" if isinstance(x, np.generic) else "numpy"
             x = _numbers_in_native_order(np.asarray(x), where)
+        if np.dtype(x.dtype).name not in DTYPES:
+            raise CheckpointError(
+                f"{where}: cannot save an array of dtype {np.dtype(x.dtype).name}; checkpoints hold "
+                f"{', '.join(DTYPES)}. Convert it to one of them."
+            )
         entry.update(shape=list(x.shape), dtype=np.dtype(x.dtype).name)
         if isinstance(x, jax.Array) and x.weak_type:
             entry["weak_type"] = True

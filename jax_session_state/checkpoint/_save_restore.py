@@ -9,14 +9,14 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from jax_session_state.checkpoint import _atomic, _codec, _manifest, _orbax_io, _pieces, _processes
+from jax_session_state.checkpoint import _atomic, _claims, _codec, _manifest, _orbax_io, _pieces, _processes
 from jax_session_state.checkpoint._manifest import FORMAT, VERSION, ArrayTable
 from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
 from jax_session_state.checkpoint._sessions import Plan, encode_session, plan_session, refuse_donated
@@ -145,8 +145,9 @@ def restore(
     *,
     target: Session | SessionStateManager | None = None,
     shardings: ShardingRules | None = None,
+    classes: Iterable[type] = (),
 ) -> Session | SessionStateManager:
-    """Restores the newest checkpoint in directory ``path``, verified.
+    """Restores the newest checkpoint in directory ``path``, verified, running no code it names.
 
     Args:
       path: the checkpoint directory given to :func:`save`.
@@ -160,6 +161,12 @@ def restore(
         saved settings.
       shardings: rules to place every object by (attrs are replicated on the
         mesh), whatever the checkpoint was saved on; overrides ``target``'s.
+      classes: state-object kinds and namedtuple classes the checkpoint may
+        name besides those already defined in this process.  A restore
+        imports nothing: the kinds it finds are the library's own and every
+        :class:`~jax_session_state.StateObject` subclass whose module was
+        imported (:func:`~jax_session_state.base.state_object_classes`), and
+        namedtuples of modules already imported.
 
     Without ``target`` or ``shardings`` everything lands on the default
     device (``jax.default_device``'s, where ``jnp`` puts new arrays).  A
@@ -170,9 +177,10 @@ def restore(
     Raises:
       CheckpointError: no checkpoint, another format version, a manifest or
         array that does not match its digest (damaged files), truncated
-        files, or a target that does not match (or a manager target that
-        is not empty); naming the file and what is wrong.  Nothing is
-        half-restored.
+        files, a target that does not match (or a manager target that is not
+        empty), a class, dtype or key implementation that is not known here,
+        or arrays that claim more bytes than their files hold; naming the
+        file and what is wrong.  Nothing is half-restored.
       PayloadError, PayloadTypeError: ``shardings`` (or ``target``'s rules)
         cannot place an object, naming the argument.
       BudgetExceededError, SessionAdmissionError: a manager's sessions do
@@ -196,6 +204,7 @@ def restore(
         )
     if shardings is not None and not isinstance(shardings, ShardingRules):
         raise PayloadTypeError(f"restore(shardings=...) takes ShardingRules; got {type(shardings).__name__}.")
+    known = _claims.Classes(classes)
     directory = _atomic.newest(Path(path))
     manifest = _manifest.read(directory)
     content = _CONTENTS.get(manifest.get("content"))
@@ -208,8 +217,9 @@ def restore(
     if isinstance(target, SessionStateManager) and len(target):
         raise CheckpointError(f"restore(target=...): the manager must be empty; it holds {len(target)} sessions.")
     entries = manifest["arrays"]
+    _claims.check_entries(directory, entries, directory / _ARRAYS)  # before anything is decoded or allocated
     with _decoding(directory):
-        destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings)
+        destinations, uncommitted, assemble = content.plan(manifest["record"], entries, target, shardings, known)
         layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
         pieces = _pieces.expected(entries)
     read_to = {key: AS_NUMPY if key in uncommitted else where for key, where in destinations.items()}
@@ -315,6 +325,7 @@ def _plan_manager(
     entries: dict[str, Any],
     target: SessionStateManager | None,
     shardings: ShardingRules | None,
+    classes: _claims.Classes,
 ) -> Plan:
     """Each session planned as a session checkpoint; the (empty) manager filled in LRU order."""
     settings = dict(record["settings"])
@@ -322,10 +333,10 @@ def _plan_manager(
     uncommitted: set[str] = set()
     sessions = []
     for saved in record["sessions"]:
-        where, not_committed, assemble = plan_session(saved["session"], entries, None, shardings)
+        where, not_committed, assemble = plan_session(saved["session"], entries, None, shardings, classes)
         destinations.update(where)
         uncommitted |= not_committed
-        sessions.append((_codec.decode_value(saved["id"]), assemble, frozenset(saved["evicted"])))
+        sessions.append((_codec.decode_value(saved["id"], classes), assemble, frozenset(saved["evicted"])))
 
     def assemble_manager(arrays: dict[str, Any]) -> SessionStateManager:
         snapshot = ManagerSnapshot(

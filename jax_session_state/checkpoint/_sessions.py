@@ -19,6 +19,7 @@ import numpy as np
 
 from jax_session_state.base import StateObject
 from jax_session_state.checkpoint import _codec
+from jax_session_state.checkpoint._claims import Classes
 from jax_session_state.checkpoint._manifest import ArrayTable
 from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
 from jax_session_state.errors import CheckpointError, DonatedError, PayloadError, PayloadTypeError
@@ -98,32 +99,38 @@ def _encode_attr(leaf: Any, where: str, table: ArrayTable) -> dict[str, Any]:
 
 # --------------------------------------------------------------- restore
 def plan_session(
-    record: dict[str, Any], entries: dict[str, Any], target: Session | None, shardings: ShardingRules | None
+    record: dict[str, Any],
+    entries: dict[str, Any],
+    target: Session | None,
+    shardings: ShardingRules | None,
+    classes: Classes,
 ) -> Plan:
     """Where each array of a session record goes, and how to build the session from them.
 
     Objects take ``shardings``, else their ``target`` object's placement and
     the management fields a record leaves out (``demote_fn``), else the
-    default device (``jax.default_device``), uncommitted.
+    default device (``jax.default_device``), uncommitted.  The kinds and
+    namedtuples the record names are looked up in ``classes``.
 
     Raises:
-      CheckpointError: the record does not match ``target`` or its own specs.
+      CheckpointError: the record does not match ``target`` or its own specs,
+        or names a class that is not defined in this process.
       PayloadError, PayloadTypeError: the rules (``shardings``, or the
         target's) cannot place an object, naming the argument.
     """
     if target is not None:
-        _check_matches(record, entries, target)
+        _check_matches(record, entries, target, classes)
     default = jax.sharding.SingleDeviceSharding(_default_device())
     destinations: dict[str, Destination] = {}
     uncommitted: set[str] = set()  # placed like arrays jnp makes: on the default device, not committed to it
     objects: dict[str, StateObject] = {}
     storages: dict[str, tuple[Any, list[str]]] = {}
     for name, obj_record in record["objects"].items():
-        cls = _codec.import_class(obj_record["kind"], StateObject)
+        cls = classes.kind(obj_record["kind"])
         known = target[name] if target is not None else None
         rules = shardings if shardings is not None else getattr(known, "sharding", None)
         obj = cls(
-            **{f: _codec.decode_value(v) for f, v in obj_record["spec"].items()},
+            **{f: _codec.decode_value(v, classes) for f, v in obj_record["spec"].items()},
             recompute_source=tuple(obj_record["recompute_source"]),
             recompute_cost=obj_record["recompute_cost"],
             sharding=rules,
@@ -147,7 +154,7 @@ def plan_session(
             uncommitted.update(keys)
         destinations.update(zip(keys, where))
         storages[name] = (treedef, keys)
-    attr_treedef = _codec.decode_treedef(record["attrs"]["treedef"])
+    attr_treedef = _codec.decode_treedef(record["attrs"]["treedef"], classes)
     known_attrs = jax.tree_util.tree_leaves(target.attrs) if target is not None else None
     for i, leaf in enumerate(record["attrs"]["leaves"]):
         if "array" in leaf:
@@ -219,7 +226,7 @@ def _table_layout(leaf: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], str, str
     return tuple(leaf.shape), np.dtype(leaf.dtype).name, None
 
 
-def _check_matches(record: dict[str, Any], entries: dict[str, Any], target: Session) -> None:
+def _check_matches(record: dict[str, Any], entries: dict[str, Any], target: Session, classes: Classes) -> None:
     """Raises naming every way the checkpoint differs from ``target``."""
     problems = []
     saved, wanted = set(record["objects"]), set(target.objects)
@@ -230,7 +237,8 @@ def _check_matches(record: dict[str, Any], entries: dict[str, Any], target: Sess
         del obj_record["storage"]
         if obj_record != json.loads(json.dumps(_object_spec(target[name], f"target object {name!r}"))):
             problems.append(
-                f"object {name!r} is {_describe(obj_record)} in the checkpoint, {target[name].describe()} in the target"
+                f"object {name!r} is {_describe(obj_record, classes)} in the checkpoint, "
+                f"{target[name].describe()} in the target"
             )
     table = ArrayTable(keep_values=False)
     target_attrs = json.loads(json.dumps(encode_session(Session(objects={}, attrs=target.attrs), table)["attrs"]))
@@ -249,6 +257,6 @@ def _signature(leaf: dict[str, Any], entries: dict[str, Any]) -> str:
     return f"{entry['type']} {entry['dtype']}{entry['shape']}" + (f" {entry['impl']}" if "impl" in entry else "")
 
 
-def _describe(obj_record: dict[str, Any]) -> str:
-    spec = ", ".join(f"{k}={_codec.decode_value(v)!r}" for k, v in obj_record["spec"].items())
+def _describe(obj_record: dict[str, Any], classes: Classes) -> str:
+    spec = ", ".join(f"{k}={_codec.decode_value(v, classes)!r}" for k, v in obj_record["spec"].items())
     return f"{obj_record['kind'].rpartition(':')[2]}({spec})"

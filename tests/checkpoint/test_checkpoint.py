@@ -295,7 +295,11 @@ def flip_bytes(path):
         ),
         (
             lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].update(dtype="uint33")),
-            "'uint33'.*do not fit its spec",
+            "array '0' .*names dtype 'uint33', which is not one a checkpoint holds",
+        ),
+        (
+            lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].update(dtype="int16")),
+            "'int16'.*do not fit its spec",
         ),
         (lambda root: edit_manifest(root, lambda m: m["arrays"]["0"].pop("digest")), "manifest.json is malformed"),
         (
@@ -307,7 +311,7 @@ def flip_bytes(path):
         (lambda root: edit_manifest(root, lambda m: m.pop("record")), "manifest.json is malformed"),
         (
             lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["kv"].update(kind="nowhere:KVCache")),
-            "names 'nowhere:KVCache', which cannot be imported",
+            "names the state-object kind 'nowhere:KVCache', which is not defined in this process",
         ),
         (
             lambda root: edit_manifest(root, lambda m: m["record"]["objects"]["kv"]["spec"].update(capacity=17)),
@@ -316,8 +320,9 @@ def flip_bytes(path):
         (lambda root: os.truncate(newest_manifest(root), 100), "manifest.json cannot be read"),
         (
             lambda root: os.truncate(largest_data_file(root), largest_data_file(root).stat().st_size // 2),
-            "cannot be read",
+            "arrays claim .* bytes, but the files under .* hold .*truncated or missing",
         ),
+        (lambda root: largest_data_file(root).with_name(".zarray").write_text("{"), "the arrays cannot be read"),
         (lambda root: flip_bytes(largest_data_file(root)), "does not match its digest"),
     ],
 )
