@@ -8,8 +8,12 @@ are skipped with :data:`NO_TORCH`.
 from __future__ import annotations
 
 import functools
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,7 +22,7 @@ import numpy as np
 from jax import lax
 
 import jax_session_state as jss
-from benchmarks._common import cpu_name, interleaved, vector_isas, with_lengths
+from benchmarks._common import cpu_name, interleaved, path_env, vector_isas, with_lengths
 from jax_session_state._core import _library
 
 torch: Any = None  # imported by load_torch(), not by the memory child
@@ -31,6 +35,29 @@ BARS = {"capacity": 1.5, "step": 1.5, "native_vs_pure": 1.0, "rollout": 1.5, "by
 NATIVE_CALL = "native kernel (one FFI call)"
 NO_TORCH = "skipped: PyTorch is not installed (pip install torch==2.13.0)"
 RNG = np.random.default_rng(0)
+
+
+TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2"}  # ATEN_CPU_CAPABILITY per path; avx512: its own
+
+
+def rows_on_path(module: str, path: str | None, *, full: bool, one_path: bool = False) -> list[dict]:
+    """The rows ``python -m MODULE`` prints as JSON on its last line, run in a fresh process on one native path.
+
+    ``path`` None turns the native kernel off; PyTorch is held to the same
+    instruction set.  ``one_path`` passes ``--one-path`` (a module that
+    is also the runner of its paths).
+    """
+    env = path_env(path)
+    if path in TORCH_CAPABILITY:
+        env["ATEN_CPU_CAPABILITY"] = TORCH_CAPABILITY[path]
+    command = [sys.executable, "-m", module, *(["--full"] if full else []), *(["--one-path"] if one_path else [])]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True,
+                          cwd=Path(__file__).parent.parent)
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    for r in rows:
+        r["case"] = f"[{r['path']}] {r['case']}"
+        r["measure"] = f"{r['part']}: {r['case']}" + ("" if "bar" in r else f" ({r['unit']})")
+    return rows
 
 
 def load_torch() -> None:

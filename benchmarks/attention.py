@@ -48,35 +48,14 @@ Run:  python -m benchmarks.attention [--full] [--out PATH]
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 
 from benchmarks import _attention_parts as parts
 from benchmarks._attention_breakdown import breakdown_rows
 from benchmarks._attention_others import capacity_rows, memory_rows, nnx_rows
-from benchmarks._common import cli, native_paths, path_env
+from benchmarks._attention_parts import rows_on_path
+from benchmarks._common import cli, native_paths
 from jax_session_state._core import _library
-
-TORCH_CAPABILITY = {"baseline": "default", "avx2": "avx2"}  # ATEN_CPU_CAPABILITY per path; avx512: its own
-
-
-def path_rows(path: str | None, *, full: bool) -> list[dict]:
-    """``benchmarks.attention_steps`` in a fresh process on one path (None: the native kernel off)."""
-    env = path_env(path)
-    if path in TORCH_CAPABILITY:
-        env["ATEN_CPU_CAPABILITY"] = TORCH_CAPABILITY[path]
-    command = [sys.executable, "-m", "benchmarks.attention_steps", *(["--full"] if full else [])]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True,
-                          cwd=Path(__file__).parent.parent)
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    for r in rows:
-        r["case"] = f"[{r['path']}] {r['case']}"
-        r["measure"] = f"{r['part']}: {r['case']}" + ("" if "bar" in r else f" ({r['unit']})")
-    return rows
 
 
 def run(*, full: bool) -> list[dict]:
@@ -92,7 +71,7 @@ def run(*, full: bool) -> list[dict]:
                                                           for name, ok in _library.ISAS.items())}]
     rows += capacity_rows(rounds)
     for path in native_paths():
-        rows += path_rows(path, full=full)
+        rows += rows_on_path("benchmarks.attention_steps", path, full=full)
     rows += nnx_rows([256, 1024, 4096], rounds)
     cached = parts.copy_bandwidth(16 << 20)
     kernels = ["native", "pure"] if _library.enabled() else ["pure"]
