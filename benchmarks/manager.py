@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 import jax_session_state as jss
 from benchmarks._common import cli, interleaved
-from jax_session_state.planner import ObjectUsage, Plan, SessionUsage, plan
+from jax_session_state.manager.planner import ObjectUsage, Plan, SessionUsage, plan
 
 SIZES = (1_000, 10_000)
 LOOKUPS = 20_000

@@ -1,6 +1,6 @@
 """jax_session_state: per-session state of autoregressive rollouts as immutable JAX pytrees."""
 
-from jax_session_state import accounting, checkpoint, errors, offload, planner, reuse, sharding
+from jax_session_state import accounting, checkpoint, errors, manager, reuse, sharding
 from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
@@ -104,10 +104,9 @@ __all__ = [
     "donate_unshared",
     "errors",
     "is_state_object",
+    "manager",
     "merge_attention",
-    "offload",
     "page_keys",
-    "planner",
     "reuse",
     "shard",
     "sharding",

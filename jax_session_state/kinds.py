@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
@@ -32,7 +31,6 @@ __all__ = [
     "ManagedOptions",
     "allocator",
     "check_same_spec",
-    "deprecated_alias",
     "overwrite",
     "refuse_now_if",
     "update_slice_or_keep",
@@ -94,12 +92,11 @@ class Fill(NamedTuple):
     margin: int = 0
 
 
-def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def allocator() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wraps a kind's ``allocate`` so an unknown keyword is a ``TypeError`` before anything else.
 
     ``allocate`` takes its sizes by name and the :class:`ManagedOptions` in
-    ``**options``; ``deprecated`` names the former keywords it still reads
-    from ``options`` (with a warning).  Use it under ``@classmethod``.
+    ``**options``.  Use it under ``@classmethod``.
 
     Example:
       >>> from jax_session_state.kinds import allocator
@@ -119,7 +116,7 @@ def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., 
     def wrap(allocate: Callable[..., Any]) -> Callable[..., Any]:
         parameters = inspect.signature(allocate).parameters
         known = {name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-        known |= set(_MANAGED) | set(deprecated)
+        known |= set(_MANAGED)
 
         @functools.wraps(allocate)
         def checked(cls: type, **kwargs: Any) -> Any:
@@ -127,7 +124,7 @@ def allocator(*deprecated: str) -> Callable[[Callable[..., Any]], Callable[..., 
             if unknown:
                 raise PayloadTypeError(
                     f"{cls.__name__}.allocate() got unexpected keyword argument(s): {', '.join(unknown)}; "
-                    f"it takes {', '.join(sorted(known - set(deprecated)))}."
+                    f"it takes {', '.join(sorted(known))}."
                 )
             return allocate(cls, **kwargs)
 
@@ -158,29 +155,6 @@ def _overwrite_leaf(old: Any, new: Any) -> Any:
         data = _overwrite_leaf(jax.random.key_data(old), jax.random.key_data(new))
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
     return jnp.where(True, new, old).astype(old.dtype)
-
-
-def deprecated_alias(new: str, old: str) -> property:
-    """A read-only property ``old`` that warns and returns attribute ``new`` (a renamed public name).
-
-    Example:
-      >>> import warnings
-      >>> from jax_session_state.kinds import deprecated_alias
-      >>> class Buffer:
-      ...     capacity = 8
-      ...     size = deprecated_alias("capacity", "size")
-      >>> with warnings.catch_warnings(record=True) as caught:
-      ...     warnings.simplefilter("always")
-      ...     print(Buffer().size, caught[0].message)
-      8 Buffer.size is deprecated; use .capacity (same meaning).
-    """
-
-    def read(self: Any) -> Any:
-        warnings.warn(f"{type(self).__name__}.{old} is deprecated; use .{new} (same meaning).",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(self, new)
-
-    return property(read, doc=f"Deprecated name of :attr:`{new}`.")
 
 
 def refuse_now_if(refused: Any, error: Callable[[], Exception]) -> None:

@@ -39,38 +39,6 @@ def test_recompute_cost_is_a_number_at_least_zero(allocate, cost, error, shown):
     assert type(allocate(recompute_cost=3).recompute_cost) is float
 
 
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        (lambda: jss.LatentBuffer.allocate(maxlen=4, item_shape=(2,), item_axes=("x",)),
-         lambda: jss.LatentBuffer.allocate(capacity=4, item_shape=(2,), axes=("x",))),
-        (lambda: jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, length=3),
-         lambda: jss.EncodeOnceKV.allocate(batch=1, kv_heads=1, head_dim=2, capacity=3)),
-        (lambda: jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=4, max_chunk=2),
-         lambda: jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=4, max_staged=2)),
-        (lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), value_axes=("v",)),
-         lambda: jss.RetrievalStore.allocate(capacity=2, key_dim=2, value_shapes=(3,), axes=("v",))),
-    ],
-)
-def test_deprecated_keywords_warn_and_mean_the_same(old, new):
-    with pytest.warns(DeprecationWarning, match="is deprecated; use"):
-        before = old()
-    assert before.describe() == new().describe()
-
-
-def test_deprecated_and_new_keyword_together_is_an_error():
-    with pytest.raises(PayloadTypeError, match="maxlen= is the deprecated name of capacity="):
-        jss.LatentBuffer.allocate(maxlen=4, capacity=4, item_shape=(2,))
-
-
-def test_deprecated_attributes_warn():
-    frames = jss.LatentBuffer.allocate(capacity=4, item_shape=(2,))
-    with pytest.warns(DeprecationWarning, match=r"LatentBuffer\.maxlen is deprecated"):
-        assert frames.maxlen == 4
-    with pytest.warns(DeprecationWarning, match=r"LatentBuffer\.count is deprecated"):
-        assert int(frames.append(jnp.ones((3, 2))).count) == 3
-
-
 def test_ring_capacity_is_what_stays_visible_and_the_margin_is_extra():
     kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, window=6, sink=2, max_staged=3)
     assert (kv.capacity, kv.staging_margin, kv.slots) == (8, 3, 11) and kv.k.shape[2] == 11

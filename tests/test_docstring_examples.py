@@ -62,7 +62,8 @@ def test_every_public_class_and_function_has_an_example():
     exported = _exported()
     checked = [obj for _, _, obj in exported if _needs_example(obj)]
     for obj in (
-        jss.KVCache, jss.accounting.add_bytes, jss.device_key, jss.planner.plan, jss.errors.SessionCheckedOutError
+        jss.KVCache, jss.accounting.add_bytes, jss.device_key, jss.manager.planner.plan,
+        jss.errors.SessionCheckedOutError,
     ):
         assert any(obj is x for x in checked), f"{obj} is not among the names checked"
     missing = sorted(

@@ -265,7 +265,7 @@ def test_checkout_restores_dropped_and_parked_objects_first(tmp_path):
     for i, sid in enumerate("abc"):
         manager.create(sid, make_session(i + 1, capacity=CAPACITY))
     held = manager.held()
-    assert held["a"].parked or held["a"].dropped  # "a" gave way
+    assert held["a"].parked or held["a"].evicted  # "a" gave way
     pool = jss.SessionPool.allocate(make_session(0, capacity=CAPACITY), slots=2)
     pool = manager.checkout("a", pool, 1)
     assert close(pool.extract(1), make_session(1, capacity=CAPACITY))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -235,20 +234,6 @@ def optional_callable(owner: str, name: str, value: Any) -> Any:
     if value is not None and not callable(value):
         raise PayloadTypeError(f"{owner}: {name} must be a function or None; got {type(value).__name__}.")
     return value
-
-
-def renamed(owner: str, options: dict[str, Any], old: str, new: str, value: Any) -> Any:
-    """``value`` of the keyword ``new``, or of its deprecated former name ``old`` (popped from ``options``).
-
-    Warns with a :class:`DeprecationWarning` when the old name is used;
-    raises when both are given.
-    """
-    if old not in options:
-        return value
-    if value is not None:
-        raise PayloadTypeError(f"{owner}: {old}= is the deprecated name of {new}=; pass only {new}=.")
-    warnings.warn(f"{owner}: {old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
-    return options.pop(old)
 
 
 def required(owner: str, name: str, value: Any) -> Any:

@@ -6,7 +6,7 @@ do all three atomically.  When a create, a put, a lookup that brings
 objects back, a checkout or a checkin would exceed a byte budget, the
 manager frees bytes from other sessions (never a pinned one, one inside
 ``update`` or between a donating ``get`` and its ``put``, nor the one being
-served) in this order (see :func:`jax_session_state.planner.plan`):
+served) in this order (see :func:`jax_session_state.manager.planner.plan`):
 
 1. it evicts objects it can rebuild (a rebuild is registered with
    :meth:`SessionStateManager.register_rebuild` and the object declares a
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -409,11 +408,6 @@ class SessionStateManager(PoolCheckouts, ManagerSnapshots):
             self._ledger.apply(entry.storages(), ())
             self._remember_loss(session_id, "it was released with release()")
             return True
-
-    def drop(self, session_id: Hashable) -> bool:
-        """Deprecated: use :meth:`release` (objects are evicted, sessions are released)."""
-        warnings.warn("SessionStateManager.drop() is deprecated; use release().", DeprecationWarning, stacklevel=2)
-        return self.release(session_id)
 
     def register_rebuild(
         self, name: str, fn: Callable[[Session], StateObject], *, cost: float | None = None

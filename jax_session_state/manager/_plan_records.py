@@ -1,6 +1,6 @@
 """The planner's records: what it reads (object and session usage) and what it returns (actions, plans, refusals).
 
-Immutable dataclasses over byte figures; :mod:`jax_session_state.planner`
+Immutable dataclasses over byte figures; :mod:`jax_session_state.manager.planner`
 exports them and documents how they are used.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import warnings
 from collections.abc import Hashable, Mapping
 from typing import Literal
 
@@ -86,9 +85,6 @@ class ObjectUsage:
     parkable: bool = True
 
     def __post_init__(self) -> None:
-        if self.state == "dropped":
-            warnings.warn('ObjectUsage state "dropped" is deprecated; use "evicted".', DeprecationWarning, stacklevel=3)
-            object.__setattr__(self, "state", "evicted")
         if self.state not in ("resident", "evicted", "parked"):
             raise PayloadError(
                 f"ObjectUsage {self.name!r}: state must be 'resident', 'evicted' or 'parked'; got {self.state!r}."

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple, Self
 
@@ -57,12 +56,6 @@ class Held:
     evicted: frozenset[str]
     donated: bool
     pinned: bool = False
-
-    @property
-    def dropped(self) -> frozenset[str]:
-        """Deprecated: use ``evicted``."""
-        warnings.warn("Held.dropped is deprecated; use Held.evicted.", DeprecationWarning, stacklevel=2)
-        return self.evicted
 
 
 class SnapshotSession(NamedTuple):
@@ -131,11 +124,6 @@ class ManagerSnapshots(ManagerCore):
             "park_memory_kind": self.park_memory_kind,
             "host_budget": self.host_budget,
         }
-
-    def config(self) -> dict[str, Any]:
-        """Deprecated: use :meth:`settings`."""
-        warnings.warn("SessionStateManager.config() is deprecated; use settings().", DeprecationWarning, stacklevel=2)
-        return self.settings()
 
     def snapshot(self) -> ManagerSnapshot:
         """Everything this manager holds, as one consistent picture, to save or load elsewhere.

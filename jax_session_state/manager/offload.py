@@ -213,7 +213,7 @@ class Parked(Generic[T]):
     Example:
       >>> import jax
       >>> import jax_session_state as jss
-      >>> parked = jss.offload.park(jss.FixedState.allocate(shapes=(2, 8)))
+      >>> parked = jss.manager.offload.park(jss.FixedState.allocate(shapes=(2, 8)))
       >>> parked.memory_kind, parked.nbytes_by_device()
       ('pinned_host', {'cpu:0/pinned_host': 129})
       >>> try:
@@ -255,7 +255,7 @@ def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
       >>> import jax.numpy as jnp
       >>> import jax_session_state as jss
       >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
-      >>> parked = jss.offload.park(kv.append((jnp.ones((1, 2, 1, 2)),) * 2))
+      >>> parked = jss.manager.offload.park(kv.append((jnp.ones((1, 2, 1, 2)),) * 2))
       >>> parked.obj.k.sharding.memory_kind, parked.nbytes_by_device()
       ('pinned_host', {'cpu:0/pinned_host': 80})
     """
@@ -295,7 +295,7 @@ def restore(parked: Parked[T]) -> T:
       >>> import jax_session_state as jss
       >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
       >>> kv = kv.append((jnp.arange(4.0).reshape(1, 2, 1, 2),) * 2)
-      >>> back = jss.offload.restore(jss.offload.park(kv))
+      >>> back = jss.manager.offload.restore(jss.manager.offload.park(kv))
       >>> back.k.sharding.memory_kind, bool((back.view().k == kv.view().k).all())
       ('device', True)
     """

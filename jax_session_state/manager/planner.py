@@ -26,7 +26,6 @@ import collections
 import dataclasses
 import math
 import types
-import warnings
 from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 
 from jax_session_state.errors import PayloadError
@@ -374,9 +373,3 @@ def _require_unique_ids(sessions: Sequence[SessionUsage]) -> None:
     if repeated:
         raise PayloadError(f"plan: every session needs its own id; {repeated!r} appear more than once.")
 
-
-def __getattr__(name: str) -> type:
-    if name == "DropObject":  # the name before objects were "evicted" and sessions "released"
-        warnings.warn("planner.DropObject is deprecated; use planner.EvictObject.", DeprecationWarning, stacklevel=2)
-        return EvictObject
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ from jax import Array, lax
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
-from jax_session_state.kinds import deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state.kinds import refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _ring
 
 # Entries of ``ItemBuffer.bookkeeping``.
@@ -51,7 +51,6 @@ class ItemBuffer(StateObject, kw_only=True):
         """``Int[Array, ""]`` items ever committed."""
         return None if self.bookkeeping is None else self.bookkeeping[..., _COMMITTED]
 
-    count = deprecated_alias("committed", "count")
 
     @property
     def staged(self) -> Array | None:

@@ -12,7 +12,7 @@ from jax import Array
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError
-from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if
+from jax_session_state.kinds import allocator, refuse_now_if
 from jax_session_state.objects import _ring
 from jax_session_state.objects.kv_views import KVChunk, KVView, read_chunk
 
@@ -68,7 +68,6 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
     can_overflow = True
     data_fields = ("k", "v")
-    length = deprecated_alias("capacity", "length")
 
     @property
     def written(self) -> Array | None:
@@ -91,7 +90,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
         return self.refused
 
     @classmethod
-    @allocator("length")
+    @allocator()
     def allocate(cls, *, batch: int, kv_heads: int, head_dim: int, capacity: int | None = None,
                  dtype: Any = jnp.float32, **options: Any) -> EncodeOnceKV:
         """An empty, unwritten conditioning cache.
@@ -100,8 +99,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
           batch: batch rows.
           kv_heads: K/V heads.
           head_dim: size of each head.
-          capacity: the most conditioning tokens per row (``length=`` is its
-            deprecated name).
+          capacity: the most conditioning tokens per row.
           dtype: storage dtype; payloads must match it exactly.
           **options: how the object is managed
             (:class:`~jax_session_state.kinds.ManagedOptions`:
@@ -111,7 +109,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
             ``("batch",)`` for the lengths.
         """
         owner = "EncodeOnceKV.allocate"
-        capacity = v.required(owner, "capacity", v.renamed(owner, options, "length", "capacity", capacity))
+        capacity = v.required(owner, "capacity", capacity)
         sizes = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity)
         return cls._allocated(options, **sizes, dtype=np.dtype(dtype))
 

@@ -12,7 +12,7 @@ from jax import Array
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadTypeError
-from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
+from jax_session_state.kinds import allocator, refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
@@ -136,7 +136,6 @@ class KVCache(StateObject, kw_only=True):
         """Rows of storage per batch row: ``capacity`` plus the staging margin."""
         return self.capacity + self.max_staged
 
-    max_chunk = deprecated_alias("max_staged", "max_chunk")
 
     def _with_bookkeeping(self, *, committed: Array, staged: Array, high_water: Array, refused: Array,
                           **storage: Array) -> KVCache:
@@ -144,7 +143,7 @@ class KVCache(StateObject, kw_only=True):
         return self.with_storage(bookkeeping=jnp.stack(rows, axis=-2).astype(jnp.int32), **storage)
 
     @classmethod
-    @allocator("max_chunk")
+    @allocator()
     def allocate(
         cls,
         *,
@@ -172,8 +171,7 @@ class KVCache(StateObject, kw_only=True):
           window: ring mode: the last ``window`` tokens are kept.
           sink: ring mode: the first ``sink`` tokens are kept for ever.
           max_staged: ring mode: the most rows staged or appended between
-            commits; the ring keeps this many slots beyond the window
-            (``max_chunk=`` is its deprecated name).
+            commits; the ring keeps this many slots beyond the window.
           quantize: store the rows quantized: ``"int8"`` or ``"fp8"``
             (``float8_e4m3fn``); ``dtype`` stays the payloads' dtype.
           tiers: the quantized forms it may be demoted to when memory is
@@ -189,7 +187,6 @@ class KVCache(StateObject, kw_only=True):
           An empty, resident cache.
         """
         owner = "KVCache.allocate"
-        max_staged = v.renamed(owner, options, "max_chunk", "max_staged", max_staged)
         heads = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
         if window is None:
             if sink or max_staged is not None:

@@ -13,7 +13,7 @@ from jax import Array, lax
 
 from jax_session_state._core import _validation as v
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.kinds import allocator, deprecated_alias
+from jax_session_state.kinds import allocator
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes
 
@@ -80,11 +80,9 @@ class LatentBuffer(ItemBuffer, kw_only=True):
     """``Float[Array, "slots *item_shape"]`` in slot order."""
 
     data_fields = ("items",)
-    maxlen = deprecated_alias("capacity", "maxlen")
-    item_axes = deprecated_alias("axes", "item_axes")
 
     @classmethod
-    @allocator("maxlen", "item_axes")
+    @allocator()
     def allocate(
         cls,
         *,
@@ -100,7 +98,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
         """An empty buffer.
 
         Args:
-          capacity: items kept (and visible); ``maxlen=`` is its deprecated name.
+          capacity: items kept (and visible).
           item_shape: the shape of one item, a tuple of ints (``(n,)`` for
             ``n`` values; a bare int is refused).
           dtype: storage dtype; payloads must match it exactly.
@@ -108,8 +106,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
           max_staged: ring mode: the most items staged between commits.
           axes: logical names of the item axes, for sharding (a name, or
             None for an axis never sharded); None leaves them unnamed.  The
-            storage axes are ``("slots", *axes)``; ``item_axes=`` is its
-            deprecated name.
+            storage axes are ``("slots", *axes)``.
           demote_fn: makes the buffer demotable: one item ``[*item_shape]``
             to its cheaper form (one array, any shape and dtype), applied to
             every slot by :meth:`demote`.  How lossy it is is the function's
@@ -120,8 +117,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "LatentBuffer.allocate"
-        capacity = v.required(owner, "capacity", v.renamed(owner, options, "maxlen", "capacity", capacity))
-        axes = v.renamed(owner, options, "item_axes", "axes", axes)
+        capacity = v.required(owner, "capacity", capacity)
         if not ring and max_staged:
             raise PayloadTypeError(f"{owner}: max_staged applies only to ring=True (append mode stages in place).")
         if not isinstance(item_shape, (tuple, list)):

@@ -12,7 +12,7 @@ from jax import Array
 
 from jax_session_state._core import _validation as v
 from jax_session_state.errors import PayloadError
-from jax_session_state.kinds import allocator, deprecated_alias
+from jax_session_state.kinds import allocator
 from jax_session_state.objects import _ring
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes
@@ -113,10 +113,9 @@ class RetrievalStore(ItemBuffer, kw_only=True):
 
     ring = True
     data_fields = ("keys", "values")
-    value_axes = deprecated_alias("axes", "value_axes")
 
     @classmethod
-    @allocator("value_axes")
+    @allocator()
     def allocate(
         cls,
         *,
@@ -141,14 +140,12 @@ class RetrievalStore(ItemBuffer, kw_only=True):
             pytree like ``value_shapes`` with a tuple per leaf (a name, or
             None for an axis never sharded); None leaves them unnamed.  The
             storage axes are ``("slots", "key_dim")`` for keys and
-            ``("slots", *axes)`` for each value leaf; ``value_axes=`` is its
-            deprecated name.
+            ``("slots", *axes)`` for each value leaf.
           **options: how the object is managed
             (:class:`~jax_session_state.kinds.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "RetrievalStore.allocate"
-        axes = v.renamed(owner, options, "value_axes", "axes", axes)
         value_treedef, value_specs = v.leaf_specs(owner, value_shapes, dtype)
         return cls._allocated(
             options,

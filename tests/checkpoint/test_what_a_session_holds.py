@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import checkpoint, offload
+from jax_session_state import checkpoint
 from jax_session_state.checkpoint import _digest
+from jax_session_state.manager import offload
 
 
 def bits(x):

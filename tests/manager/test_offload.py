@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state import offload
 from jax_session_state._core import _library
+from jax_session_state.manager import offload
 from tests.support.devices import DEVICE, PINNED
 from tests.support.kinds import KINDS
 from tests.support.world import assert_same
@@ -168,7 +168,7 @@ SHARDED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_session_state as jss
-    from jax_session_state import offload
+    from jax_session_state.manager import offload
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("heads",))
     def make(seed):

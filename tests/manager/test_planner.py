@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.planner import (
+from jax_session_state.manager.planner import (
     DemoteObject,
     EvictObject,
     ObjectUsage,

@@ -4,7 +4,7 @@ import pytest
 
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.manager import planner
-from jax_session_state.planner import ObjectUsage, Plan, Refusal, SessionUsage, plan
+from jax_session_state.manager.planner import ObjectUsage, Plan, Refusal, SessionUsage, plan
 
 
 @pytest.mark.parametrize(
