@@ -47,7 +47,7 @@ from jax_session_state.errors import (
     NotResidentError,
     PayloadTypeError,
 )
-from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, LaneDefaults, check_same_spec
+from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec
 from jax_session_state.sharding import ShardingRules, rules_or_none
 
 __all__ = [
@@ -59,7 +59,7 @@ Self = TypeVar("Self", bound="StateObject")
 _DEFINED: dict[str, type[StateObject]] = {}
 """Every StateObject subclass defined at module level in this process, by ``"module:QualName"``."""
 
-class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
+class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     """Abstract base of every kind of session state.
 
     Subclasses declare their storage as pytree fields and their spec as static
@@ -305,6 +305,41 @@ class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
     @abc.abstractmethod
     def view(self, *, include_staged: bool = True) -> Any:
         """What attention kernels and the pipeline read: a small pytree."""
+
+    # ------------------------------------------------------------ branches
+    # What a kind does under Session.branch unless it says otherwise: lanes read its committed data
+    # and cannot write it (no window). Kinds that stage in place (K/V caches, frame buffers) override
+    # these three so each lane writes its own small window.
+    def branch_window(self, size: int | None) -> Any:
+        """An empty window for one speculative lane's writes, or None if shared.
+
+        Lanes made by :meth:`Session.branch` share this object's committed
+        data and write only into their own window (a small object of a kind
+        that stages in place).  None means lanes read this object but cannot
+        write it.
+
+        Args:
+          size: how many entries (rows, items) one lane may write; kinds that
+            replace their value ignore it.
+
+        Example:
+          >>> import jax_session_state as jss
+          >>> store = jss.RetrievalStore.allocate(capacity=4, key_dim=2, value_shapes=(3,))
+          >>> store.branch_window(8) is None  # lanes read the bank; none writes it
+          True
+        """
+        del size
+        return None
+
+    def branch_view(self, window: Any) -> Any:
+        """What a lane reads: the committed data, then the lane's window."""
+        del window
+        return self.view(include_staged=False)
+
+    def commit_window(self, window: Any) -> Any:
+        """This object with a lane's window written after its committed data."""
+        del window
+        return self
 
     # ---------------------------------------------------------- bookkeeping
     # Every kind also answers ``committed`` and ``staged`` (``Int`` arrays:

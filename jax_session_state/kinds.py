@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Fill",
-    "LaneDefaults",
     "ManagedOptions",
     "allocator",
     "check_same_spec",
@@ -246,43 +245,3 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
     first = jnp.clip(jnp.asarray(start).astype(jnp.int32), 0, size - T)  # clamped as XLA clamps the window
     slots = jnp.where(jnp.reshape(lands, (-1,)), first + jnp.arange(T, dtype=jnp.int32), size)  # size: dropped
     return _writes.write_rows(buffer, slots, update, axis=axis, otherwise=in_xla)
-
-
-class LaneDefaults:
-    """What a kind does under :meth:`~jax_session_state.Session.branch` unless it says otherwise.
-
-    Lanes read its committed data and cannot write it: it gives no window.
-    Kinds that stage in place (K/V caches, frame buffers) override these
-    three methods so each lane writes its own small window.
-
-    Example:
-      >>> import jax_session_state as jss
-      >>> store = jss.RetrievalStore.allocate(capacity=4, key_dim=2, value_shapes=(3,))
-      >>> store.branch_window(8) is None  # lanes read the bank; none writes it
-      True
-    """
-
-    def branch_window(self, size: int | None) -> Any:
-        """An empty window for one speculative lane's writes, or None if shared.
-
-        Lanes made by :meth:`Session.branch` share this object's committed
-        data and write only into their own window (a small object of a kind
-        that stages in place).  None means lanes read this object but cannot
-        write it.
-
-        Args:
-          size: how many entries (rows, items) one lane may write; kinds that
-            replace their value ignore it.
-        """
-        del size
-        return None
-
-    def branch_view(self, window: Any) -> Any:
-        """What a lane reads: the committed data, then the lane's window."""
-        del window
-        return self.view(include_staged=False)
-
-    def commit_window(self, window: Any) -> Any:
-        """This object with a lane's window written after its committed data."""
-        del window
-        return self
