@@ -3,7 +3,7 @@
 Making room and bringing a session back first compute every new object --
 evicted, demoted, parked, copied back or rebuilt -- from the objects as they
 are, donating nothing; only once all of them exist does the manager swap
-them in (:class:`~jax_session_state.manager._core.ManagerCore`).  A failure
+them in (:class:`~jax_session_state.SessionStateManager`).  A failure
 on the way (a rebuild function that raises, a device out of memory) then
 leaves every session as it was.
 """

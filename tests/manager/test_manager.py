@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state.manager import _core as _manager_core
+from jax_session_state.manager import _manager as _manager_module
 from tests.manager.frozen import assert_frozen, frozen_state
 from tests.support.devices import DEVICE, PINNED
 from tests.support.world import (
@@ -143,7 +143,7 @@ def test_a_hundred_create_drop_cycles_leak_nothing():
 
 
 def test_only_the_last_losses_keep_their_reason(monkeypatch):
-    monkeypatch.setattr(_manager_core, "LOST_REASONS_KEPT", 3)
+    monkeypatch.setattr(_manager_module, "LOST_REASONS_KEPT", 3)
     m, _ = manager(max_sessions=1)
     for i in range(4):
         m.create(i, make_session(i))
