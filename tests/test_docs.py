@@ -190,7 +190,7 @@ def test_readme_links_to_the_pages():
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Documentation"):]
     links = re.findall(r"\]\(([^)#\s]+)\)", section)
-    assert "pip install -e '.[docs]' && mkdocs build --strict" in section
+    assert ".venv/bin/pip install -e '.[docs]' && .venv/bin/mkdocs build --strict" in section
     missing = [link for link in links if not (ROOT / link).is_file()]
     assert not missing, f"README's Documentation section links to files that do not exist: {missing}"
     pages = {str(p.relative_to(ROOT)) for p in DOCS.glob("*.md")} | {
