@@ -3,10 +3,10 @@
 The session (per-block K/V in a sink + window ring, conditioning K/V written
 once, a recurrent carry, the recent frames) is donated to the jitted rollout,
 so every write happens in place: the rollout's memory stays at the session's
-size however long it runs.  A progress bar follows the chunks as the scan
+size however long it runs.  A progress bar follows the frames as the scan
 runs: each step calls back to the host (``jax.debug.callback``, ordered),
 which also timestamps the steps, so the progress costs one host call per
-chunk and the rollout stays one compiled program.
+frame and the rollout stays one compiled program.
 
 With ``--quantize int8`` the K/V caches are stored as int8 (a scale per row
 and head): the demo prints their bytes against float32 and how far the
@@ -76,7 +76,7 @@ class Progress:
 
     def start(self) -> float:
         """Opens the bar (after compiling); returns the start time."""
-        self.bar = tqdm(total=self.steps, unit="chunk", desc="rollout")
+        self.bar = tqdm(total=self.steps, unit="frame", desc="rollout")
         return time.perf_counter()
 
     def __call__(self, index: np.ndarray, lengths: np.ndarray) -> None:

@@ -7,10 +7,10 @@ Example:
   ...     "carry": jss.FixedState.allocate(shapes=(1, 8)),
   ... })
   >>> print(jss.summary(session))
-  name   kind        shapes         dtype    committed  staged  capacity  margin  resident  recompute  cpu:0
-  -----  ----------  -------------  -------  ---------  ------  --------  ------  --------  ---------  -----
-  carry  FixedState  [1, 8]         float32  1          0       1         0       yes       -          65
-  kv     KVCache     [1, 2, 16, 4]  float32  [0]        [0]     16        0       yes       -          1040
+  name   kind        shapes         dtype    committed  staged  capacity  resident  recompute  cpu:0 bytes
+  -----  ----------  -------------  -------  ---------  ------  --------  --------  ---------  -----------
+  carry  FixedState  [1, 8]         float32  1          0       1         yes       -          65 B
+  kv     KVCache     [1, 2, 16, 4]  float32  [0]        [0]     16        yes       -          1.0 KiB
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ _FIXED_COLUMNS = [
 class Summary:
     """Rows describing state objects; prints as plain text, rich, or HTML.
 
+    The rows hold numbers (entries per batch row, bytes per device key); the
+    printed table reads without a glossary: ``committed`` says how many
+    entries are kept and, for a ring that has seen more, how many it has
+    seen; ``capacity`` adds a ring's staging slots (``+ 4 staging``); the
+    byte columns are headed ``<device key> bytes`` and written in B, KiB,
+    MiB or GiB.
+
     Attributes:
       rows: one dict per object (and one per session's attrs), keyed by column.
       columns: the column names, device keys last.
@@ -55,13 +62,20 @@ class Summary:
         self.rows = rows
         self.columns = columns
 
+    def _shown(self) -> list[str]:
+        """The printed columns: the margin goes into ``capacity``'s cell."""
+        return [column for column in self.columns if column != "margin"]
+
+    def _headers(self) -> list[str]:
+        return [f"{column} bytes" if _is_device_key(column) else column for column in self._shown()]
+
     def _cells(self) -> list[list[str]]:
-        return [[_text(row.get(column, "")) for column in self.columns] for row in self.rows]
+        return [[_cell(row, column) for column in self._shown()] for row in self.rows]
 
     def __str__(self) -> str:
-        cells = self._cells()
-        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(self.columns, widths)).rstrip()]
+        cells, headers = self._cells(), self._headers()
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(headers)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(headers, widths)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
         return "\n".join(lines)
@@ -72,14 +86,14 @@ class Summary:
         from rich.table import Table  # rich ships with flax
 
         table = Table(title="session state")
-        for column in self.columns:
-            table.add_column(column, justify="right" if ":" in column or column == "host" else "left")
+        for column, header in zip(self._shown(), self._headers()):
+            table.add_column(header, justify="right" if _is_device_key(column) else "left")
         for row in self._cells():
             table.add_row(*row)
         return table
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self._headers())
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in self._cells()
         )
@@ -93,6 +107,39 @@ class Summary:
             print(self)
         else:
             Console().print(self)
+
+
+def _is_device_key(column: str) -> bool:
+    return ":" in column or column == "host"
+
+
+def _cell(row: Mapping[str, Any], column: str) -> str:
+    """What the printed table shows of ``row[column]``."""
+    value = row.get(column, "")
+    if _is_device_key(column) and isinstance(value, int):
+        return _bytes(value)
+    if column == "committed" and isinstance(row.get("capacity"), int):
+        return _committed(value, row["capacity"])
+    if column == "capacity" and row.get("margin"):
+        return f"{value} + {row['margin']} staging"
+    return _text(value)
+
+
+def _committed(value: Any, capacity: int) -> str:
+    """Entries committed; where a ring has seen more than it keeps, how many it keeps of how many seen."""
+    counts = value if isinstance(value, list) else [value]
+    if not all(isinstance(n, int) for n in counts) or max(counts, default=0) <= capacity:
+        return _text(value)
+    kept = [f"{min(n, capacity)} of {n} seen" for n in counts]
+    return f"[{', '.join(kept)}]" if isinstance(value, list) else kept[0]
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _text(value: Any) -> str:
@@ -212,9 +259,9 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
       >>> manager = jss.SessionStateManager()
       >>> manager.create("user", jss.Session(objects={"h": jss.FixedState.allocate(shapes=(2,))}))
       >>> print(jss.summary(manager))
-      session  held      name  kind        shapes  dtype    committed  staged  capacity  margin  resident  recompute  cpu:0
-      -------  --------  ----  ----------  ------  -------  ---------  ------  --------  ------  --------  ---------  -----
-      user     resident  h     FixedState  [2]     float32  1          0       1         0       yes       -          17
+      session  held      name  kind        shapes  dtype    committed  staged  capacity  resident  recompute  cpu:0 bytes
+      -------  --------  ----  ----------  ------  -------  ---------  ------  --------  --------  ---------  -----------
+      user     resident  h     FixedState  [2]     float32  1          0       1         yes       -          17 B
     """  # noqa: E501 - a doctest's expected table: its rows cannot be wrapped
     seen = SeenStorages()
     if isinstance(tree, StateObject):
@@ -244,5 +291,5 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
             f"summary() takes a state object, a Session, a SessionStateManager or a mapping of them; "
             f"got {type(tree).__name__}."
         )
-    device_keys = sorted({key for row in rows for key in row if ":" in key or key == "host"})
+    device_keys = sorted({key for row in rows for key in row if _is_device_key(key)})
     return Summary(rows, columns + device_keys)

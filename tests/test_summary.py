@@ -4,6 +4,7 @@ import io
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -46,6 +47,21 @@ def test_rows_describe_every_object():
         assert name in text
     assert by_name["kv"]["shapes"] == "[2, 2, 14, 4]" and DEVICE in text.splitlines()[0]
     assert by_name["frames"]["shapes"] == "[4, 5]" and by_name["bank"]["shapes"].startswith("[6, 4]")
+
+
+def test_the_printed_table_reads_without_a_glossary():
+    """A ring that has seen more than it keeps says both; staging slots join the capacity; bytes have units."""
+    ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=512, sink=16, max_staged=16)
+    rows = jnp.asarray(np.random.default_rng(0).normal(size=(1, 16, 2, 8)), jnp.float32)
+    for _ in range(300):  # 4800 positions seen, 528 kept
+        ring = ring.append((rows, rows))
+    frames = jss.LatentBuffer.allocate(capacity=2, item_shape=(4,), ring=True, max_staged=8)
+    text = str(jss.summary(jss.Session(objects={"kv": ring, "frames": frames})))
+    header, _, frames_line, kv_line = text.splitlines()
+    assert "margin" not in header and header.rstrip().endswith("cpu:0 bytes")
+    assert "[528 of 4800 seen]" in kv_line and "528 + 16 staging" in kv_line
+    assert f"{ring.nbytes / 1024:.1f} KiB" in kv_line
+    assert "2 + 8 staging" in frames_line and frames_line.rstrip().endswith(f"{frames.nbytes} B")
 
 
 def test_non_resident_objects_are_shown():
