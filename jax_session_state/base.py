@@ -47,7 +47,7 @@ from jax_session_state.errors import (
     NotResidentError,
     PayloadTypeError,
 )
-from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec
+from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec, overwrite
 from jax_session_state.sharding import ShardingRules, rules_or_none
 
 __all__ = [
@@ -418,6 +418,32 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     def reset(self: Self) -> Self:
         """Back to the unallocated (non-resident) state; the spec is kept."""
         return self.replace(**{name: None for name in self.storage_fields()})
+
+    def clear(self: Self) -> Self:
+        """Empty again, in place: every entry, committed and staged, dropped; the storage kept.
+
+        The result equals a freshly allocated object of this spec (an empty
+        cache, free pages, a zero carry), written into this object's own
+        buffers: under ``jax.jit`` with donation it allocates nothing and
+        compiles once, unlike :meth:`reset` (frees the storage) or
+        :meth:`empty` (new buffers).  A frame's scratch state can be cleared
+        this way every frame.
+
+        Raises:
+          NotResidentError: the object holds no storage (evicted or reset).
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
+          >>> kv = kv.append((jnp.ones((1, 3, 1, 2)),) * 2)
+          >>> clear = jax.jit(lambda kv: kv.clear(), donate_argnums=0)
+          >>> clear(kv).view().lengths  # the same buffers, nothing kept
+          Array([0], dtype=int32)
+        """
+        self._require_resident("clear")
+        storage = {name: getattr(self, name) for name in self.storage_fields()}
+        return self.with_storage(**overwrite(storage, self._empty_storage()))
 
     def _require_resident(self, operation: str) -> None:
         if not self.resident:
