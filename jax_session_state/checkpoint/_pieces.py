@@ -21,7 +21,7 @@ half-checked state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +67,14 @@ def local_digests(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def gather_digests(
-    entries: Mapping[str, dict[str, Any]], local: Mapping[str, dict[str, Any]]
+    entries: Mapping[str, dict[str, Any]], gathered: Sequence[Mapping[str, dict[str, Any]]]
 ) -> dict[str, dict[str, Any]]:
-    """The manifest entries with every process's :func:`local_digests` (collective).
+    """The manifest entries with the digests of every process's pieces (``gathered``: each one's :func:`local_digests`).
 
     Raises:
       CheckpointError: an array every process holds whole (numpy, or on one
         process's devices) is not the same on every process.
     """
-    gathered = _processes.allgather_json(dict(local))
     out = {}
     for key, entry in entries.items():
         mine = [process[key] for process in gathered]
@@ -112,8 +111,10 @@ def expected(entries: Mapping[str, dict[str, Any]]) -> list[Piece]:
     return jobs
 
 
-def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any], jobs: list[Piece]) -> None:
-    """Checks every restored array against the pieces :func:`expected` found (collective).
+def verify(
+    directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any], jobs: list[Piece], steps: _processes.Steps
+) -> None:
+    """Checks every restored array against the pieces :func:`expected` found (collective: ``steps``' ``check``).
 
     Raises:
       CheckpointError: on every process, naming the first array (and box) that does not match.
@@ -127,12 +128,16 @@ def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any
         elif held[0] == me:
             views[str(j)] = _cut(*held[1:], box)
     for key in dict.fromkeys(jobs[j][0] for j in split):  # pieces this layout splits, one array at a time
-        data = _processes.gather_to_host(arrays[key])
+        data = steps.within_timeout(f"gather {key}", lambda key=key: _processes.gather_to_host(arrays[key]))
         if _processes.is_primary():
             views.update((str(j), _cut(data, [0] * data.ndim, jobs[j][1])) for j in split if jobs[j][0] == key)
-    digests = array_digests(views)
-    bad = sorted(int(j) for j, digest in digests.items() if digest != jobs[int(j)][2])
-    found = _processes.allgather_ints([len(bad), bad[0] if bad else len(jobs)])  # each piece is checked once
+
+    def check() -> list[int]:
+        digests = array_digests(views)
+        return sorted(int(j) for j, digest in digests.items() if digest != jobs[int(j)][2])
+
+    _, found = steps.step("check", check, share=lambda bad: [len(bad), bad[0] if bad else len(jobs)])
+    found = np.asarray(found, np.int64).reshape(-1, 2)  # each piece is checked once, on one process
     if found[:, 0].any():
         key, box, _ = jobs[int(found[:, 1].min())]
         piece = "" if "pieces" not in entries[key] else f" (the piece {[tuple(b) for b in box]})"
