@@ -118,6 +118,7 @@ def save_faults(work, rules):
     victim, report = jax.process_count() - 1, {}
     session, _ = sc.rolled_out(rules, steps=sc.STEPS + 2)
     leaves = _saved_leaves(work)
+    _check_restores(work / "ckpt", rules, leaves)  # every process compiled and arrived: the timed faults start together
 
     def attempt(what, call):
         started = time.perf_counter()
