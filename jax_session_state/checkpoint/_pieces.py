@@ -116,6 +116,10 @@ def verify(
 ) -> None:
     """Checks every restored array against the pieces :func:`expected` found (collective: ``steps``' ``check``).
 
+    A process whose read failed has told the others under both steps, so
+    they raise at ``check`` (or at ``read``, which precedes the gathering of
+    arrays no process holds whole).
+
     Raises:
       CheckpointError: on every process, naming the first array (and box) that does not match.
     """
@@ -127,6 +131,8 @@ def verify(
             split.append(j)
         elif held[0] == me:
             views[str(j)] = _cut(*held[1:], box)
+    if split:  # every process has read its arrays (or said why not) before any enters the device collective
+        steps.step("read", lambda: None)
     for key in dict.fromkeys(jobs[j][0] for j in split):  # pieces this layout splits, one array at a time
         data = steps.within_timeout(f"gather {key}", lambda key=key: _processes.gather_to_host(arrays[key]))
         if _processes.is_primary():

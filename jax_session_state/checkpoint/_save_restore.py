@@ -254,7 +254,7 @@ def _restore(
         layout = {key: (tuple(entry["shape"]), str(entry["dtype"])) for key, entry in entries.items()}
         pieces = _pieces.expected(entries)
     read_to = {key: AS_NUMPY if key in uncommitted else where for key, where in destinations.items()}
-    arrays, _ = steps.step("read", lambda: _orbax_io.read_arrays(directory / _ARRAYS, layout, read_to))
+    arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, read_to)
     _pieces.verify(directory, arrays, entries, pieces, steps)
     with _decoding(directory):
         values = {
