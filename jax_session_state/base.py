@@ -48,7 +48,7 @@ from jax_session_state.errors import (
     PayloadTypeError,
 )
 from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec, overwrite
-from jax_session_state.sharding import ShardingRules, rules_or_none
+from jax_session_state.sharding import ShardingRules, local_value, rules_or_none
 
 __all__ = [
     "StateObject", "check", "is_state_object", "state_object_classes",
@@ -362,11 +362,17 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         return jnp.any(self.staged > 0) if self.resident else jnp.zeros((), bool)
 
     def fill(self) -> Fill:
-        """How full it is, for reports (host values; a non-resident object reports None counts)."""
+        """How full it is, for reports (host values; a non-resident object reports None counts).
+
+        Of an object whose counts are split over several processes (rows on
+        other processes' devices), each process reports the rows it holds
+        and None for the others; no process waits for another.
+        """
         if not self.resident:
             return Fill(None, None, self.capacity, self.staging_margin)
         self._require_not_donated("fill")
-        return Fill(self.committed.tolist(), self.staged.tolist(), self.capacity, self.staging_margin)
+        committed, staged = local_value(self.committed).tolist(), local_value(self.staged).tolist()
+        return Fill(committed, staged, self.capacity, self.staging_margin)
 
     # ---------------------------------------------------------------- tiers
     @property

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_session_state.errors import PayloadError, PayloadTypeError
@@ -244,7 +245,46 @@ class ShardingRules:
 def _place(x: Any, sharding: NamedSharding) -> Any:
     if isinstance(x, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(x, sharding)
-    return jax.device_put(x, sharding)
+    return place_global(x, sharding)
+
+
+def place_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` placed on ``sharding``, also where the sharding spans devices of other processes.
+
+    ``jax.device_put`` places an array one process holds whole (numpy, or a
+    jax array on this process's devices) only on devices this process can
+    address.  On a sharding over several processes each process instead
+    puts its own shards, cut from its local value: every process calls this
+    with the same value (as SPMD code does), a promise it does not check.
+    Global arrays are moved by ``device_put``.  Typed PRNG keys are placed
+    through their key data.
+    """
+    local = not isinstance(x, jax.Array) or x.is_fully_addressable
+    if not local or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = place_global(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def local_value(x: Any) -> np.ndarray:
+    """The host value of ``x`` as far as this process holds it, with no collective.
+
+    An array this process holds whole (numpy, a jax array on its devices, or
+    a global array replicated on one of them) comes back as numpy.  Of a
+    global array split over several processes, the elements this process's
+    shards hold are filled and the others masked (a ``numpy.ma`` array,
+    whose ``tolist()`` gives None for them): what a host-side report on one
+    process can say without waiting for the others.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    found = np.ma.masked_all(x.shape, x.dtype)
+    for piece in x.addressable_shards:
+        found[piece.index] = np.asarray(piece.data)
+    return found.data if not np.ma.is_masked(found) else found
 
 
 def shard(tree: T, rules: ShardingRules) -> T:
@@ -253,6 +293,12 @@ def shard(tree: T, rules: ShardingRules) -> T:
     Each object keeps ``rules`` in its spec (so ``empty()`` and every write
     keep the placement, resident or not); every other array in ``tree`` (a
     Session's ``attrs``) is replicated on the mesh.
+
+    On a mesh that spans several processes (``jax.distributed``) every
+    process calls it with its copy of the same tree, and each puts its own
+    shards: an array it holds whole (an attr such as an RNG key, an object
+    made without ``sharding=``) is cut from its local value, which must be
+    equal on every process (as SPMD code makes it; it is not checked).
 
     Args:
       tree: a :class:`~jax_session_state.Session`, a
@@ -286,7 +332,7 @@ def shard(tree: T, rules: ShardingRules) -> T:
         if isinstance(x, _Placeable):
             return x.with_sharding(rules)
         if isinstance(x, jax.Array):
-            return jax.device_put(x, rules.replicated())
+            return place_global(x, rules.replicated())
         return x
 
     return jax.tree_util.tree_map(place, tree, is_leaf=lambda x: isinstance(x, _Placeable))

@@ -250,6 +250,11 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
         session ids to sessions or objects.  Bytes are de-duplicated across
         everything shown.
 
+    With several JAX processes each process reports what it holds, without
+    waiting for the others: a first ``process`` column ("1 of 4"), the
+    bytes on its own devices, and counts of the rows its devices hold
+    (None for rows on other processes' devices).
+
     Returns:
       A :class:`Summary`: ``print()`` it as plain text, give it to rich, or
       let a notebook render its HTML.
@@ -292,4 +297,7 @@ def summary(tree: StateObject | Session | SessionStateManager | Mapping[Any, Any
             f"got {type(tree).__name__}."
         )
     device_keys = sorted({key for row in rows for key in row if _is_device_key(key)})
+    if jax.process_count() > 1:  # each process reports its own devices' bytes and the counts it holds
+        here = f"{jax.process_index()} of {jax.process_count()}"
+        rows, columns = [{"process": here, **row} for row in rows], ["process", *columns]
     return Summary(rows, columns + device_keys)

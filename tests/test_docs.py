@@ -28,18 +28,30 @@ import jax_session_state as jss
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 _FENCE = re.compile(
-    r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL
+    r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)(?P<info>[^\n]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.MULTILINE | re.DOTALL,
 )
 _DIRECTIVE = re.compile(r"^:::\s+(?P<path>\S+)\n(?P<options>(?:[ \t]+\S.*\n)*)", re.MULTILINE)
 
 
 def python_blocks(markdown: str) -> list[str]:
-    """The source of every ```` ```python ```` block of a page, in order."""
+    """The source of every ```` ```python ```` block of a page, in order.
+
+    A block with a title (```` ```python title="rollout.py" ````) is a program of its own, launched
+    by a test of its own (the multi-host recipe runs in ``tests/multihost``), and is left out.
+    """
     return [
         textwrap.dedent(m.group("body"))
         for m in _FENCE.finditer(markdown)
-        if m.group("lang") in ("python", "py")
+        if m.group("lang") in ("python", "py") and "title=" not in m.group("info")
     ]
+
+
+def titled_program(markdown: str, title: str) -> str:
+    """The source of the ```` ```python title="<title>" ```` block of a page."""
+    (found,) = [textwrap.dedent(m.group("body")) for m in _FENCE.finditer(markdown)
+                if m.group("lang") in ("python", "py") and f'title="{title}"' in m.group("info")]
+    return found
 
 
 PAGES_WITH_CODE = [p for p in sorted(DOCS.rglob("*.md")) if python_blocks(p.read_text())]
@@ -48,6 +60,9 @@ PAGES_WITH_CODE = [p for p in sorted(DOCS.rglob("*.md")) if python_blocks(p.read
 def test_blocks_are_extracted():
     text = "intro\n```python\nx = 1\n```\n\n!!! note\n    ```python\n    y = x + 1\n    ```\n```bash\nls\n```\n"
     assert python_blocks(text) == ["x = 1\n", "y = x + 1\n"]
+    program = '```python title="run.py"\nz = 2\n```\n'
+    assert python_blocks(text + program) == ["x = 1\n", "y = x + 1\n"]
+    assert titled_program(text + program, "run.py") == "z = 2\n"
     assert len(PAGES_WITH_CODE) >= 7, [p.name for p in PAGES_WITH_CODE]
 
 

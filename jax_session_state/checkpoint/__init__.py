@@ -50,11 +50,15 @@ from, or neither for the default device.
 host, ``jax.distributed.initialize``) :func:`save` is collective: every
 process writes its addressable shards through Orbax and digests them, the
 digests of every process's pieces are gathered, and the primary process
-writes the manifest and publishes after Orbax's barrier; a process that dies
-mid-save leaves the previous checkpoint the newest.  :func:`restore` reads
-onto any process count and mesh and checks every piece on some process; a
-damaged piece is a :class:`~jax_session_state.errors.CheckpointError` on
-every process.
+writes the manifest and publishes.  :func:`restore` reads onto any process
+count and mesh and checks every piece on some process; a damaged piece is a
+:class:`~jax_session_state.errors.CheckpointError` on every process.  Each
+step of either (a save's ``start``, ``write``, ``publish``; a restore's
+``read``, ``check``) is exchanged with a timeout, so an error, a death or a
+hang on any process raises on every process, never a wait without end; a
+failed save leaves the previous checkpoint the newest and no partial
+directory.  What the disk refuses (full, read-only, a folder deleted) is a
+``CheckpointError`` naming the path.
 
 :data:`FORMAT` is the name every manifest carries and :data:`VERSION` the
 format version this library writes and reads (``CHANGELOG.md`` lists each).
@@ -66,8 +70,8 @@ arrays), ``_manifest`` (the JSON that names every array and its digest),
 (what a restore trusts of a manifest: names in fixed tables, sizes against
 the files), ``_digest``
 (the chunked digests of what was written), ``_pieces`` (digests of arrays
-no one process holds whole), ``_processes`` (primary and small exchanges
-between processes), ``_atomic`` (a checkpoint appears whole or not at all)
+no one process holds whole), ``_processes`` (the named, timed steps every
+process takes), ``_atomic`` (a checkpoint appears whole or not at all)
 and ``_orbax_io`` (the arrays, through Orbax, onto any mesh).
 It may import everything below it (``errors``, ``base``, ``session``,
 ``sharding``, ``manager``); nothing in the package imports it.

@@ -5,7 +5,11 @@ rename is atomic) and only then renames older checkpoints to
 ``.superseded-M`` and deletes them off the caller's path (the interpreter
 waits for the deletion at exit).  A crash at any moment leaves the previous
 ``ckpt-*`` complete; readers only ever open the newest ``ckpt-*``; a save
-that fails with an error removes its ``.partial-N``.
+that fails with an error removes its ``.partial-N``.  A save holds its
+``.partial-N`` open while it writes and checks, before publishing, that the
+name still leads to that directory: one deleted mid-save (and perhaps made
+again by a writer that creates missing folders) is an error, never a
+published checkpoint with files missing.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jax_session_state.errors import CheckpointError
 
-__all__ = ["begin", "named", "newest", "publish", "removed_on_failure", "save_number", "write_durably"]
+__all__ = [
+    "begin", "held_open", "named", "newest", "publish", "removed_on_failure", "save_number", "write_durably",
+]
 
 _COMPLETE = re.compile(r"ckpt-(\d+)")
 _PARTIAL = ".partial-"
@@ -62,13 +68,52 @@ def save_number(directory: Path) -> int:
 
 
 @contextlib.contextmanager
-def removed_on_failure(partial: Path) -> Iterator[None]:
-    """Removes the partial directory of a save if the block raises, so a failed save leaves nothing behind."""
+def removed_on_failure(partial: Path, settled: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Removes the partial directory of a save if the block raises, so a failed save leaves nothing behind.
+
+    ``settled`` is called first: with several processes it returns once every
+    other process has stopped writing into ``partial`` (or the timeout has
+    passed), so that none is still writing when it goes.
+    """
     try:
         yield
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        settled()
+        for _ in range(3):  # another process may still be removing it, or have written into it
+            shutil.rmtree(partial, ignore_errors=True)
+            if not partial.exists():
+                break
         raise
+
+
+@contextlib.contextmanager
+def held_open(partial: Path) -> Iterator[Callable[[], None]]:
+    """Holds the partial directory open during a save; yields a check that ``partial`` still names it.
+
+    An open directory keeps its inode even when deleted, so a directory made
+    again under the same name is never taken for it.
+
+    The check raises:
+      CheckpointError: the directory was deleted, or replaced, since the save began.
+    """
+    descriptor = os.open(partial, os.O_RDONLY)
+    made = os.fstat(descriptor)
+
+    def check() -> None:
+        try:
+            now = os.stat(partial)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino):
+            raise CheckpointError(
+                f"{partial} was deleted during the save{'' if now is None else ' (and made again)'}, so files "
+                "written into it are gone; nothing was published and the previous checkpoint is untouched."
+            )
+
+    try:
+        yield check
+    finally:
+        os.close(descriptor)
 
 
 def publish(partial: Path, final: Path) -> Path:

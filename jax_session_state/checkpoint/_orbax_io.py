@@ -93,17 +93,28 @@ def _handler() -> Iterator[ocp.PyTreeCheckpointHandler]:
 
 
 def write_arrays(directory: Path, values: Mapping[str, Any]) -> None:
-    """Writes ``values`` (jax or numpy arrays by key) to ``directory``, which must not exist.
+    """Writes ``values`` (jax or numpy arrays by key) to ``directory``: this process's shards of them.
 
-    Arrays of zero size are left out; with none of another size nothing is written.
+    Orbax's handler writes them without its ``Checkpointer``: the checkpoint
+    makes its own partial directory and its own steps between processes,
+    each with a timeout, where the ``Checkpointer``'s barriers would wait
+    for a process that died.  Arrays of zero size are left out; with none of
+    another size nothing is written.
+
+    Raises:
+      CheckpointError: the files cannot be written (a full or read-only file
+        system, a folder deleted), naming the directory.
     """
     stored = {key: x for key, x in values.items() if x.size}
     if not stored:
         return
-    with _handler() as handler:
-        ocp = _orbax()
-        save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in stored}
-        ocp.Checkpointer(handler).save(directory, args=ocp.args.PyTreeSave(stored, save_args=save_args))
+    try:
+        with _handler() as handler:
+            ocp = _orbax()
+            save_args = {key: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES) for key in stored}
+            handler.save(directory, args=ocp.args.PyTreeSave(stored, save_args=save_args))
+    except Exception as error:  # Orbax and TensorStore raise many types for what the file system refused
+        raise CheckpointError(f"{directory}: the arrays cannot be written: {error}") from error
 
 
 def read_arrays(

@@ -21,7 +21,7 @@ half-checked state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +67,14 @@ def local_digests(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def gather_digests(
-    entries: Mapping[str, dict[str, Any]], local: Mapping[str, dict[str, Any]]
+    entries: Mapping[str, dict[str, Any]], gathered: Sequence[Mapping[str, dict[str, Any]]]
 ) -> dict[str, dict[str, Any]]:
-    """The manifest entries with every process's :func:`local_digests` (collective).
+    """The manifest entries with the digests of every process's pieces (``gathered``: each one's :func:`local_digests`).
 
     Raises:
       CheckpointError: an array every process holds whole (numpy, or on one
         process's devices) is not the same on every process.
     """
-    gathered = _processes.allgather_json(dict(local))
     out = {}
     for key, entry in entries.items():
         mine = [process[key] for process in gathered]
@@ -112,8 +111,14 @@ def expected(entries: Mapping[str, dict[str, Any]]) -> list[Piece]:
     return jobs
 
 
-def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any], jobs: list[Piece]) -> None:
-    """Checks every restored array against the pieces :func:`expected` found (collective).
+def verify(
+    directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any], jobs: list[Piece], steps: _processes.Steps
+) -> None:
+    """Checks every restored array against the pieces :func:`expected` found (collective: ``steps``' ``check``).
+
+    A process whose read failed has told the others under both steps, so
+    they raise at ``check`` (or at ``read``, which precedes the gathering of
+    arrays no process holds whole).
 
     Raises:
       CheckpointError: on every process, naming the first array (and box) that does not match.
@@ -126,13 +131,19 @@ def verify(directory: Path, arrays: Mapping[str, Any], entries: Mapping[str, Any
             split.append(j)
         elif held[0] == me:
             views[str(j)] = _cut(*held[1:], box)
+    if split:  # every process has read its arrays (or said why not) before any enters the device collective
+        steps.step("read", lambda: None)
     for key in dict.fromkeys(jobs[j][0] for j in split):  # pieces this layout splits, one array at a time
-        data = _processes.gather_to_host(arrays[key])
+        data = steps.within_timeout(f"gather {key}", lambda key=key: _processes.gather_to_host(arrays[key]))
         if _processes.is_primary():
             views.update((str(j), _cut(data, [0] * data.ndim, jobs[j][1])) for j in split if jobs[j][0] == key)
-    digests = array_digests(views)
-    bad = sorted(int(j) for j, digest in digests.items() if digest != jobs[int(j)][2])
-    found = _processes.allgather_ints([len(bad), bad[0] if bad else len(jobs)])  # each piece is checked once
+
+    def check() -> list[int]:
+        digests = array_digests(views)
+        return sorted(int(j) for j, digest in digests.items() if digest != jobs[int(j)][2])
+
+    _, found = steps.step("check", check, share=lambda bad: [len(bad), bad[0] if bad else len(jobs)])
+    found = np.asarray(found, np.int64).reshape(-1, 2)  # each piece is checked once, on one process
     if found[:, 0].any():
         key, box, _ = jobs[int(found[:, 1].min())]
         piece = "" if "pieces" not in entries[key] else f" (the piece {[tuple(b) for b in box]})"

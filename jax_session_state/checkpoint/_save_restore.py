@@ -36,7 +36,9 @@ _ARRAYS = "arrays"
 
 
 # --------------------------------------------------------------------- API
-def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
+def save(
+    path: str | os.PathLike, state: Session | SessionStateManager, *, timeout: float = _processes.DEFAULT_TIMEOUT_S
+) -> Path:
     """Saves ``state`` as the newest checkpoint in directory ``path``, atomically.
 
     The previous checkpoint stays complete and restorable until the new one
@@ -57,6 +59,10 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
         evicted.  Pins, counters, callbacks, rebuild and demotion functions
         are not saved.  Sessions between a ``get`` and the ``put`` of a step
         that donated them cannot be saved.
+      timeout: with several processes, the seconds each process waits for
+        the others at each step of the save (start, write, publish); a
+        process that fails, dies or does not answer in time makes every
+        process raise.
 
     Returns:
       The directory of the new checkpoint.
@@ -65,7 +71,11 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
       PayloadTypeError: ``state`` is not something a checkpoint can hold.
       CheckpointError: a spec, structure or attr that cannot be recorded
         (numpy arrays of strings, objects, dates or records among them),
-        naming it; nothing is written.
+        naming it; nothing is written.  Or the file system refused (full,
+        read-only, the directory deleted mid-save), naming the path; or,
+        with several processes, another process failed or did not answer
+        within ``timeout``, naming it.  Nothing is published then, no
+        partial directory is left, and the previous checkpoint is untouched.
       DonatedError: an array of the session was donated to a jitted step
         (deleted), naming the object or attr; nothing is written.
 
@@ -80,64 +90,78 @@ def save(path: str | os.PathLike, state: Session | SessionStateManager) -> Path:
       >>> [p.name for p in Path(path).glob("ckpt-*")]  # the older one goes once the new one is in place
       ['ckpt-000002']
     """
-    content = next((c for c in _CONTENTS.values() if isinstance(state, c.type)), None)
-    if content is None:
-        kinds = ", ".join(c.type.__name__ for c in _CONTENTS.values())
-        raise PayloadTypeError(f"checkpoint.save() saves a {kinds}; got {type(state).__name__}.")
-    table = ArrayTable()
-    record = content.encode(state, table)
-    if _processes.count() == 1:
-        partial, final = _atomic.begin(Path(path))
-        with _atomic.removed_on_failure(partial), concurrent.futures.ThreadPoolExecutor(1) as pool:
-            entries = pool.submit(table.digested_entries)  # digests (hashlib releases the GIL) beside Orbax
-            _orbax_io.write_arrays(partial / _ARRAYS, table.values)
-            _manifest.write(partial, content.name, record, entries.result())
-            return _atomic.publish(partial, final)
-    return _save_from_processes(Path(path), content.name, record, table)
+    root = Path(path)
+    with _processes.Steps(f"checkpoint.save({str(root)!r})", _SAVE_STEPS, timeout) as steps:
+        try:
+            return _save(root, state, steps)
+        except OSError as error:  # the file system refused: full, read-only, a folder gone
+            raise CheckpointError(
+                f"checkpoint.save() into {root} failed: {error}. Nothing was published; the previous checkpoint "
+                "is untouched."
+            ) from error
 
 
-def _save_from_processes(root: Path, content: str, record: dict[str, Any], table: ArrayTable) -> Path:
-    """One save made by every process: each writes its shards, the primary the manifest and the rename.
+_SAVE_STEPS = ("start", "write", "publish")
 
-    Collective: every process calls it with the same state.  The primary
-    clears leftovers and creates the partial directory; Orbax writes every
-    process's shards and finishes with its own barrier; the digests of every
-    process's pieces are gathered; the primary writes the manifest and
-    publishes; a last exchange returns on every process only once the
-    checkpoint is in place.  What only the primary does is exchanged with
-    its outcome: if it fails, every process raises (none waits for it), and
-    a manifest or rename that failed takes the partial directory with it.
-    A process that dies or raises anywhere before leaves no ``ckpt-N``
-    behind, so the previous one stays the newest; its partial directory,
-    which other processes may still be writing into, is cleared by the next
-    save.
+
+def _save(root: Path, state: Any, steps: _processes.Steps) -> Path:
+    """A save on every process: each writes its shards, the primary the manifest and the rename.
+
+    Steps (each exchanged between processes, with a timeout): ``start``:
+    every process records its state and the primary clears leftovers and
+    creates the partial directory, holding it open; ``write``: every process
+    writes its shards through Orbax and digests them, and shares the
+    digests; ``publish``: the primary checks that the partial directory is
+    still the one it made, writes the manifest and publishes; the others
+    return once it has.  A failure at any step (an error, a process that
+    dies or does not answer) raises on every process, and every process that
+    wrote removes the partial directory, so the previous checkpoint stays the
+    newest and nothing else is left.
     """
-    number = _processes.run_on_primary(
-        lambda: _atomic.save_number(_atomic.begin(root)[1]), f"start a checkpoint in {root}"
-    )
-    partial, final = _atomic.named(root, number)
-    # Orbax refuses arrays one process holds whole: those (numpy, attrs on one device) are the same on
-    # every process (checked by their digests) and written once, by the primary, as numpy.
-    values = {k: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x
-              for k, x in table.values.items()}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        local = pool.submit(_pieces.local_digests, table.values)
-        _orbax_io.write_arrays(partial / _ARRAYS, values)
-        entries = _pieces.gather_digests(table.entries, local.result())
-    _processes.run_on_primary(
-        lambda: _publish(partial, final, content, record, entries), f"write the manifest of {final} and publish it"
-    )
-    return final
+    with contextlib.ExitStack() as held:
 
+        def start() -> tuple[str, dict[str, Any], ArrayTable, int | None, Callable[[], None]]:
+            content = next((c for c in _CONTENTS.values() if isinstance(state, c.type)), None)
+            if content is None:
+                kinds = ", ".join(c.type.__name__ for c in _CONTENTS.values())
+                raise PayloadTypeError(f"checkpoint.save() saves a {kinds}; got {type(state).__name__}.")
+            table = ArrayTable()
+            record = content.encode(state, table)
+            if not _processes.is_primary():
+                return content.name, record, table, None, lambda: None
+            partial, final = _atomic.begin(root)
+            held.enter_context(_atomic.removed_on_failure(partial))  # also if another process fails to start
+            check = held.enter_context(_atomic.held_open(partial))
+            return content.name, record, table, _atomic.save_number(final), check
 
-def _publish(partial: Path, final: Path, content: str, record: dict[str, Any], entries: dict[str, Any]) -> int:
-    """Writes the manifest into ``partial`` and publishes it as ``final``; returns the save's number.
+        (content, record, table, _, check), numbers = steps.step("start", start, share=lambda started: started[3])
+        partial, final = _atomic.named(root, numbers[0])
+        with _atomic.removed_on_failure(partial, settled=lambda: steps.settled("write")):
+            # With several processes Orbax refuses arrays one process holds whole: those (numpy, attrs on one
+            # device) are the same on every process (checked by their digests) and written once, by the
+            # primary, as numpy.
+            values = table.values if _processes.count() == 1 else {
+                k: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x
+                for k, x in table.values.items()
+            }
 
-    Every process has written its shards by then, so a failure removes ``partial``.
-    """
-    with _atomic.removed_on_failure(partial):
-        _manifest.write(partial, content, record, entries)
-        return _atomic.save_number(_atomic.publish(partial, final))
+            def write() -> dict[str, Any]:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    local = pool.submit(_pieces.local_digests, table.values)  # hashlib releases the GIL
+                    _orbax_io.write_arrays(partial / _ARRAYS, values)
+                    return local.result()
+
+            _, digests = steps.step("write", write, share=lambda local: local)
+
+            def publish() -> int:
+                entries = _pieces.gather_digests(table.entries, digests)
+                check()
+                _manifest.write(partial, content, record, entries)
+                check()
+                return _atomic.save_number(_atomic.publish(partial, final))
+
+            steps.on_primary("publish", publish)
+        return final
 
 
 def restore(
@@ -146,6 +170,7 @@ def restore(
     target: Session | SessionStateManager | None = None,
     shardings: ShardingRules | None = None,
     classes: Iterable[type] = (),
+    timeout: float = _processes.DEFAULT_TIMEOUT_S,
 ) -> Session | SessionStateManager:
     """Restores the newest checkpoint in directory ``path``, verified, running no code it names.
 
@@ -167,6 +192,9 @@ def restore(
         :class:`~jax_session_state.StateObject` subclass whose module was
         imported (:func:`~jax_session_state.base.state_object_classes`), and
         namedtuples of modules already imported.
+      timeout: with several processes (each calls it), the seconds each
+        waits for the others at each step (read, check); a process that
+        fails, dies or does not answer in time makes every process raise.
 
     Without ``target`` or ``shardings`` everything lands on the default
     device (``jax.default_device``'s, where ``jnp`` puts new arrays).  A
@@ -177,10 +205,13 @@ def restore(
     Raises:
       CheckpointError: no checkpoint, another format version, a manifest or
         array that does not match its digest (damaged files), truncated
-        files, a target that does not match (or a manager target that is not
-        empty), a class, dtype or key implementation that is not known here,
-        or arrays that claim more bytes than their files hold; naming the
-        file and what is wrong.  Nothing is half-restored.
+        files, files that vanish while read, a target that does not match (or
+        a manager target that is not empty), a class, dtype or key
+        implementation that is not known here, or arrays that claim more
+        bytes than their files hold; naming the file and what is wrong; with
+        several processes, on every process, also when another process
+        failed or did not answer within ``timeout``.  Nothing is
+        half-restored.
       PayloadError, PayloadTypeError: ``shardings`` (or ``target``'s rules)
         cannot place an object, naming the argument.
       BudgetExceededError, SessionAdmissionError: a manager's sessions do
@@ -198,6 +229,18 @@ def restore(
       >>> again.get("user")["h"].view()
       Array([1., 1.], dtype=float32)
     """
+    with _processes.Steps(f"checkpoint.restore({str(path)!r})", ("read", "check"), timeout) as steps:
+        return _restore(path, target, shardings, classes, steps)
+
+
+def _restore(
+    path: str | os.PathLike,
+    target: Session | SessionStateManager | None,
+    shardings: ShardingRules | None,
+    classes: Iterable[type],
+    steps: _processes.Steps,
+) -> Session | SessionStateManager:
+    """:func:`restore`, its steps exchanged between processes by ``steps``."""
     if target is not None and not isinstance(target, (Session, SessionStateManager)):
         raise PayloadTypeError(
             f"restore(target=...) takes a Session or a SessionStateManager; got {type(target).__name__}."
@@ -224,7 +267,7 @@ def restore(
         pieces = _pieces.expected(entries)
     read_to = {key: AS_NUMPY if key in uncommitted else where for key, where in destinations.items()}
     arrays = _orbax_io.read_arrays(directory / _ARRAYS, layout, read_to)
-    _pieces.verify(directory, arrays, entries, pieces)
+    _pieces.verify(directory, arrays, entries, pieces, steps)
     with _decoding(directory):
         values = {
             key: _finish(arrays.pop(key), entry, destinations[key] if key in uncommitted else None)

@@ -47,7 +47,7 @@ def test_a_save_that_fails_midway_leaves_no_partial_directory(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_orbax_io, "write_arrays", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(jss.CheckpointError, match=rf"into {tmp_path} failed: \[Errno 28\] No space left"):
         checkpoint.save(tmp_path, random_session(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001"]
     restored = checkpoint.restore(tmp_path)

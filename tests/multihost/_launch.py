@@ -18,9 +18,13 @@ def free_port() -> int:
 
 
 class Job:
-    """The processes of one launch; ``outputs()`` is every process's stdout and stderr."""
+    """The processes of one launch; ``outputs()`` is every process's stdout and stderr.
 
-    def __init__(self, role, processes, work, *, devices=2, timeout=120):
+    Each runs ``tests/multihost/_child.py`` in ``role``, or, given ``program``, that script with
+    ``--process-id``, ``--num-processes``, ``--coordinator`` and ``arguments``.
+    """
+
+    def __init__(self, role, processes, work, *, devices=2, timeout=120, program=None, arguments=()):
         self.role, self.timeout, self.logs = role, timeout, []
         flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
         env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
@@ -30,8 +34,12 @@ class Job:
         for i in range(processes):
             log = open(Path(work) / f"{role}-{i}.log", "w+")
             self.logs.append(log)
-            command = [sys.executable, "-m", "tests.multihost._child", role]
-            command += [str(processes), str(i), str(port), str(work)]
+            if program is None:
+                command = [sys.executable, "-m", "tests.multihost._child", role]
+                command += [str(processes), str(i), str(port), str(work)]
+            else:
+                command = [sys.executable, str(program), "--process-id", str(i), "--num-processes", str(processes),
+                           "--coordinator", f"localhost:{port}", *arguments]
             self.procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         self.started = time.monotonic()
 

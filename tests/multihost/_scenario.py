@@ -11,11 +11,31 @@ B, H, D, CAPACITY, T, STEPS = 2, 8, 4, 32, 2, 3
 AXES = {"kv_heads": "model", "heads": "model", "hidden": "model"}
 
 
-def make_rules(devices=None):
-    """Rules over a 1-D ``model`` mesh of every device of every process (or ``devices``)."""
+ROW_AXES = {"batch": "model"}  # every device holds its own rows of a K/V cache (and of its counts)
+FAULT_TIMEOUT_S = 10  # how long a save or restore of the fault tests waits for a process that never answers
+
+
+def make_rules(devices=None, axes=None):
+    """Rules (``AXES`` unless given) over a 1-D ``model`` mesh of every device of every process (or ``devices``)."""
     devices = jax.devices() if devices is None else devices
     mesh = jax.make_mesh((len(devices),), ("model",), axis_types=(AxisType.Auto,), devices=devices)
-    return jss.ShardingRules(mesh, AXES)
+    return jss.ShardingRules(mesh, AXES if axes is None else axes)
+
+
+def row_counts(rows):
+    """The tokens written into each of ``rows`` rows by ``rows_session``."""
+    return [1 + (3 * row) % 4 for row in range(rows)]
+
+
+def rows_session():
+    """A K/V cache of one row per device (of every process), rows of different lengths, and an RNG key attr; on this
+    process's first device, the same values on every process."""
+    rows = jax.device_count()
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.normal(size=(rows, 4, H, D)).astype(np.float32)) for _ in range(2))
+    kv = jss.KVCache.allocate(batch=rows, kv_heads=H, head_dim=D, capacity=8)
+    kv = kv.append(jss.KVChunk(k, v, counts=jnp.asarray(row_counts(rows), jnp.int32)))
+    return jss.Session(objects={"kv": kv}, attrs={"rng": jax.random.key(11)})
 
 
 def global_array(value, sharding):
