@@ -262,15 +262,6 @@ class StateObject(struct.PyTreeNode, LaneDefaults, abc.ABC, kw_only=True):
         Staging again before a commit replaces the staged data rather than
         adding to it, so a frame staged once per denoising step leaves one
         copy visible, the last; a refused write leaves what was staged.
-
-        Example:
-          >>> import jax.numpy as jnp
-          >>> import jax_session_state as jss
-          >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
-          >>> for step in range(3):  # three denoising steps of one 2-token frame
-          ...     kv = kv.stage((jnp.full((1, 2, 1, 2), float(step)),) * 2)
-          >>> kv.view().lengths, kv.staged  # one frame staged, the last step's
-          (Array([2], dtype=int32), Array([2], dtype=int32))
         """
         self._require_resident("stage")
         return self._stage(payload, "stage")[0]

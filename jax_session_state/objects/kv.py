@@ -11,9 +11,9 @@ from jax import Array
 
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
-from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
+from jax_session_state.errors import CapacityError, PayloadTypeError
 from jax_session_state.kinds import allocator, deprecated_alias, refuse_now_if, update_slice_or_keep
-from jax_session_state.objects import _quantize, _ring
+from jax_session_state.objects import _frames, _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
@@ -215,7 +215,8 @@ class KVCache(StateObject, kw_only=True):
         max_staged = v.renamed(owner, options, "max_chunk", "max_staged", max_staged)
         heads = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
         frame = None if frame is None else v.positive_int(owner, "frame", frame)
-        window, sink, max_staged = _in_tokens(owner, frame, window_frames, sink_frames, window, sink, max_staged)
+        window, sink, max_staged = _frames.ring_in_tokens(owner, frame, window_frames, sink_frames, window, sink,
+                                                          max_staged)
         if window is None:
             if sink or max_staged is not None:
                 raise PayloadTypeError(f"{owner}: sink= and max_staged= apply only to ring mode (window=...).")
@@ -455,34 +456,6 @@ class KVCache(StateObject, kw_only=True):
         return cache.with_storage(
             bookkeeping=cache.bookkeeping.at[..., _REFUSED, :].add(window.bookkeeping[..., _REFUSED, :])
         )
-
-
-def _in_tokens(owner: str, frame: int | None, window_frames: int | None, sink_frames: int, window: int | None,
-               sink: int, max_staged: int | None) -> tuple[int | None, int, int | None]:
-    """``(window, sink, max_staged)`` in tokens, from a ring given in frames (Self-Forcing's
-    ``local_attn_size`` and ``sink_size``: the window counts the sink frames and the current frame).
-
-    Raises:
-      PayloadTypeError: frames without ``frame``, or given beside ``window`` / ``sink``.
-      PayloadError: ``sink_frames`` leaves no frame for the window.
-    """
-    if window_frames is None:
-        if sink_frames:
-            raise PayloadTypeError(f"{owner}: sink_frames= applies only with window_frames=.")
-        if frame is not None and window is not None and max_staged is None:
-            max_staged = frame
-        return window, sink, max_staged
-    if frame is None:
-        raise PayloadTypeError(f"{owner}: window_frames= counts frames; it needs frame= (tokens per frame).")
-    if window is not None or sink:
-        raise PayloadTypeError(f"{owner}: give the ring in frames (window_frames=, sink_frames=) or in tokens "
-                               f"(window=, sink=), not both; got window={window}, sink={sink}.")
-    window_frames = v.positive_int(owner, "window_frames", window_frames)
-    sink_frames = v.positive_int(owner, "sink_frames", sink_frames, minimum=0)
-    if sink_frames >= window_frames:
-        raise PayloadError(f"{owner}: window_frames={window_frames} counts the sink frames and the current frame, "
-                           f"so it must exceed sink_frames={sink_frames}.")
-    return (window_frames - sink_frames) * frame, sink_frames * frame, frame if max_staged is None else max_staged
 
 
 def _write_row_slice(cache: Array, rows: Array, start: Array, count: Array, *, whole: bool) -> Array:
