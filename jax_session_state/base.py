@@ -246,7 +246,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
     # ------------------------------------------------------------- lifecycle
     @abc.abstractmethod
     def _stage(self: Self, payload: Any, operation: str) -> tuple[Self, Any]:
-        """Checks and writes ``payload`` after what is staged.
+        """Checks and writes ``payload`` after the committed data, replacing what is staged.
 
         Args:
           payload: the kind's payload; its structure, shapes and dtypes are
@@ -265,9 +265,12 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         """Promotes what is staged to committed, where ``when`` (a bool, maybe traced)."""
 
     def stage(self: Self, payload: Any) -> Self:
-        """Holds ``payload`` for the in-progress window.
+        """Holds ``payload`` for the in-progress window, replacing what was staged.
 
         Visible only to ``view(include_staged=True)`` until ``commit()``.
+        Staging again before a commit replaces the staged data rather than
+        adding to it, so a frame staged once per denoising step leaves one
+        copy visible, the last; a refused write leaves what was staged.
         """
         self._require_resident("stage")
         return self._stage(payload, "stage")[0]
@@ -276,9 +279,11 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         """Makes data persistent.
 
         Args:
-          payload: written after anything already staged, and everything is
-            committed (``commit(p)`` equals ``stage(p).commit()``).  When None,
-            what is staged is promoted.  A refused write commits nothing.
+          payload: written after the committed data in place of anything
+            staged, and committed (``commit(p)`` equals
+            ``stage(p).commit()``: the clean frame of a denoising loop
+            replaces its last noisy staging).  When None, what is staged is
+            promoted.  A refused write commits nothing.
 
         Returns:
           The new object.
@@ -289,12 +294,13 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         return self._write_and_commit(payload, "commit")
 
     def append(self: Self, payload: Any) -> Self:
-        """Stages and commits ``payload`` in one write: ``commit(payload)``, its errors naming ``append``."""
+        """Stages and commits ``payload`` in one write (replacing what was staged): ``commit(payload)``, its
+        errors naming ``append``."""
         self._require_resident("append")
         return self._write_and_commit(payload, "append")
 
     def _write_and_commit(self: Self, payload: Any, operation: str) -> Self:
-        """Writes ``payload`` after what is staged and commits it all, unless refused; messages name ``operation``."""
+        """Writes ``payload`` in place of what is staged and commits it, unless refused; messages name ``operation``."""
         written, refused = self._stage(payload, operation)
         return written._commit_staged(when=jnp.logical_not(refused))
 

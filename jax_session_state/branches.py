@@ -74,7 +74,13 @@ class Lane(struct.PyTreeNode):
     attrs: Mapping[str, Any]
 
     def stage(self, **payloads: Any) -> Lane:
-        """Stages each payload into this lane's window of that object."""
+        """Adds each payload to this lane's window of that object.
+
+        A lane's writes accumulate: each is the next step of the lane's
+        future, kept after the lane's earlier writes until
+        :meth:`Branches.adopt` commits them all (the window keeps what the
+        lane staged before, then stages the payload).
+        """
         windows = dict(self.windows)
         for name, payload in payloads.items():
             if name not in windows:
@@ -83,7 +89,7 @@ class Lane(struct.PyTreeNode):
                     f"lanes cannot write {name!r} ({kind}): it is shared by all lanes. Write it "
                     "before branching, or after adopting a lane."
                 )
-            windows[name] = windows[name].stage(payload)
+            windows[name] = windows[name].commit().stage(payload)
         return self.replace(windows=windows)
 
     def discard(self) -> Lane:

@@ -119,14 +119,14 @@ class Session(struct.PyTreeNode):
         return self.replace(objects=objects)
 
     def stage(self, **payloads: Any) -> Session:
-        """Stages each payload into the object of that name."""
+        """Stages each payload into the object of that name, replacing what it had staged."""
         return self._map(lambda name, obj: obj.stage(payloads[name]), payloads)
 
     def commit(self, **payloads: Any) -> Session:
         """Commits the session's window.
 
-        Objects named in ``payloads`` commit that payload (after anything they
-        have staged); every other object promotes what it has staged.
+        Objects named in ``payloads`` commit that payload (in place of anything
+        they have staged); every other object promotes what it has staged.
 
         Raises:
           KeyError: a payload names no object of this session (nothing is committed).

@@ -1,8 +1,8 @@
 """A conformance suite any :class:`StateObject` implementation can run.
 
 Point it at a factory of empty objects and a generator of valid payloads; it
-checks the StateObject contract (see :class:`~jax_session_state.StateObject`): purity, two-phase writes,
-jit/eager agreement, one compile per step, donation aliasing every storage
+checks the StateObject contract (see :class:`~jax_session_state.StateObject`): purity, two-phase writes
+(a second ``stage`` replaces the first), jit/eager agreement, one compile per step, donation aliasing every storage
 leaf, constant bytes under in-buffer staging, eviction, and clear errors for
 malformed payloads.
 
@@ -49,6 +49,7 @@ CHECKS = (
     "check_staged_invisible",
     "check_discard_restores",
     "check_stage_commit_equals_append",
+    "check_restage_replaces",
     "check_jit_matches_eager",
     "check_compiles_once",
     "check_donation_aliases",
@@ -160,7 +161,7 @@ class Conformance:
       ...                     payload=lambda rng: jnp.asarray(rng.normal(size=2), jnp.float32))
       >>> suite.check_discard_restores()  # one rule; run() checks all of CHECKS
       >>> len(CHECKS), CHECKS[0]
-      (12, 'check_pure')
+      (13, 'check_pure')
     """
 
     make: Callable[[], StateObject]
@@ -232,6 +233,25 @@ class Conformance:
         appended = obj.append(payload)
         assert_logically_equal(obj.stage(payload).commit().view(), appended.view(), "stage+commit != append")
         assert_logically_equal(obj.commit(payload).view(), appended.view(), "commit(p) != append(p)")
+
+    def check_restage_replaces(self) -> None:
+        """A second ``stage`` replaces the first, eagerly and under jit: ``stage(a).stage(b)`` reads as
+        ``stage(b)``, commits as ``append(b)``, and ``stage(a).commit(b)`` equals ``append(b)``.
+
+        The denoising pattern (stage a frame once per step, then commit the
+        clean frame) relies on it: no step's rows stay visible after the next.
+        """
+        obj, first, second = self._committed(), self._payload(), self._payload()
+        appended = obj.append(second)
+        for how, run in (("eagerly", lambda f, o: f(o)), ("under jit", lambda f, o: jax.jit(f)(o))):
+            restaged = run(lambda o: o.stage(first).stage(second), obj)
+            assert_logically_equal(restaged.view(), obj.stage(second).view(), f"stage(a).stage(b) != stage(b) {how}")
+            assert_logically_equal(restaged.view(include_staged=False), obj.view(include_staged=False),
+                                   f"re-staging changed the committed view {how}")
+            assert_logically_equal(restaged.commit().view(), appended.view(),
+                                   f"stage(a).stage(b).commit() != append(b) {how}")
+            replaced = run(lambda o: o.stage(first).commit(second), obj)
+            assert_logically_equal(replaced.view(), appended.view(), f"stage(a).commit(b) != append(b) {how}")
 
     def check_jit_matches_eager(self) -> None:
         """Every lifecycle method gives the same result jitted and not."""

@@ -76,6 +76,7 @@ def attend(
     scale: float | None = None,
     q_positions: Array | None = None,
     implementation: str = "auto",
+    frame: int | None = None,
 ) -> Array:
     """Attention of ``q`` over a view.
 
@@ -84,7 +85,10 @@ def attend(
         ``q_heads`` a multiple of the view's ``kv_heads`` (GQA: query head
         ``h`` reads kv head ``h // (q_heads // kv_heads)``).
       view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
-      causal: mask keys after each query's position.
+      causal: mask keys after each query's position (with a frame, after
+        its frame's last position).  ``causal=False`` shows every valid key
+        of an append-mode or paged view; on a ring view (``window=``) it has
+        no single meaning and raises: give the frame instead.
       scale: score scale, default ``1 / sqrt(head_dim)``; a traced scalar
         (or an array) is folded into the queries, in float32.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
@@ -102,6 +106,13 @@ def attend(
         ``"pallas"``: the split-K Pallas kernel (GPU; interpreted on CPU),
         on TPU the Mosaic kernel of ``_pallas_tpu`` (opt-in: not yet run on a
         TPU); buckets for views they do not take, as above.
+      frame: ``N``: queries come in frames of ``N`` tokens aligned to
+        absolute positions (frame ``f`` holds ``[f*N, (f+1)*N)``), and each
+        sees its whole frame and everything before it (block-causal): its
+        position reads as its frame's last, ``(q // N + 1) * N - 1``, for
+        the causal mask and a ring's window.  Default: the frame the view's
+        cache was allocated with (``KVCache.allocate(frame=N)``), else none;
+        a different one raises.
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
@@ -119,9 +130,14 @@ def attend(
       >>> reference = (weights / weights.sum(-1, keepdims=True)) @ v[0, :, 0]
       >>> bool(np.allclose(jss.attend(q, kv.view())[0, :, 0], reference, atol=1e-5))
       True
+
+      The same 3 rows as one frame: every query sees all 3 (block-causal).
+
+      >>> bool(jnp.allclose(jss.attend(q, kv.view(), frame=3), jss.attend(q, kv.view(), causal=False), atol=1e-6))
+      True
     """
     return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions,
-                           implementation=implementation)[0]
+                           implementation=implementation, frame=frame)[0]
 
 
 def attend_with_lse(
@@ -132,6 +148,7 @@ def attend_with_lse(
     scale: float | None = None,
     q_positions: Array | None = None,
     implementation: str = "auto",
+    frame: int | None = None,
 ) -> tuple[Array, Array]:
     """:func:`attend`, plus the log-sum-exp of each query's visible scores.
 
@@ -139,12 +156,14 @@ def attend_with_lse(
       q: ``Float[Array, "batch T q_heads head_dim"]``, token-major;
         ``q_heads`` a multiple of the view's ``kv_heads``.
       view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
-      causal: mask keys after each query's position.
+      causal: mask keys after each query's position, as for :func:`attend`.
       scale: score scale, default ``1 / sqrt(head_dim)``, as for :func:`attend`.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions.
       implementation: ``"auto"``, ``"native"``, ``"loop"``,
         ``"bucketed"`` or ``"pallas"``, as for :func:`attend`.
+      frame: queries in block-causal frames of this many tokens, as for
+        :func:`attend`.
 
     Returns:
       ``(out, lse)``: ``out`` is ``Float[Array, "batch T q_heads head_dim"]``
@@ -173,10 +192,39 @@ def attend_with_lse(
         raise RuntimeError(f"attend(implementation='native'): the native kernel is not in use: {_library.status()}")
     if not isinstance(view, (KVView, BranchKVView, PagedView)):
         raise PayloadTypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
+    frame = _checked_mask(view, causal, frame)
     if _eager(q, view, q_positions, scale):  # one compiled program per signature, not one per call
         return _compiled_attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation,
-                                native=_library.enabled())
-    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
+                                frame=frame, native=_library.enabled())
+    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation, frame=frame)
+
+
+def _checked_mask(view: KVView | BranchKVView | PagedView, causal: bool, frame: Any) -> int | None:
+    """The frame size the mask uses: ``frame``, else the one the view carries.
+
+    Raises:
+      PayloadTypeError: ``frame`` is not a positive int (a bool is not one).
+      PayloadError: ``frame`` differs from the view's; ``causal=False`` with
+        ``frame=``, or on a ring view (where it would give each query its own
+        sliding window, not the frame mask).
+    """
+    if frame is not None and (not isinstance(frame, numbers.Integral) or isinstance(frame, bool) or frame < 1):
+        raise PayloadTypeError(f"attend(): frame must be a positive int (tokens per frame) or None; got {frame!r}.")
+    head = view.prefix if isinstance(view, BranchKVView) else view
+    carried = head.frame if isinstance(head, KVView) else None
+    if frame is not None and carried is not None and frame != carried:
+        raise PayloadError(f"attend(): frame={frame}, but the view's cache was allocated with frame={carried}; "
+                           "pass the same frame or leave it out.")
+    if not causal and frame is not None:
+        raise PayloadError(f"attend(): frame={frame} is block-causal (each query sees its frame and what came "
+                           "before); causal=False contradicts it. Leave causal=True.")
+    if not causal and isinstance(head, KVView) and head.window is not None:
+        raise PayloadError(
+            f"attend(): causal=False on a ring view (window={head.window}, sink={head.sink}) has no single meaning: "
+            "each query would keep its own sliding window, which is not the frame mask. For queries in frames of "
+            "N tokens pass frame=N (or allocate the cache with frame=N); for token-causal queries leave causal=True."
+        )
+    return int(frame) if frame is not None else carried
 
 
 def _eager(q: Array, view: Any, q_positions: Array | None, scale: Any) -> bool:
@@ -186,19 +234,24 @@ def _eager(q: Array, view: Any, q_positions: Array | None, scale: Any) -> bool:
 
 
 def _attend(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Array | None, *, causal: bool,
-            scale: Any, implementation: str) -> tuple[Array, Array]:
+            scale: Any, implementation: str, frame: int | None = None) -> tuple[Array, Array]:
     """:func:`attend_with_lse` once its arguments are checked.
 
     A scale that is not a Python number (traced, or an array) is folded into
     the queries, in float32, and the readers take 1.0: the kernels take
-    their scale as a constant.
+    their scale as a constant.  A frame turns each query's position into its
+    frame's last, so every reader applies the block-causal mask through its
+    causal mask (and a ring's window) unchanged.
     """
     if scale is not None and not isinstance(scale, numbers.Real):
         out, lse = _attend(_scaled_queries(q, scale), view, q_positions, causal=causal, scale=1.0,
-                           implementation=implementation)
+                           implementation=implementation, frame=frame)
         return out.astype(q.dtype), lse
     if not math.prod(q.shape[:3]):
         return _no_query_rows(q, view, q_positions)
+    if frame is not None:
+        lengths = view.window.lengths if isinstance(view, BranchKVView) else view.lengths
+        q_positions = _frame_last(_default_positions(q, lengths, q_positions), frame)
     if isinstance(view, BranchKVView):
         q_positions = _default_positions(q, view.window.lengths, q_positions)
         prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions, implementation)
@@ -207,6 +260,11 @@ def _attend(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Arra
     if isinstance(view, PagedView):
         return _paged_with_lse(q, view, causal, scale, q_positions, implementation)
     return _kv_with_lse(q, view, causal, scale, q_positions, implementation)
+
+
+def _frame_last(positions: Array, frame: int) -> Array:
+    """Each position's frame's last position: ``(p // frame + 1) * frame - 1`` (-1 stays -1: sees nothing)."""
+    return positions // frame * frame + (frame - 1)
 
 
 def _scaled_queries(q: Array, scale: Any) -> Array:
@@ -237,16 +295,16 @@ def _no_query_rows(q: Array, view: KVView | BranchKVView | PagedView, q_position
 
 
 def _compiled(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Array | None, *, causal: bool,
-              scale: float | None, implementation: str, native: bool) -> tuple[Array, Array]:
+              scale: float | None, implementation: str, frame: int | None, native: bool) -> tuple[Array, Array]:
     """:func:`_attend`; ``native`` (whether the native kernels are in use as it is traced,
     :func:`_library.enabled`) only keys the compiled programs, so that a call after ``_library.use(False)``
     does not run a program traced with them."""
     del native
-    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation)
+    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation, frame=frame)
 
 
 # An eager call's loops would be traced and compiled again on every call: run them as one cached program.
-_compiled_attend = jax.jit(_compiled, static_argnames=("causal", "scale", "implementation", "native"))
+_compiled_attend = jax.jit(_compiled, static_argnames=("causal", "scale", "implementation", "frame", "native"))
 
 
 def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:

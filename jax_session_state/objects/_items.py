@@ -126,14 +126,15 @@ class ItemBuffer(StateObject, kw_only=True):
     def _write(
         self, leaves: list[Array], n: int, *, staging: bool, operation: str, take: Array | int | None = None
     ) -> tuple[ItemBuffer, Array]:
-        """Writes the first ``take`` (default: all ``n``) of the items in ``leaves``."""
-        start = self.committed + self.staged
+        """Writes the first ``take`` (default: all ``n``) of the items in ``leaves`` after the committed ones,
+        replacing what was staged."""
+        start = self.committed
         take = n if take is None else take
         if not self.ring:
             refused = start + take > self.capacity
             limit = f"capacity {self.capacity}"
         elif staging:
-            refused = self.staged + take > self.max_staged
+            refused = jnp.asarray(take) > self.max_staged  # an array: traced under jit, so flagged there
             limit = f"max_staged {self.max_staged} items staged between commits"
         else:  # committed ring writes may overwrite the oldest items
             refused = jnp.zeros((), bool)
@@ -142,7 +143,7 @@ class ItemBuffer(StateObject, kw_only=True):
             refused,
             lambda: CapacityError(
                 f"{self.describe()}.{operation}: writing {int(take)} items after {int(start)} exceeds {limit}; "
-                "nothing was written. Allocate more, or commit/discard sooner."
+                "nothing was written. Allocate more, or commit sooner."
             ),
         )
         buffers = jax.tree_util.tree_leaves(self._buffers())
@@ -156,13 +157,13 @@ class ItemBuffer(StateObject, kw_only=True):
         buffers = self.item_treedef.unflatten(written)
         new = self._with_buffers(buffers)._with_bookkeeping(
             count=self.committed,
-            staged=self.staged + jnp.where(refused, 0, take),
+            staged=jnp.where(refused, self.staged, take),
             refused=self.bookkeeping[..., _REFUSED] + refused,
         )
         return new, refused
 
     def _stage(self, payload: Any, operation: str) -> tuple[ItemBuffer, Array]:
-        """Writes one item or a batch of items after the staged ones.
+        """Writes one item or a batch of items after the committed ones, replacing what was staged.
 
         A staged write into a ring must fit its ``max_staged`` margin; a
         committed write (``commit(p)``, ``append``) may overwrite the oldest

@@ -13,7 +13,7 @@ from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.errors import CapacityError, PayloadTypeError
 from jax_session_state.kinds import allocator, refuse_now_if, update_slice_or_keep
-from jax_session_state.objects import _quantize, _ring
+from jax_session_state.objects import _frames, _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
@@ -35,13 +35,23 @@ class KVCache(StateObject, kw_only=True):
       are kept for ever and the last ``W`` in a ring of ``W + C`` slots, so a
       chunk of up to ``C`` rows, staged or appended, never overwrites the
       window its own queries attend to, and ``discard()`` restores the
-      committed view exactly.  Staging more than ``C`` rows before a commit
+      committed view exactly.  Staging more than ``C`` rows at once
       is a :class:`CapacityError`.  ``view(include_staged=False)`` shows the
       sinks and the last ``W`` committed tokens (what later queries need);
       ``view()`` shows every token still held, so attention right after an
       ``append`` of a chunk sees each of its queries' whole window.
       ``capacity`` is ``S + W`` (what stays visible) and the storage holds
       ``slots = S + W + C`` rows per batch row.
+
+    Frames (``frame=N``): the cache's queries come in frames of ``N``
+    tokens aligned to absolute positions, each seeing its whole frame and
+    everything before it (block-causal); its views carry ``N`` and
+    :func:`~jax_session_state.attend` applies that mask without being told.
+    A ring may then be sized in frames as Self-Forcing sizes its rolling
+    cache: ``window_frames=L, sink_frames=S`` keeps the first ``S`` frames
+    and shows each frame the last ``L - S`` frames including its own, so
+    ``L`` counts the sink frames and the current frame (``window = (L - S)
+    * N`` and ``sink = S * N`` tokens; ``max_staged`` defaults to ``N``).
 
     Quantized storage (``quantize="int8"`` or ``"fp8"``): each written row of
     each head is stored as int8 (or ``float8_e4m3fn``) values and one float32
@@ -78,6 +88,7 @@ class KVCache(StateObject, kw_only=True):
     window: int | None = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=0)
     max_staged: int = struct.field(pytree_node=False, default=0)
+    frame: int | None = struct.field(pytree_node=False, default=None)
     quantize: str | None = struct.field(pytree_node=False, default=None)
     tiers: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
@@ -155,6 +166,9 @@ class KVCache(StateObject, kw_only=True):
         window: int | None = None,
         sink: int = 0,
         max_staged: int | None = None,
+        frame: int | None = None,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
         quantize: str | None = None,
         tiers: tuple[str, ...] = (),
         **options: Any,
@@ -171,7 +185,16 @@ class KVCache(StateObject, kw_only=True):
           window: ring mode: the last ``window`` tokens are kept.
           sink: ring mode: the first ``sink`` tokens are kept for ever.
           max_staged: ring mode: the most rows staged or appended between
-            commits; the ring keeps this many slots beyond the window.
+            commits; the ring keeps this many slots beyond the window; with
+            ``frame``, default one frame.
+          frame: tokens per frame: queries come in block-causal frames of
+            this many tokens (see the class docstring); views carry it.
+          window_frames: ring mode in frames (needs ``frame``, replaces
+            ``window`` and ``sink``): the frames each frame sees, counting
+            the sink frames and itself, as Self-Forcing's
+            ``local_attn_size``.
+          sink_frames: the first frames kept for ever, as Self-Forcing's
+            ``sink_size``; fewer than ``window_frames``.
           quantize: store the rows quantized: ``"int8"`` or ``"fp8"``
             (``float8_e4m3fn``); ``dtype`` stays the payloads' dtype.
           tiers: the quantized forms it may be demoted to when memory is
@@ -188,6 +211,9 @@ class KVCache(StateObject, kw_only=True):
         """
         owner = "KVCache.allocate"
         heads = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+        frame = None if frame is None else v.positive_int(owner, "frame", frame)
+        window, sink, max_staged = _frames.ring_in_tokens(owner, frame, window_frames, sink_frames, window, sink,
+                                                          max_staged)
         if window is None:
             if sink or max_staged is not None:
                 raise PayloadTypeError(f"{owner}: sink= and max_staged= apply only to ring mode (window=...).")
@@ -211,7 +237,7 @@ class KVCache(StateObject, kw_only=True):
         quantize, tiers = _quantize.check_args(owner, dtype, quantize, tiers)
         return cls._allocated(
             options, **heads, capacity=capacity, dtype=dtype, window=window, sink=sink, max_staged=max_staged,
-            quantize=quantize, tiers=tiers,
+            frame=frame, quantize=quantize, tiers=tiers,
         )
 
     def storage_axes(self) -> dict[str, Any]:
@@ -242,7 +268,7 @@ class KVCache(StateObject, kw_only=True):
 
     # ------------------------------------------------------------- writes
     def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[KVCache, Array]:
-        """Writes rows after the committed (and already staged) ones.
+        """Writes rows after the committed ones, replacing what was staged.
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v)`` / ``(k, v, counts)`` with
@@ -253,17 +279,17 @@ class KVCache(StateObject, kw_only=True):
         Returns:
           The cache with the rows staged, and whether the write was refused:
           if any row would overflow (append mode: past capacity; ring mode:
-          more than ``max_staged`` staged) or a count is out of range, nothing
+          more than ``max_staged`` rows) or a count is out of range, nothing
           is written: eagerly a :class:`CapacityError` / :class:`ValueError`
           is raised, under jit ``overflowed`` is set.
         """
         chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
-        start = self.lengths + self.staged
+        start = self.lengths
         if self.window is None:
             room = self.capacity - start
             limit = f"capacity {self.capacity}"
         else:
-            room = self.max_staged - self.staged
+            room = jnp.full_like(start, self.max_staged)
             limit = f"max_staged {self.max_staged} rows staged between commits"
         too_long = jnp.any(counts > room)
         refuse_now_if(
@@ -271,7 +297,7 @@ class KVCache(StateObject, kw_only=True):
             lambda: CapacityError(
                 f"{self.describe()}.{operation}: writing {np.asarray(counts).tolist()} rows after "
                 f"{np.asarray(start).tolist()} exceeds {limit}; nothing was written. Allocate "
-                "more, or commit/discard sooner."
+                "more, or commit sooner."
             ),
         )
         refused = bad_counts | too_long
@@ -284,7 +310,7 @@ class KVCache(StateObject, kw_only=True):
             **{name: self._write_rows(getattr(self, name), x, start, written, whole=chunk.counts is None)
                for name, x in rows.items()},
             committed=self.lengths,
-            staged=self.staged + written,
+            staged=jnp.where(refused, self.staged, written),
             high_water=jnp.maximum(self.high_water, start + written),
             refused=self.bookkeeping[..., _REFUSED, :] + refused,
         )
@@ -328,6 +354,7 @@ class KVCache(StateObject, kw_only=True):
             sink=self.sink,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            frame=self.frame,
         )
 
     # -------------------------------------------------------------- tiers
@@ -405,6 +432,7 @@ class KVCache(StateObject, kw_only=True):
                 sink=self.sink,
                 k_scale=rows.k_scale,
                 v_scale=rows.v_scale,
+                frame=self.frame,
             ),
         )
 

@@ -122,6 +122,10 @@ class KVView(struct.PyTreeNode):
       window: sliding-window size, or None in append mode.  A query at ``q``
         sees key ``p`` when ``p < sink`` or ``q - p < window``.
       sink: number of first positions kept for ever (0 without a window).
+      frame: tokens per frame when the cache was allocated in frames, else
+        None: :func:`~jax_session_state.attend` then reads each query at its
+        frame's last position, ``(q // frame + 1) * frame - 1``, for the
+        causal mask and the window above (block-causal frames).
       k_scale: ``Float[Array, "batch kv_heads capacity 1"]`` for a quantized
         cache (``k`` then holds int8 or fp8 values and a row reads as
         ``k * k_scale``), None otherwise.  Attention dequantizes block by
@@ -147,6 +151,7 @@ class KVView(struct.PyTreeNode):
     sink: int = struct.field(pytree_node=False, default=0)
     k_scale: Array | None = None
     v_scale: Array | None = None
+    frame: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def quantized(self) -> bool:

@@ -245,7 +245,7 @@ class PagedKVCache(StateObject, kw_only=True):
 
     # ------------------------------------------------------------- writes
     def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[PagedKVCache, Array]:
-        """Writes rows after each slot's committed (and already staged) ones.
+        """Writes rows after each slot's committed ones, replacing what the slot staged.
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
@@ -261,7 +261,7 @@ class PagedKVCache(StateObject, kw_only=True):
         chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.max_slots)
         T = chunk.k.shape[1]
         owner = f"{self.describe()}.{operation}"
-        start = self.lengths + self.staged
+        start = self.lengths
         end = start + counts
         no_room = jnp.any(end > self.slot_rows)
         refuse_now_if(
@@ -298,7 +298,7 @@ class PagedKVCache(StateObject, kw_only=True):
             rows["v_pages"], rows["v_scale"] = _quantize.quantize(chunk.v, self.quantize)
         new = taken.with_storage(
             **{name: _pages.write_rows(getattr(self, name), pages, offsets, x) for name, x in rows.items()},
-            staged=self.staged + counts,
+            staged=counts,
         )
         return self._unless(refused, new), refused
 

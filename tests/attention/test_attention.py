@@ -93,7 +93,7 @@ def test_explicit_query_positions(seed, T, causal, scale):
     T=st.sampled_from([1, 4, 16]),
     window=st.sampled_from([1, 5, 12]),
     sink=st.sampled_from([0, 1, 3]),
-    causal=st.booleans(),
+    causal=st.just(True),  # causal=False on a ring raises (tests/attention/test_frames.py)
 )
 def test_ring_mode_with_wraparound_and_sinks(seed, batch, groups, T, window, sink, causal):
     rng = np.random.default_rng(seed)

@@ -47,7 +47,7 @@ class PagedModel:
         """Applies stage / append / commit_payload; returns the error it must raise, if refused."""
         k, v = np.asarray(chunk.k), np.asarray(chunk.v)
         counts = [int(c) for c in np.asarray(chunk.counts)]
-        ends = [len(rows) + c for rows, c in zip(self.rows, counts)]
+        ends = [committed + c for committed, c in zip(self.committed, counts)]  # a write replaces what was staged
         if any(end > self.max_pages * self.page_size for end in ends):
             return jss.CapacityError
         new_pages = [max(0, math.ceil(end / self.page_size) - len(held)) for end, held in zip(ends, self.pages)]
@@ -55,7 +55,7 @@ class PagedModel:
             return jss.CapacityError
         for s, c in enumerate(counts):
             self.pages[s] += [self._new_page() for _ in range(new_pages[s])]
-            self.rows[s] += [(k[s, t], v[s, t]) for t in range(c)]
+            self.rows[s] = self.rows[s][:self.committed[s]] + [(k[s, t], v[s, t]) for t in range(c)]
         if name != "stage":
             self.commit()
         return None

@@ -110,13 +110,12 @@ class KVModel:
         counts = [T] * len(self.rows) if chunk.counts is None else list(np.asarray(chunk.counts))
         if any(c < 0 or c > T for c in counts):
             return REFUSED_COUNTS
-        for b, c in enumerate(counts):
-            staged = len(self.rows[b]) - self.committed[b]
-            room = self.capacity - len(self.rows[b]) if self.window is None else self.max_staged - staged
+        for c, committed in zip(counts, self.committed):
+            room = self.capacity - committed if self.window is None else self.max_staged
             if c > room:
                 return REFUSED_CAPACITY
-        for b, c in enumerate(counts):
-            self.rows[b].extend((k[b, t], v[b, t]) for t in range(c))
+        for b, c in enumerate(counts):  # a write replaces what was staged
+            self.rows[b] = self.rows[b][:self.committed[b]] + [(k[b, t], v[b, t]) for t in range(c)]
             self.high_water[b] = max(self.high_water[b], len(self.rows[b]))
         return OK
 
@@ -170,12 +169,11 @@ class ItemModel:
     def apply(self, op: Op) -> str:
         if op.name in ("stage", "commit_payload", "append"):
             new = self._split(op.payload)
-            staged = len(self.items) - self.committed
-            if not self.ring and len(self.items) + len(new) > self.capacity:
+            if not self.ring and self.committed + len(new) > self.capacity:
                 return REFUSED_CAPACITY
-            if self.ring and op.name == "stage" and staged + len(new) > self.max_staged:
+            if self.ring and op.name == "stage" and len(new) > self.max_staged:
                 return REFUSED_CAPACITY
-            self.items.extend(new)
+            self.items[self.committed:] = new  # a write replaces what was staged
             if op.name == "stage":
                 return OK
         if op.name == "discard":
