@@ -4,8 +4,8 @@ A video world model (Self-Forcing, CausVid) generates a frame of N tokens in a
 few denoising steps; each step writes the frame's K/V tentatively, attends
 block-causally (every query sees its whole frame and everything before it)
 and drops them.  Measured here, batch 1, 8 heads x 64, one jitted, donated
-step per denoising step (``stage`` the frame, ``attend`` with every query at
-its frame's last position, ``discard``), contenders alternating in one run:
+step per denoising step (``stage`` the frame, replacing the last step's, and
+``attend(..., frame=N)``), contenders alternating in one run:
 
 - N in {64, 256} x past in {2k, 8k}, float32 and bfloat16, each over an
   append-mode cache (``past`` committed tokens) and over a ring that has
@@ -62,11 +62,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @functools.partial(jax.jit, donate_argnums=0)
 def denoising_step(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jss.KVCache, jax.Array]:
-    """Stage the frame, attend block-causally (every query at the frame's last position), discard."""
+    """Stage the frame (replacing the last step's), attend with the frame mask: the documented pattern."""
     staged = cache.stage((k, v))
-    view = staged.view()
-    frame_end = jnp.broadcast_to(view.lengths[:, None] - 1, q.shape[:2])
-    return staged.discard(), jss.attend(q, view, q_positions=frame_end)
+    return staged, jss.attend(q, staged.view(), frame=q.shape[1])
 
 
 @functools.partial(jax.jit, donate_argnums=0)
