@@ -157,10 +157,10 @@ def ring_kernel(q: Array, k: Array, v: Array, k_scale: Array | None, v_scale: Ar
     Returns ``(out, lse)`` as :func:`kernel`.
     """
     scales = _scales(k_scale, v_scale)
-    result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
-    call = jax.ffi.ffi_call(QUANTIZED_RING_TARGET if scales else RING_TARGET, result, vmap_method="sequential")
 
     def one_call(q, ring, q_positions):
+        result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+        call = jax.ffi.ffi_call(QUANTIZED_RING_TARGET if scales else RING_TARGET, result, vmap_method="sequential")
         out, lse = call(q.astype(jnp.float32), *ring, q_positions.astype(jnp.int32), scale=np.float32(scale),
                         causal=bool(causal), relative=bool(relative), sink=np.int64(sink), window=np.int64(window))
         return out.astype(q.dtype), lse
