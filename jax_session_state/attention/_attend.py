@@ -86,8 +86,9 @@ def attend(
         (or an array) is folded into the queries, in float32.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions (the rows just written).
-      implementation: how append-mode and paged views are read (ring views
-        and a branch's own rows are always one dense pass):
+      implementation: how append-mode, ring and paged views are read (a
+        ring by its runs of slots; a branch's own rows are always one
+        dense pass):
         ``"auto"``: on CPU the native kernel on a single device where
         built, else ``"loop"``; on CUDA, where this process has a GPU,
         ``"pallas"``; on TPU, and elsewhere, ``"bucketed"``;
@@ -98,7 +99,8 @@ def attend(
         kernels; in chunks past :data:`BUCKET_SCORE_BYTES` of scores);
         ``"pallas"``: the split-K Pallas kernel (GPU; interpreted on CPU),
         on TPU the Mosaic kernel of ``_pallas_tpu`` (opt-in: not yet run on a
-        TPU); buckets for views they do not take, as above.
+        TPU); buckets for views they do not take (rings among them), as
+        above.
 
     Returns:
       ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
