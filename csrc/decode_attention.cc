@@ -423,28 +423,34 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
   const bool parallel = threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
   int64_t splits = 1;
   if (parallel && runs < 4 * threads) splits = (4 * threads + runs - 1) / runs;
-  const int64_t per_pair = splits + keys.spans - 1;
-  std::vector<Chunk> chunks;  // [pairs, per_pair]
-  std::vector<float> state(pairs * per_pair * M * (D + 2));
+  // Each pair's pieces: [first, end) and windowed; as many for every pair (the most any has, empty ones after).
+  std::vector<std::vector<Span>> pieces(pairs);
+  int64_t per_pair = 1;
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / shape.kv_heads, total = row_keys[b];
     const int64_t size = std::max<int64_t>(1, std::max((total + splits - 1) / splits, std::min(total, kChunkKeys)));
-    int64_t made = 0, before = 0;  // chunks made, keys of the spans before this one
-    const auto add = [&](int64_t from, int64_t to, bool windowed) {
-      float* base = state.data() + (pair * per_pair + made++) * M * (D + 2);
-      chunks.push_back({pair, from, to, base, base + M, base + 2 * M, windowed});
-    };
+    int64_t before = 0;  // keys of the spans before this one
     for (int64_t s = 0; s < keys.spans; ++s) {
       const Span& span = keys.span[b * keys.spans + s];
       const int64_t length = std::max<int64_t>(0, span.end - span.first);
       for (int64_t at = 0; at < length;) {  // cut where the whole row's keys reach a multiple of size
         const int64_t to = std::min(length, (before + at) / size * size + size - before);
-        add(span.first + at, span.first + to, span.windowed);
+        pieces[pair].push_back({span.first + at, span.first + to, span.windowed});
         at = to;
       }
       before += length;
     }
-    while (made < per_pair) add(0, 0, false);  // every pair has per_pair chunks
+    per_pair = std::max<int64_t>(per_pair, pieces[pair].size());
+  }
+  std::vector<Chunk> chunks;  // [pairs, per_pair]
+  std::vector<float> state(pairs * per_pair * M * (D + 2));
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    pieces[pair].resize(per_pair, Span{0, 0, false});
+    for (int64_t c = 0; c < per_pair; ++c) {
+      float* base = state.data() + (pair * per_pair + c) * M * (D + 2);
+      const Span& piece = pieces[pair][c];
+      chunks.push_back({pair, piece.first, piece.end, base, base + M, base + 2 * M, piece.windowed});
+    }
   }
   const ChunkFn run_chunks = isa()->run;
   const std::function<void(int64_t)> run_one = [&](int64_t i) {  // run i / per_pair, chunk i % per_pair
