@@ -75,15 +75,18 @@ def ring_with_lse(q: Array, view: KVView, causal: bool, scale: float, q_position
         ring.update(k_scale=view.k_scale, v_scale=view.v_scale)
     options = dict(causal=causal, scale=scale, sink=view.sink, window=view.window)
 
+    def absolute(positions: Array, ring: dict[str, Array]) -> Array:  # the pure readers take absolute positions
+        return ring["lengths"][:, None] + positions if relative else positions
+
     def native(q: Array, positions: Array, ring: dict[str, Array]) -> tuple[Array, Array]:
         return _native.ring_kernel(q, ring["k"], ring["v"], ring.get("k_scale"), ring.get("v_scale"), ring["starts"],
                                    ring["lengths"], positions, relative=relative, **options)
 
     def loop(q: Array, positions: Array, ring: dict[str, Array]) -> tuple[Array, Array]:
-        return _read_runs(q, positions, ring, **options, bucketed=False)
+        return _read_runs(q, absolute(positions, ring), ring, **options, bucketed=False)
 
     def bucketed(q: Array, positions: Array, ring: dict[str, Array]) -> tuple[Array, Array]:
-        return _read_runs(q, positions, ring, **options, bucketed=True)
+        return _read_runs(q, absolute(positions, ring), ring, **options, bucketed=True)
 
     def forward(q: Array, positions: Array, ring: dict[str, Array]) -> tuple[Array, Array]:
         return _by_platform(implementation, loop, bucketed, q, positions, ring,
@@ -91,8 +94,7 @@ def ring_with_lse(q: Array, view: KVView, causal: bool, scale: float, q_position
 
     if view.quantized:
         return forward(q, positions, ring)
-    absolute = (lambda p, ring: ring["lengths"][:, None] + p) if relative else (lambda p, ring: p)
-    return _with_bucketed_vjp(forward, bucketed, absolute)(q, positions, ring)
+    return _with_bucketed_vjp(forward, bucketed)(q, positions, ring)
 
 
 def window_start(view: KVView) -> Array:
@@ -184,10 +186,10 @@ def _rows_from(cache: Array, start: Array, n: int, block: Callable[..., Array]) 
     return jax.vmap(lambda rows, first: block(rows[None], first, n)[0])(cache, start)
 
 
-def _with_bucketed_vjp(forward: Callable[..., tuple[Array, Array]], bucketed: Callable[..., tuple[Array, Array]],
-                       absolute: Callable[[Array, dict[str, Array]], Array]) -> Callable[..., tuple[Array, Array]]:
-    """``forward(q, q_positions, ring)`` with the VJP of ``bucketed`` (recomputed) for ``q``, ``k`` and ``v``;
-    ``absolute`` turns ``forward``'s query positions into ``bucketed``'s."""
+def _with_bucketed_vjp(forward: Callable[..., tuple[Array, Array]], bucketed: Callable[..., tuple[Array, Array]]
+                       ) -> Callable[..., tuple[Array, Array]]:
+    """``forward(q, q_positions, ring)`` with the VJP of ``bucketed`` (the same arguments; recomputed) for ``q``,
+    ``k`` and ``v``."""
 
     @jax.custom_vjp
     def attend(q: Array, q_positions: Array, ring: dict[str, Array]) -> tuple[Array, Array]:
@@ -201,7 +203,7 @@ def _with_bucketed_vjp(forward: Callable[..., tuple[Array, Array]], bucketed: Ca
         k, v = ring["k"], ring["v"]
 
         def differentiable(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
-            return bucketed(q, absolute(q_positions, ring), {**ring, "k": k, "v": v})
+            return bucketed(q, q_positions, {**ring, "k": k, "v": v})
 
         _, vjp = jax.vjp(differentiable, q, k, v)
         dq, dk, dv = vjp(cotangents)
