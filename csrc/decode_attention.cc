@@ -4,10 +4,15 @@
 // KVView with window=None (JssDecodeAttention: k, v [B, Hk, C, D], the first
 // lengths[b] rows of k[b, h] read in place) or on a PagedView
 // (JssPagedDecodeAttention: token-major pages [P, S, Hk, D], row p of batch
-// row b in page page_table[b, p / S], read page by page where it lies).  A
-// query at position qp sees key p when p < lengths[b] and, if causal,
-// p <= qp; qp is q_positions[b, t], plus lengths[b] when the attribute
-// relative is set (offsets from the end).  Query head h * G + g reads kv head
+// row b in page page_table[b, p / S], read page by page where it lies) or on
+// a ring (JssRingDecodeAttention: k, v [B, Hk, slots, D], positions below
+// sink in their own slot and a later position p in slot
+// sink + (p - sink) % (slots - sink); the sinks and the window
+// window_start[b]..lengths[b] - 1 read by position where they lie, the
+// window a run that may wrap).  A query at position qp sees key p when
+// p < lengths[b], if causal p <= qp, and on a ring p < sink or
+// qp - p < window; qp is q_positions[b, t], plus lengths[b] when the
+// attribute relative is set (offsets from the end).  Query head h * G + g reads kv head
 // h (GQA with G = q_heads / kv_heads).  A query that sees nothing gets zeros
 // and lse = -inf.  The cache is float32, bfloat16 or float16, or quantized
 // (JssQuantizedDecodeAttention, JssQuantizedPagedDecodeAttention): int8 or
@@ -97,16 +102,26 @@ struct PairSource {
   int64_t page_size, page_stride, num_pages;  // rows per page, bytes per page, pages in the pool
   const float *k_scale = nullptr, *v_scale = nullptr;  // quantized: the row scales (else nullptr)
   int64_t scale_stride = 0, scale_page_stride = 0;      // floats between rows' scales, between pages'
+  // A ring (ring > 0, dense only): positions below sink lie in their own slot, a later position p in slot
+  // sink + (p - sink) % ring, so a run of positions lies in order up to the ring's end, then wraps.
+  int64_t sink = 0, ring = 0;
 
   bool read_in_place() const { return dtype == Dtype::kF32 && pages == nullptr; }  // else tile buffers too
   bool quantized() const { return k_scale != nullptr; }
   int64_t page_of(int64_t p) const { return std::clamp<int64_t>(pages[p / page_size], 0, num_pages - 1); }
+  int64_t slot(int64_t p) const { return ring == 0 || p < sink ? p : sink + (p - sink) % ring; }
+  // Rows from p on that lie in order (p's page, the sinks, or the ring up to its end).
+  int64_t rows_in_order(int64_t p) const {
+    if (pages != nullptr) return page_size - p % page_size;
+    if (ring == 0) return std::numeric_limits<int64_t>::max();
+    return p < sink ? sink - p : ring - (p - sink) % ring;
+  }
   int64_t row_offset(int64_t p) const {
-    if (pages == nullptr) return p * row_stride;
+    if (pages == nullptr) return slot(p) * row_stride;
     return page_of(p) * page_stride + (p % page_size) * row_stride;
   }
   int64_t scale_index(int64_t p) const {
-    if (pages == nullptr) return p * scale_stride;
+    if (pages == nullptr) return slot(p) * scale_stride;
     return page_of(p) * scale_page_stride + (p % page_size) * scale_stride;
   }
 };
@@ -116,6 +131,7 @@ struct PairSource {
 struct Chunk {
   int64_t pair, first_key, end_key;
   float *top, *total, *acc;
+  bool windowed;  // its rows' keys start at their first (a ring's window), else at 0 (its sinks, a cache)
 };
 
 // What one chunk reads: its pair's query rows (scaled), keys and values, the
@@ -124,6 +140,7 @@ struct ChunkInput {
   PairSource source;
   std::vector<float> q;       // [M, D], scaled
   std::vector<int64_t> last;  // [M]: the last key each row sees
+  std::vector<int64_t> first;  // [M]: the first key each row sees (0 but in a ring's window)
   int64_t first_key, end_key;  // keys this chunk reads: [first_key, end_key)
   float *kbuf, *vbuf;          // [kTile, D] each
   float *ksbuf, *vsbuf;        // [kTile] each: a paged tile's row scales
@@ -309,19 +326,26 @@ bool scales_match(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& cache) {
   return std::equal(dims.begin(), dims.begin() + 3, cache_dims.begin());
 }
 
-// Attention of every query over its pair's rows, as source(pair) lays them
-// out.  Runs of pairs_together pairs (of one batch row) read each key range
-// together: a paged cache's kv heads, whose rows of a page lie side by side.
-ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, const std::function<PairSource(int64_t)>& source,
-                  const int32_t* lengths, const int32_t* q_positions, float* out_data, float* lse_data, float scale,
-                  bool causal, bool relative, int64_t pairs_together) {
-  const int64_t M = shape.rows(), D = shape.dim, pairs = shape.batch * shape.kv_heads;
-  const int64_t runs = pairs / pairs_together;
+// Which keys each query sees and which each batch row reads.  A query row
+// sees keys first..last of a windowed span and 0..last of any other; a batch
+// row reads its spans' keys [first, end) (a cache: one span from 0; a ring:
+// its sinks, then its window, windowed).
+struct Span {
+  int64_t first, end;
+  bool windowed;
+};
+struct Visible {
+  std::vector<int64_t> first, last;  // [B * T]: -1 for last sees nothing
+  int64_t spans;                     // per batch row
+  std::vector<Span> span;            // [B, spans]
+};
 
-  // Last visible key of every query, clipped to the cache: -1 sees nothing.
-  std::vector<int64_t> last(shape.batch * shape.T);
-  int64_t work = 0;
-  std::vector<int64_t> pair_keys(shape.batch, 0);
+// A cache's keys 0..lengths[b] - 1 (clipped to its capacity), up to each
+// query's position where causal.
+Visible prefix_keys(const Shape& shape, const int32_t* lengths, const int32_t* q_positions, bool causal,
+                    bool relative) {
+  Visible keys{std::vector<int64_t>(shape.batch * shape.T, 0), std::vector<int64_t>(shape.batch * shape.T), 1,
+               std::vector<Span>(shape.batch, Span{0, 0, false})};
   for (int64_t b = 0; b < shape.batch; ++b) {
     const int64_t length = std::clamp<int64_t>(lengths[b], 0, shape.capacity);
     for (int64_t t = 0; t < shape.T; ++t) {
@@ -330,47 +354,120 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
         const int64_t position = q_positions[b * shape.T + t] + (relative ? lengths[b] : 0);
         visible = std::min<int64_t>(visible, position);
       }
-      last[b * shape.T + t] = std::max<int64_t>(visible, -1);
-      pair_keys[b] = std::max(pair_keys[b], last[b * shape.T + t] + 1);
-      work += last[b * shape.T + t] + 1;
+      keys.last[b * shape.T + t] = std::max<int64_t>(visible, -1);
+      keys.span[b].end = std::max(keys.span[b].end, keys.last[b * shape.T + t] + 1);
     }
   }
-  work *= shape.groups * shape.kv_heads;
-  int64_t keys_read = 0;
-  for (int64_t b = 0; b < shape.batch; ++b) keys_read += pair_keys[b] * shape.kv_heads;
+  return keys;
+}
 
-  // Chunks: one per pair, or each pair's keys split so both threads have
-  // work; the pairs of a run split alike.
+// A ring's keys, by position: its sinks 0..sink - 1 and its window
+// window_start[b]..lengths[b] - 1 (a run that wraps in the ring's slots),
+// up to each query's position where causal, and in the window from
+// qp - window + 1 on.
+Visible ring_keys(const Shape& shape, const int32_t* lengths, const int32_t* window_start,
+                  const int32_t* q_positions, bool causal, bool relative, int64_t sink, int64_t ring,
+                  int64_t window) {
+  Visible keys{std::vector<int64_t>(shape.batch * shape.T), std::vector<int64_t>(shape.batch * shape.T), 2,
+               std::vector<Span>(2 * shape.batch)};
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    const int64_t end = std::max<int64_t>(lengths[b], 0);
+    // The window held: never below the sinks, nor more than the ring holds.
+    const int64_t held = std::min(end, std::max({static_cast<int64_t>(window_start[b]), sink, end - ring}));
+    int64_t latest = -1, earliest = end;
+    for (int64_t t = 0; t < shape.T; ++t) {
+      const int64_t position = q_positions[b * shape.T + t] + (relative ? lengths[b] : 0);
+      const int64_t last = std::max<int64_t>(-1, causal ? std::min(end - 1, position) : end - 1);
+      const int64_t first = std::max(held, position - window + 1);
+      keys.last[b * shape.T + t] = last;
+      keys.first[b * shape.T + t] = first;
+      latest = std::max(latest, last);
+      earliest = std::min(earliest, first);
+    }
+    keys.span[2 * b] = Span{0, std::min({sink, end, latest + 1}), false};
+    const int64_t window_end = std::min(end, latest + 1);
+    keys.span[2 * b + 1] = Span{std::min(earliest, window_end), window_end, true};
+  }
+  return keys;
+}
+
+// Attention of every query over its pair's rows, as source(pair) lays them
+// out, over the keys of keys.  Runs of pairs_together pairs (of one batch
+// row) read each key range together: a paged cache's kv heads, whose rows
+// of a page lie side by side.
+ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, const std::function<PairSource(int64_t)>& source,
+                  const Visible& keys, float* out_data, float* lse_data, float scale, int64_t pairs_together) {
+  const int64_t M = shape.rows(), D = shape.dim, pairs = shape.batch * shape.kv_heads;
+  const int64_t runs = pairs / pairs_together;
+  const std::vector<int64_t>&first = keys.first, &last = keys.last;
+
+  // The work: (query row, key) pairs scored, and key rows read.
+  int64_t work = 0, keys_read = 0;
+  std::vector<int64_t> row_keys(shape.batch, 0);
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    for (int64_t s = 0; s < keys.spans; ++s) {
+      const Span& span = keys.span[b * keys.spans + s];
+      row_keys[b] += std::max<int64_t>(0, span.end - span.first);
+      for (int64_t t = 0; t < shape.T; ++t) {
+        const int64_t from = span.windowed ? std::max(span.first, first[b * shape.T + t]) : span.first;
+        work += std::max<int64_t>(0, std::min(span.end, last[b * shape.T + t] + 1) - from);
+      }
+    }
+    keys_read += row_keys[b] * shape.kv_heads;
+  }
+  work *= shape.groups * shape.kv_heads;
+
+  // Chunks: one per pair and span, or each pair's keys split so both threads
+  // have work (cut where its spans meet too); the pairs of a run split alike.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const bool parallel = threads > 1 && (keys_read >= kParallelKeys || work >= kParallelWork);
   int64_t splits = 1;
   if (parallel && runs < 4 * threads) splits = (4 * threads + runs - 1) / runs;
-  std::vector<Chunk> chunks;  // [pairs, splits]
-  std::vector<float> state(pairs * splits * M * (D + 2));
+  // Each pair's pieces: [first, end) and windowed; as many for every pair (the most any has, empty ones after).
+  std::vector<std::vector<Span>> pieces(pairs);
+  int64_t per_pair = 1;
   for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t keys = pair_keys[pair / shape.kv_heads];
-    const int64_t size = std::max((keys + splits - 1) / splits, std::min(keys, kChunkKeys));
-    for (int64_t s = 0; s < splits; ++s) {
-      float* base = state.data() + (pair * splits + s) * M * (D + 2);
-      chunks.push_back({pair, std::min(keys, s * size), std::min(keys, (s + 1) * size), base, base + M,
-                        base + 2 * M});
+    const int64_t b = pair / shape.kv_heads, total = row_keys[b];
+    const int64_t size = std::max<int64_t>(1, std::max((total + splits - 1) / splits, std::min(total, kChunkKeys)));
+    int64_t before = 0;  // keys of the spans before this one
+    for (int64_t s = 0; s < keys.spans; ++s) {
+      const Span& span = keys.span[b * keys.spans + s];
+      const int64_t length = std::max<int64_t>(0, span.end - span.first);
+      for (int64_t at = 0; at < length;) {  // cut where the whole row's keys reach a multiple of size
+        const int64_t to = std::min(length, (before + at) / size * size + size - before);
+        pieces[pair].push_back({span.first + at, span.first + to, span.windowed});
+        at = to;
+      }
+      before += length;
+    }
+    per_pair = std::max<int64_t>(per_pair, pieces[pair].size());
+  }
+  std::vector<Chunk> chunks;  // [pairs, per_pair]
+  std::vector<float> state(pairs * per_pair * M * (D + 2));
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    pieces[pair].resize(per_pair, Span{0, 0, false});
+    for (int64_t c = 0; c < per_pair; ++c) {
+      float* base = state.data() + (pair * per_pair + c) * M * (D + 2);
+      const Span& piece = pieces[pair][c];
+      chunks.push_back({pair, piece.first, piece.end, base, base + M, base + 2 * M, piece.windowed});
     }
   }
   const ChunkFn run_chunks = isa()->run;
-  const std::function<void(int64_t)> run_one = [&](int64_t i) {  // run i / splits, split i % splits
-    const int64_t first_pair = i / splits * pairs_together, G = shape.groups;
+  const std::function<void(int64_t)> run_one = [&](int64_t i) {  // run i / per_pair, chunk i % per_pair
+    const int64_t first_pair = i / per_pair * pairs_together, G = shape.groups;
     std::vector<ChunkInput> ins;
     std::vector<Chunk> mine;
     std::unique_ptr<float[]> buffers;  // uninitialised: every tile is written before it is read
     for (int64_t pair = first_pair; pair < first_pair + pairs_together; ++pair) {
-      const Chunk& chunk = chunks[pair * splits + i % splits];
+      const Chunk& chunk = chunks[pair * per_pair + i % per_pair];
       const int64_t b = pair / shape.kv_heads, h = pair % shape.kv_heads;
-      ChunkInput in{source(pair), std::vector<float>(M * D), std::vector<int64_t>(M), chunk.first_key,
-                    chunk.end_key, nullptr, nullptr, nullptr, nullptr};
+      ChunkInput in{source(pair), std::vector<float>(M * D), std::vector<int64_t>(M), std::vector<int64_t>(M, 0),
+                    chunk.first_key, chunk.end_key, nullptr, nullptr, nullptr, nullptr};
       for (int64_t m = 0; m < M; ++m) {
         const float* row = q + ((b * shape.T + m / G) * shape.q_heads + h * G + m % G) * D;
         for (int64_t d = 0; d < D; ++d) in.q[m * D + d] = row[d] * scale;
         in.last[m] = last[b * shape.T + m / G];
+        if (chunk.windowed) in.first[m] = first[b * shape.T + m / G];
       }
       if (!in.source.read_in_place()) {  // one set of tile buffers: the pairs take each tile in turn
         if (!buffers) buffers.reset(new float[2 * kTile * (D + 1)]);
@@ -384,7 +481,7 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
     }
     run_chunks(ins.data(), mine.data(), pairs_together, M, D);
   };
-  const int64_t items = runs * splits;
+  const int64_t items = runs * per_pair;
   if (parallel) {
     parallel_for(pool, threads - 1, items, run_one);
   } else {
@@ -394,16 +491,16 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shape& shape, const float* q, con
   // Merge each pair's chunks by log-sum-exp and normalise into q's layout.
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / shape.kv_heads, h = pair % shape.kv_heads;
-    const Chunk* mine = chunks.data() + pair * splits;
+    const Chunk* mine = chunks.data() + pair * per_pair;
     for (int64_t m = 0; m < M; ++m) {
       const int64_t head = h * shape.groups + m % shape.groups, t = m / shape.groups;
       float* o = out_data + ((b * shape.T + t) * shape.q_heads + head) * D;
       float top = kNegInf;
-      for (int64_t s = 0; s < splits; ++s) top = std::max(top, mine[s].top[m]);
+      for (int64_t s = 0; s < per_pair; ++s) top = std::max(top, mine[s].top[m]);
       std::fill(o, o + D, 0.0f);
       float total = 0.0f;
       if (top != kNegInf) {
-        for (int64_t s = 0; s < splits; ++s) {
+        for (int64_t s = 0; s < per_pair; ++s) {
           const float weight = std::exp(std::max(mine[s].top[m] - top, kExpFloor));
           total += weight * mine[s].total[m];
           const float* acc = mine[s].acc + m * D;
@@ -422,11 +519,19 @@ bool queries_match(const Shape& shape, S32x1& lengths, S32x2& q_positions) {
          q_positions.dimensions()[0] == shape.batch && q_positions.dimensions()[1] == shape.T;
 }
 
-// A head-major cache: k, v [B, Hk, C, D]; quantized, with k_scale, v_scale [B, Hk, C(, 1)].
+// What a ring adds to a head-major cache: the first window position each
+// batch row shows, the sinks and the window (in positions).
+struct RingOperands {
+  S32x1* window_start;
+  int64_t sink, window;
+};
+
+// A head-major cache: k, v [B, Hk, C, D]; quantized, with k_scale, v_scale [B, Hk, C(, 1)]; with ring, a ring
+// of C slots, read by position.
 ffi::Error DenseAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
                           const ffi::AnyBuffer* k_scale, const ffi::AnyBuffer* v_scale, S32x1& lengths,
                           S32x2& q_positions, ffi::Result<F32x4>& out, ffi::Result<F32x3>& lse, float scale,
-                          bool causal, bool relative) {
+                          bool causal, bool relative, const RingOperands* ring = nullptr) {
   Dtype dtype;
   const bool quantized = k_scale != nullptr;
   const auto q_dims = q.dimensions(), k_dims = k.dimensions(), v_dims = v.dimensions();
@@ -442,6 +547,10 @@ ffi::Error DenseAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
   const Shape shape{q_dims[0], q_dims[1], q_dims[2], k_dims[1], k_dims[2], q_dims[3], q_dims[2] / k_dims[1]};
   if (!queries_match(shape, lengths, q_positions))
     return ffi::Error::InvalidArgument("decode attention: lengths [B] and q_positions [B, T] do not match q");
+  if (ring != nullptr && (ring->window_start->dimensions()[0] != shape.batch || ring->sink < 0 ||
+                          ring->sink >= shape.capacity || ring->window <= 0))
+    return ffi::Error::InvalidArgument("ring decode attention: window_start [B], 0 <= sink < slots and window > 0 "
+                                       "do not match the cache");
   const int64_t row = shape.dim * element_bytes(dtype);
   const char *k_data = static_cast<const char*>(k.untyped_data()), *v_data = static_cast<const char*>(v.untyped_data());
   const float* k_scales = quantized ? static_cast<const float*>(k_scale->untyped_data()) : nullptr;
@@ -454,10 +563,18 @@ ffi::Error DenseAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
       src.v_scale = v_scales + pair * shape.capacity;
       src.scale_stride = 1;
     }
+    if (ring != nullptr) {
+      src.sink = ring->sink;
+      src.ring = shape.capacity - ring->sink;
+    }
     return src;
   };
-  return Attend(pool, shape, q.typed_data(), source, lengths.typed_data(), q_positions.typed_data(),
-                out->typed_data(), lse->typed_data(), scale, causal, relative, 1);
+  const Visible keys =
+      ring == nullptr
+          ? prefix_keys(shape, lengths.typed_data(), q_positions.typed_data(), causal, relative)
+          : ring_keys(shape, lengths.typed_data(), ring->window_start->typed_data(), q_positions.typed_data(), causal,
+                      relative, ring->sink, shape.capacity - ring->sink, ring->window);
+  return Attend(pool, shape, q.typed_data(), source, keys, out->typed_data(), lse->typed_data(), scale, 1);
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x1 lengths,
@@ -471,6 +588,24 @@ ffi::Error QuantizedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffe
                                     ffi::Result<F32x4> out, ffi::Result<F32x3> lse, float scale, bool causal,
                                     bool relative) {
   return DenseAttention(pool, q, k, v, &k_scale, &v_scale, lengths, q_positions, out, lse, scale, causal, relative);
+}
+
+ffi::Error RingDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x1 window_start,
+                               S32x1 lengths, S32x2 q_positions, ffi::Result<F32x4> out, ffi::Result<F32x3> lse,
+                               float scale, bool causal, bool relative, int64_t sink, int64_t window) {
+  const RingOperands ring{&window_start, sink, window};
+  return DenseAttention(pool, q, k, v, nullptr, nullptr, lengths, q_positions, out, lse, scale, causal, relative,
+                        &ring);
+}
+
+ffi::Error QuantizedRingDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                        ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, S32x1 window_start,
+                                        S32x1 lengths, S32x2 q_positions, ffi::Result<F32x4> out,
+                                        ffi::Result<F32x3> lse, float scale, bool causal, bool relative, int64_t sink,
+                                        int64_t window) {
+  const RingOperands ring{&window_start, sink, window};
+  return DenseAttention(pool, q, k, v, &k_scale, &v_scale, lengths, q_positions, out, lse, scale, causal, relative,
+                        &ring);
 }
 
 // A paged cache: k_pages, v_pages [P, S, Hk, D] (token-major pages), page_table [B, pages per row];
@@ -515,8 +650,9 @@ ffi::Error PagedAttention(ffi::ThreadPool& pool, F32x4& q, ffi::AnyBuffer& k, ff
     }
     return src;
   };
-  return Attend(pool, shape, q.typed_data(), source, lengths.typed_data(), q_positions.typed_data(),
-                out->typed_data(), lse->typed_data(), scale, causal, relative, kv_heads);
+  return Attend(pool, shape, q.typed_data(), source,
+                prefix_keys(shape, lengths.typed_data(), q_positions.typed_data(), causal, relative),
+                out->typed_data(), lse->typed_data(), scale, kv_heads);
 }
 
 ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, F32x4 q, ffi::AnyBuffer k, ffi::AnyBuffer v, S32x2 page_table,
@@ -584,6 +720,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JssQuantizedPagedDecodeAttention, QuantizedPagedDe
                                              .Arg<ffi::AnyBuffer>()  // k_scale pages [P, S, Hk, 1] float32
                                              .Arg<ffi::AnyBuffer>()  // v_scale pages [P, S, Hk, 1] float32
                                              .Arg<S32x2>()));  // page_table [B, N]
+
+// A ring: window_start [B] (the first window position each row shows) after
+// the cache operands, and the attributes sink and window (in positions).
+template <typename Binding>
+auto with_ring(Binding&& binding) {
+  return with_queries(std::move(binding).template Arg<S32x1>())
+      .template Attr<int64_t>("sink")
+      .template Attr<int64_t>("window");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JssRingDecodeAttention, RingDecodeAttention,
+                              with_ring(ffi::Ffi::Bind()
+                                          .Ctx<ffi::ThreadPool>()
+                                          .Arg<F32x4>()          // q [B, T, Hq, D]
+                                          .Arg<ffi::AnyBuffer>()  // k [B, Hk, slots, D]: f32, bf16 or f16
+                                          .Arg<ffi::AnyBuffer>()));  // v [B, Hk, slots, D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JssQuantizedRingDecodeAttention, QuantizedRingDecodeAttention,
+                              with_ring(ffi::Ffi::Bind()
+                                          .Ctx<ffi::ThreadPool>()
+                                          .Arg<F32x4>()          // q [B, T, Hq, D]
+                                          .Arg<ffi::AnyBuffer>()  // k [B, Hk, slots, D]: int8 or float8_e4m3fn
+                                          .Arg<ffi::AnyBuffer>()  // v [B, Hk, slots, D]
+                                          .Arg<ffi::AnyBuffer>()  // k_scale [B, Hk, slots, 1] float32
+                                          .Arg<ffi::AnyBuffer>()));  // v_scale [B, Hk, slots, 1] float32
 
 // The instruction-set paths: their names ("baseline", "avx2", "avx512"),
 // whether this CPU runs one, and the one in use.

@@ -94,16 +94,20 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
     for (int64_t i = 0; i < count; ++i) {
       const ChunkInput& in = ins[i];
       const Chunk& chunk = chunks[i];
-      const TileRows<E> rows = few_rows_tile<E>(in, layout, D);
+      const TileRows<E> tile_rows = few_rows_tile<E>(in, layout, D);
       const float *k_scale, *v_scale;
       tile_scales(in.source, layout, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
       // The next tile's share of this pair, a part at each run's scores and values and the rest at the end.
       SharePrefetch prefetch(first.source, next, i, count, in.source.pages != nullptr && after < end_all);
-      const int64_t lines_per_step = (prefetch.lines() + 2 * rows.count - 1) / (2 * rows.count);
+      const int64_t lines_per_step = (prefetch.lines() + 2 * tile_rows.count - 1) / (2 * tile_rows.count);
       for (int64_t m = 0; m < M; ++m) {
         const int64_t end = std::min(in.end_key, in.last[m] + 1);
-        if (start >= end) continue;
-        const int64_t n = std::min(tile, end - start);
+        // Keys of the tile before the row's first (a ring's window) are skipped where they lie.
+        const int64_t skip = std::max<int64_t>(0, in.first[m] - start);
+        if (start + skip >= end || skip >= tile) continue;
+        const int64_t n = std::min(tile, end - start) - skip;
+        int64_t counts[TileLayout::kMaxRuns];
+        const TileRows<E> rows = skip == 0 ? tile_rows : without_first(tile_rows, skip, counts);
         const Reader& reader = readers[i * M + m];
         for (int64_t r = 0, j0 = 0; r < rows.count && j0 < n; j0 += rows.rows[r++]) {
           reader.score(rows.keys[r], std::min(rows.rows[r], n - j0), rows.stride, p + j0);
@@ -111,7 +115,7 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
         }
         if (k_scale != nullptr) {
           const float unit = reader.unit();
-          for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[j] * unit;
+          for (int64_t j = 0; j < n; ++j) p[j] *= k_scale[skip + j] * unit;
         }
         const float top = chunk.top[m], new_top = std::max(top, largest(p, n));
         for (int64_t j = 0; j < n; ++j) p[j] = std::max(p[j] - new_top, kExpFloor);
@@ -125,7 +129,7 @@ JSS_INLINE void rows_by_dot(const ChunkInput* ins, const Chunk* chunks, int64_t 
         chunk.top[m] = new_top;
         chunk.total[m] = chunk.total[m] * decay + tile_total;
         if (v_scale != nullptr)
-          for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[j];
+          for (int64_t j = 0; j < n; ++j) p[j] *= v_scale[skip + j];
         const int64_t value_steps = reader.value_steps(rows);  // the values' runs' share of the prefetches
         const int64_t value_lines = (lines_per_step * rows.count + value_steps - 1) / value_steps;
         reader.accumulate(chunk.acc + m * D, decay, p, rows, n, [&] { prefetch.issue(value_lines); });
@@ -151,15 +155,19 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
   std::vector<float> qt(blocks * D * kRowLanes);  // per block of rows: [D, kRowLanes], the rows transposed
   std::vector<float> tops(blocks * kRowLanes, kNegInf), totals(blocks * kRowLanes, 0.0f);
   std::vector<int32_t> lasts(blocks * kRowLanes);  // each row's last visible key
-  std::vector<int64_t> ends(blocks);          // the keys each block reads: [first_key, end)
+  std::vector<int32_t> firsts(blocks * kRowLanes);  // and its first (0 but in a ring's window)
+  std::vector<int64_t> begins(blocks), ends(blocks);  // the keys each block reads: [begin, end)
   float *kbuf = in.kbuf, *vbuf = in.vbuf;
   int64_t end_all = in.first_key;
   for (int64_t block = 0; block < blocks; ++block) {
     const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
     float* q_block = qt.data() + block * D * kRowLanes;
     ends[block] = in.first_key;
+    begins[block] = std::numeric_limits<int64_t>::max();
     for (int64_t r = 0; r < kRowLanes; ++r) {
       lasts[block * kRowLanes + r] = static_cast<int32_t>(r < rows ? in.last[m0 + r] : -1);
+      firsts[block * kRowLanes + r] = static_cast<int32_t>(r < rows ? in.first[m0 + r] : 0);
+      if (r < rows) begins[block] = std::min(begins[block], in.first[m0 + r]);
       ends[block] = std::max(ends[block], std::min<int64_t>(in.end_key, lasts[block * kRowLanes + r] + int64_t{1}));
       for (int64_t d = 0; d < D; ++d) q_block[d * kRowLanes + r] = r < rows ? in.q[(m0 + r) * D + d] : 0.0f;
     }
@@ -175,11 +183,12 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
     tile_scales(in.source, layout, in.ksbuf, in.vsbuf, &k_scale, &v_scale);
     for (int64_t block = 0; block < blocks; ++block) {
       const int64_t end = ends[block];
-      if (start >= end) continue;
+      if (start >= end || start + tile <= begins[block]) continue;
       const int64_t m0 = block * kRowLanes, rows = std::min(kRowLanes, M - m0);
       const int64_t n = std::min(tile, end - start);
       const float* q_block = qt.data() + block * D * kRowLanes;
       const RowInts last = load_row_ints(lasts.data() + block * kRowLanes);
+      const RowInts first = load_row_ints(firsts.data() + block * kRowLanes);
       for (int64_t j = 0; j < n; j += kKeys) {
         const float* key[kKeys];
         for (int64_t u = 0; u < kKeys; ++u) key[u] = keys + std::min(j + u, n - 1) * stride;
@@ -190,8 +199,10 @@ JSS_INLINE void rows_in_lanes(const ChunkInput& in, int64_t M, int64_t dim, cons
         }
         if (k_scale != nullptr)
           for (int64_t u = 0; u < kKeys; ++u) acc[u] *= k_scale[std::min(j + u, n - 1)];
-        for (int64_t u = 0; u < kKeys; ++u)
-          s[j + u] = static_cast<int32_t>(start + j + u) <= last ? acc[u] : neg_inf;
+        for (int64_t u = 0; u < kKeys; ++u) {
+          const int32_t key = static_cast<int32_t>(start + j + u);
+          s[j + u] = (key <= last) & (key >= first) ? acc[u] : neg_inf;
+        }
       }
       const Rows top = load_rows(tops.data() + block * kRowLanes);
       Rows new_top = top, tile_total{};

@@ -19,16 +19,18 @@ struct TileLayout {
   int64_t rows[kMaxRuns], offset[kMaxRuns], scale[kMaxRuns];
 };
 
-// The layout of up to n rows from row start (at most kMaxRuns pages).
+// The layout of up to n rows from row start (at most kMaxRuns pages; a dense
+// cache's one run, up to where a ring wraps).
 JSS_INLINE TileLayout tile_layout(const PairSource& src, int64_t start, int64_t n) {
   TileLayout layout;
   layout.count = layout.rows_given = 0;
   while (layout.rows_given < n && layout.count < TileLayout::kMaxRuns) {
     const int64_t row = start + layout.rows_given, r = layout.count++, left = n - layout.rows_given;
-    layout.rows[r] = src.pages == nullptr ? left : std::min(left, src.page_size - row % src.page_size);
+    layout.rows[r] = std::min(left, src.rows_in_order(row));
     layout.offset[r] = src.row_offset(row);
     layout.scale[r] = src.scale_index(row);
     layout.rows_given += layout.rows[r];
+    if (src.pages == nullptr) break;  // a dense tile is one run: a ring's ends where the ring wraps
   }
   return layout;
 }
@@ -56,6 +58,25 @@ JSS_INLINE void widen_rows(const PairSource& src, const TileLayout& layout, int6
       widen(src.v + layout.offset[r] + j * src.row_stride, src.dtype, D, vbuf + (i + j) * D);
     }
   }
+}
+
+// rows without their first skip rows (skip below the rows given); counts
+// holds the runs' new row counts and must outlive the result.
+template <typename E>
+JSS_INLINE TileRows<E> without_first(const TileRows<E>& rows, int64_t skip, int64_t* counts) {
+  TileRows<E> tile;
+  tile.count = 0;
+  tile.stride = rows.stride;
+  tile.rows = counts;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const int64_t drop = std::min(skip, rows.rows[r]);
+    skip -= drop;
+    if (drop == rows.rows[r]) continue;
+    tile.keys[tile.count] = rows.keys[r] + drop * rows.stride;
+    tile.values[tile.count] = rows.values[r] + drop * rows.stride;
+    counts[tile.count++] = rows.rows[r] - drop;
+  }
+  return tile;
 }
 
 // The tile's rows in place, as E.

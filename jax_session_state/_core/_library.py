@@ -46,6 +46,8 @@ TARGET = "jax_session_state_decode_attention"
 PAGED_TARGET = "jax_session_state_paged_decode_attention"
 QUANTIZED_TARGET = "jax_session_state_quantized_decode_attention"
 QUANTIZED_PAGED_TARGET = "jax_session_state_quantized_paged_decode_attention"
+RING_TARGET = "jax_session_state_ring_decode_attention"
+QUANTIZED_RING_TARGET = "jax_session_state_quantized_ring_decode_attention"
 WRITE_TARGET = "jax_session_state_write_rows"
 OWNED_COPY_TARGET = "jax_session_state_owned_copy"
 ENV_SWITCH = "JSS_NATIVE_ATTENTION"
@@ -85,11 +87,13 @@ def _load() -> tuple[bool, str, dict[str, bool], str | None, ctypes.CDLL | None]
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
         handlers = (library.JssDecodeAttention, library.JssPagedDecodeAttention, library.JssQuantizedDecodeAttention,
-                    library.JssQuantizedPagedDecodeAttention, library.JssWriteRows, library.JssOwnedCopy)
+                    library.JssQuantizedPagedDecodeAttention, library.JssRingDecodeAttention,
+                    library.JssQuantizedRingDecodeAttention, library.JssWriteRows, library.JssOwnedCopy)
     except (OSError, AttributeError) as error:
         return False, f"{path.name} could not be loaded: {error}", {}, None, None
     paths, isa = _select_isa(library)
-    targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, WRITE_TARGET, OWNED_COPY_TARGET)
+    targets = (TARGET, PAGED_TARGET, QUANTIZED_TARGET, QUANTIZED_PAGED_TARGET, RING_TARGET, QUANTIZED_RING_TARGET,
+               WRITE_TARGET, OWNED_COPY_TARGET)
     for target, handler in zip(targets, handlers):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA) else "the best this CPU runs"

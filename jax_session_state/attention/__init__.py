@@ -12,13 +12,21 @@
   call that reads the cache in place on every core; elsewhere a
   ``lax.fori_loop`` over 64-key blocks whose trip count is computed at run
   time (``lax.platform_dependent``).
-- :class:`KVView` in ring mode (``window=W, sink=S``): the cache is small, so
-  one dense, masked pass over its slots using ``positions``.
+- :class:`KVView` in ring mode (``window=W, sink=S``): read where it lies.
+  Its visible keys are at most three contiguous runs of its storage: the
+  sinks, and a window of consecutive positions that may wrap around the
+  ring (``_ring``).  On CPU the native kernel reads the sinks and the
+  window by position in one call (its ring entry point); ``"loop"`` reads
+  each run block by block from its first slot and ``"bucketed"`` in one
+  static bucket of slots per run (what ``"pallas"`` and other platforms
+  read too).  No dense pass over the slots, no rolled copy; the masks are
+  by position as below, staged rows included where the view shows them.
 - Under ``jax.vmap`` over independent caches (a ``SessionPool``'s slots,
-  each with its own length), the pure readers have a batching rule
-  (``_pooled``): the slots fold into the batch, or are read one
-  by one to each slot's own length when the lengths are ragged, or (rings)
-  in one dense pass when full -- picked at run time, never a gather.
+  each with its own length), the pure readers of append-mode views have a
+  batching rule (``_pooled``): the slots fold into the batch, or are read
+  one by one to each slot's own length when the lengths are ragged --
+  picked at run time, never a gather.  The native kernel folds a pool's
+  rings into its batch; the pure ring readers run under plain ``vmap``.
 - :class:`BranchKVView` (a speculative lane): cascade attention -- the shared
   prefix and the lane's own rows separately, merged by log-sum-exp.  Under
   ``jax.vmap`` over lanes the prefix is not batched, so its blocks are read
@@ -29,7 +37,7 @@
   their scale pages) is read the same way: the native kernel or the loop
   applies each row's scales to its scores and weights.
 
-``implementation=`` picks how append-mode and paged views are read:
+``implementation=`` picks how append-mode, ring and paged views are read:
 ``"auto"`` (above on CPU; ``"pallas"`` on CUDA where a GPU is attached;
 ``"bucketed"`` on TPU and elsewhere), ``"native"``,
 ``"loop"``, ``"bucketed"`` (one fused dense pass over the valid prefix
@@ -75,7 +83,8 @@ returns no log-sum-exp to merge, and with ``key_value_seq_lengths`` it still
 computes over the whole capacity.
 
 Gradients: attention over a float append-mode view, whichever reader reads
-it (native kernel, Pallas kernel, loop or buckets), and over a float paged
+it (native kernel, Pallas kernel, loop or buckets), over a float ring (the
+VJP of its bucketed reader, recomputed), and over a float paged
 view (native paged kernel, page loop, buckets or Pallas kernel) has a
 ``jax.custom_vjp`` (on CPU a flash-attention backward in pure JAX, blockwise
 like the forward; a paged one scatter-adds into the pages; on GPU and TPU,
@@ -94,6 +103,7 @@ over key blocks with an online softmax, and the choice between readers by
 platform), ``_paged`` (page by page through the page table, and its VJP),
 ``_bucketed`` (one fused pass over a power-of-two bucket of the valid
 prefix), ``_dense`` (the append-mode loop and kernels with their VJPs),
+``_ring`` (a ring's runs, read where they lie, and their VJP),
 ``_pooled`` (batching rules under ``jax.vmap`` over pool slots),
 ``_pallas`` (the split-K Pallas kernel for GPUs), ``_pallas_tpu`` (the
 Pallas TPU kernel) and ``_native`` (the

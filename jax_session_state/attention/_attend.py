@@ -12,15 +12,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import Array, lax
+from jax import Array
 
 from jax_session_state._core import _library
 from jax_session_state.attention import _native
 from jax_session_state.attention._blocks import (
     _absolute,
-    _append_block,
     _by_platform,
-    _cache_blocks,
     _checked,
     _checked_scale,
     _empty_state,
@@ -30,7 +28,6 @@ from jax_session_state.attention._blocks import (
     _pallas_append,
     _pallas_paged,
     _pallas_wanted,
-    _read_blocks,
     _relative_offsets,
     _scores,
 )
@@ -43,7 +40,7 @@ from jax_session_state.attention._dense import (
     _quantized_native_or_blockwise,
 )
 from jax_session_state.attention._paged import _bucketed_paged, _paged_attention, _paged_blockwise
-from jax_session_state.attention._pooled import fold_slots
+from jax_session_state.attention._ring import ring_with_lse
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
@@ -93,8 +90,9 @@ def attend(
         (or an array) is folded into the queries, in float32.
       q_positions: ``Int[Array, "batch T"]`` absolute query positions;
         default the view's last ``T`` positions (the rows just written).
-      implementation: how append-mode and paged views are read (ring views
-        and a branch's own rows are always one dense pass):
+      implementation: how append-mode, ring and paged views are read (a
+        ring by its runs of slots; a branch's own rows are always one
+        dense pass):
         ``"auto"``: on CPU the native kernel on a single device where
         built, else ``"loop"``; on CUDA, where this process has a GPU,
         ``"pallas"``; on TPU, and elsewhere, ``"bucketed"``;
@@ -105,7 +103,8 @@ def attend(
         kernels; in chunks past :data:`BUCKET_SCORE_BYTES` of scores);
         ``"pallas"``: the split-K Pallas kernel (GPU; interpreted on CPU),
         on TPU the Mosaic kernel of ``_pallas_tpu`` (opt-in: not yet run on a
-        TPU); buckets for views they do not take, as above.
+        TPU); buckets for views they do not take (rings among them), as
+        above.
       frame: ``N``: queries come in frames of ``N`` tokens aligned to
         absolute positions (frame ``f`` holds ``[f*N, (f+1)*N)``), and each
         sees its whole frame and everything before it (block-causal): its
@@ -349,10 +348,10 @@ def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
 # ---------------------------------------------------------------- internals
 def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
                  implementation: str) -> tuple[Array, Array]:
-    if view.window is not None:
-        return _ring_with_lse(q, view, causal, scale, _default_positions(q, view.lengths, q_positions))
     _, scale = _checked_scale(q, view.k, scale)
     native = _use_native(q, view.k, view.v, implementation, quantized=view.quantized)
+    if view.window is not None:
+        return ring_with_lse(q, view, causal, float(scale), q_positions, "native" if native else implementation)
     if view.quantized:  # row scales applied to scores and weights
         if native:
             return _quantized_native_or_blockwise(q, view, causal, float(scale), q_positions)
@@ -445,36 +444,6 @@ def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: floa
     wanted = _pallas_wanted("auto", view.k_pages, view.page_size)
     return _by_platform("auto", None, bucketed, q, view.k_pages, view.v_pages, view.k_scale, view.v_scale,
                         view.page_table, view.lengths, positions, native=kernel, pallas=pallas if wanted else None)
-
-
-def _ring_with_lse(
-    q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array
-) -> tuple[Array, Array]:
-    """A ring view: one dense pass over its slots.
-
-    Under ``jax.vmap`` over a pool's rings, on CPU, a loop over blocks up to
-    each slot's filled slots where that is cheaper (a ring never holds a
-    position below its slot index, so the slots past its length are empty);
-    on GPU and TPU still one dense pass.
-    """
-    _, scale = _checked_scale(q, view.k, scale)
-    cache = {"k": view.k, "v": view.v, "lengths": view.lengths, "positions": view.positions}
-    if view.quantized:
-        cache.update(k_scale=view.k_scale, v_scale=view.v_scale)
-    n = _append_block(view.k, view.k_scale)
-
-    def dense(q: Array, q_positions: Array, cache: dict[str, Array], row: None) -> tuple[Array, Array]:
-        ring = KVView(k=cache["k"], v=cache["v"], lengths=cache["lengths"], positions=cache["positions"],
-                      window=view.window, sink=view.sink, k_scale=cache.get("k_scale"), v_scale=cache.get("v_scale"))
-        return _dense_with_lse(q, ring, causal, scale, q_positions)
-
-    read = functools.partial(_read_blocks, causal=causal, scale=scale, n=n, window=view.window, sink=view.sink)
-    dense_blocks = -(-view.k.shape[2] // n)
-    pooled = fold_slots(read, functools.partial(_cache_blocks, n=n), dense=(dense, dense_blocks))
-    # Off CPU a ring is one dense pass under vmap too (its slots are its window; a block loop there is a dozen
-    # small kernels per block).
-    return lax.platform_dependent(q, q_positions, cache, cpu=pooled,
-                                  default=lambda q, q_positions, cache: dense(q, q_positions, cache, None))
 
 
 def _dense_with_lse(

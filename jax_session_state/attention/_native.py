@@ -4,7 +4,8 @@ The kernel (``csrc/decode_attention.cc``) is loaded and registered by
 :mod:`jax_session_state._core._library`, once per process; this module says
 which operands it reads (:func:`supports`, :data:`DECLINED_ROWS`) and calls
 it through the XLA FFI over a head-major cache (:func:`kernel`,
-:func:`quantized_kernel`) or a paged pool (:func:`paged_kernel`), with the
+:func:`quantized_kernel`), a ring (:func:`ring_kernel`) or a paged pool
+(:func:`paged_kernel`), with the
 batching rules that fold speculative lanes into query rows.
 
 Example:
@@ -25,10 +26,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from jax_session_state._core._library import ISA, ISAS, PAGED_TARGET, QUANTIZED_PAGED_TARGET, QUANTIZED_TARGET, TARGET
+from jax_session_state._core._library import (
+    ISA,
+    ISAS,
+    PAGED_TARGET,
+    QUANTIZED_PAGED_TARGET,
+    QUANTIZED_RING_TARGET,
+    QUANTIZED_TARGET,
+    RING_TARGET,
+    TARGET,
+)
 from jax_session_state.errors import PayloadError
 
-__all__ = ["DECLINED_ROWS", "DTYPES", "QUANTIZED_DTYPES", "kernel", "paged_kernel", "quantized_kernel", "supports"]
+__all__ = ["DECLINED_ROWS", "DTYPES", "QUANTIZED_DTYPES", "kernel", "paged_kernel", "quantized_kernel", "ring_kernel",
+           "supports"]
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
@@ -123,6 +134,58 @@ def quantized_kernel(q: Array, k: Array, v: Array, k_scale: Array, v_scale: Arra
                     q_positions.astype(jnp.int32), scale=np.float32(scale), causal=bool(causal),
                     relative=bool(relative))
     return out.astype(q.dtype), lse
+
+
+def ring_kernel(q: Array, k: Array, v: Array, k_scale: Array | None, v_scale: Array | None, window_start: Array,
+                lengths: Array, q_positions: Array, *, causal: bool, scale: float, relative: bool, sink: int,
+                window: int) -> tuple[Array, Array]:
+    """The native kernel over a ring's storage ``[B, kv_heads, slots, D]``, read by position where it lies.
+
+    Position ``p < sink`` lies in slot ``p``, a later one in slot
+    ``sink + (p - sink) % (slots - sink)``; row ``b`` shows the sinks below
+    ``lengths[b]`` and the window ``window_start[b] .. lengths[b] - 1`` (a
+    run of slots that may wrap).  A query at ``qp`` sees ``p`` when
+    ``p <= qp`` (if ``causal``) and ``p < sink or qp - p < window``;
+    positions as in :func:`kernel`.  A quantized ring (int8 or
+    ``float8_e4m3fn``) comes with its row scales ``[B, kv_heads, slots, 1]``.
+
+    Under ``jax.vmap`` over lanes sharing one ring (no ring operand batched)
+    the lanes are more query rows of one call; over rings each their own
+    (every ring operand batched) they fold into the batch; anything else is
+    read lane by lane.
+
+    Returns ``(out, lse)`` as :func:`kernel`.
+    """
+    scales = _scales(k_scale, v_scale)
+
+    def one_call(q, ring, q_positions):
+        result = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+        call = jax.ffi.ffi_call(QUANTIZED_RING_TARGET if scales else RING_TARGET, result, vmap_method="sequential")
+        out, lse = call(q.astype(jnp.float32), *ring, q_positions.astype(jnp.int32), scale=np.float32(scale),
+                        causal=bool(causal), relative=bool(relative), sink=np.int64(sink), window=np.int64(window))
+        return out.astype(q.dtype), lse
+
+    native = jax.custom_batching.custom_vmap(one_call)
+
+    @native.def_vmap
+    def native_vmap(lanes, batched, q, ring, q_positions):
+        q_batched, ring_batched, positions_batched = batched
+        q = q if q_batched else jnp.broadcast_to(q, (lanes, *q.shape))
+        q_positions = q_positions if positions_batched else jnp.broadcast_to(q_positions, (lanes, *q_positions.shape))
+        _, batch, T = q.shape[:3]
+        if not any(ring_batched):  # one shared ring: every lane's queries are more query rows of each batch row
+            rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, lanes * T, *x.shape[3:])  # noqa: E731
+            out, lse = native(rows(q), ring, rows(q_positions))
+            lanes_back = lambda x: jnp.moveaxis(x.reshape(batch, lanes, T, *x.shape[2:]), 1, 0)  # noqa: E731
+            return (lanes_back(out), lanes_back(lse)), (True, True)
+        if all(ring_batched):  # lanes x batch rows, each its own ring
+            fold = lambda x: x.reshape(lanes * x.shape[1], *x.shape[2:])  # noqa: E731
+            out, lse = native(fold(q), tuple(fold(x) for x in ring), fold(q_positions))
+            return (out.reshape(q.shape), lse.reshape(q.shape[:4])), (True, True)
+        axes = tuple(0 if b else None for b in ring_batched)
+        return jax.vmap(one_call, in_axes=(0, axes, 0))(q, ring, q_positions), (True, True)
+
+    return native(q, (k, v, *scales, window_start.astype(jnp.int32), lengths.astype(jnp.int32)), q_positions)
 
 
 def _scales(k_scale: Array | None, v_scale: Array | None) -> tuple[Array, ...]:

@@ -310,13 +310,13 @@ def test_half_precision_caches_take_the_kernel_and_match_float64_on_their_values
 
 
 @needs_native
-def test_ring_views_stay_on_the_pure_path():
+def test_ring_views_take_the_ring_kernel():
     ring = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=8, window=8, sink=2, max_staged=4)
     rows = jnp.ones((1, 3, 2, 8))
     hlo = _traced_with(
         True, lambda: jax.jit(rollout_step).lower(ring, jnp.ones((1, 3, 4, 8)), rows, rows).compile().as_text()
     )
-    assert calls_native(hlo) == 0
+    assert calls_native(hlo) == 0 and hlo.count(f'custom_call_target="{_library.RING_TARGET}"') == 1
 
 
 FORCED_ISA = textwrap.dedent("""
