@@ -58,6 +58,13 @@ def expected(q, view, **kwargs):
     return float64_reference(q, view, window=view.window, sink=view.sink, **kwargs)
 
 
+def query_positions(view, T):
+    """The T queries at the last T positions (token-causal, each its own window), then all at the last one
+    (a frame's queries, block-causal: one window for all)."""
+    lengths = np.asarray(view.lengths)[:, None]
+    return [jnp.asarray(lengths - T + np.arange(T), jnp.int32), jnp.asarray(np.repeat(lengths - 1, T, 1), jnp.int32)]
+
+
 # Every reader on T = 1 with sinks and T = 64 with sinks; the kernel (auto) on T = 64 without sinks too.
 CASES = [(reader, T, sink) for reader in READERS for T, sink in ((1, 3), (64, 3))] + [("auto", 64, 0)]
 
@@ -67,14 +74,14 @@ CASES = [(reader, T, sink) for reader in READERS for T, sink in ((1, 3), (64, 3)
 def test_wrapped_ring_matches_float64(implementation, T, sink, quantize):
     rng = np.random.default_rng(T + 7 * sink)
     cache = ring_cache(rng, sink=sink, quantize=quantize)
-    attend = jax.jit(jss.attend_with_lse, static_argnames=("causal", "implementation"))
+    attend = jax.jit(jss.attend_with_lse, static_argnames=("implementation",))
     for include_staged in (True, False):
         view = staged_view(rng, cache, T, include_staged=include_staged, counts=[T, T // 2, 0])
         q = randn(rng, 3, T, 4, 16)  # GQA: two query heads per kv head
-        for causal in (True, False):
-            ref = expected(q, view, causal=causal)
-            assert_close(*attend(jnp.asarray(q), view, causal=causal, implementation=implementation), *ref)
-    eager = jss.attend_with_lse(jnp.asarray(q), view, causal=causal, implementation=implementation)
+        for q_positions in query_positions(view, T):  # each query its own window, or all at the frame's end
+            ref = expected(q, view, q_positions=q_positions)
+            assert_close(*attend(jnp.asarray(q), view, q_positions=q_positions, implementation=implementation), *ref)
+    eager = jss.attend_with_lse(jnp.asarray(q), view, q_positions=q_positions, implementation=implementation)
     assert_close(*eager, *ref)
 
 
@@ -199,22 +206,22 @@ FORCED_ISA = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import jax_session_state as jss
     from jax_session_state._core import _library
-    from tests.attention.test_ring_reader import expected, ring_cache, staged_view
+    from tests.attention.test_ring_reader import expected, query_positions, ring_cache, staged_view
     from tests.support.attention_reference import randn
     rng = np.random.default_rng(9)
     worst, calls = 0.0, set()
-    f = jax.jit(jss.attend_with_lse, static_argnames=("causal",))
+    f = jax.jit(jss.attend_with_lse)
     for quantize in (None, "int8", "fp8"):
         for sink, T, dim, q_heads in ((3, 1, 16, 2), (0, 2, 64, 4), (5, 64, 64, 2), (2, 3, 20, 2)):
             cache = ring_cache(rng, sink=sink, quantize=quantize, dim=dim, window=700, max_staged=256)
             for include_staged in (True, False):
                 view = staged_view(rng, cache, T, include_staged=include_staged, counts=[T, T // 2, 1])
                 q = randn(rng, 3, T, q_heads, dim)
-                for causal in (True, False):
-                    hlo = f.lower(jnp.asarray(q), view, causal=causal).compile().as_text()
+                for q_positions in query_positions(view, T):
+                    hlo = f.lower(jnp.asarray(q), view, q_positions=q_positions).compile().as_text()
                     calls.add(hlo.count(_library.RING_TARGET) + hlo.count(_library.QUANTIZED_RING_TARGET))
-                    out, lse = f(jnp.asarray(q), view, causal=causal)
-                    ref, _ = expected(q, view, causal=causal)
+                    out, lse = f(jnp.asarray(q), view, q_positions=q_positions)
+                    ref, _ = expected(q, view, q_positions=q_positions)
                     worst = max(worst, float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))))
     print(_library.ISA, "|", sorted(calls), "|", worst)
 """)
