@@ -33,8 +33,9 @@
 //
 // The inner loops (decode_attention_isa.h and the parts it includes) are
 // compiled once per instruction set (x86-64 baseline, AVX2+FMA, AVX-512; one
-// generic build elsewhere) with vectors exactly one register wide; the best
-// path the CPU runs is used unless JssSelectIsa picks another.  On the SSE2
+// generic build elsewhere), each in a source of its own
+// (decode_attention_chunks.h), with vectors exactly one register wide; the
+// best path the CPU runs is used unless JssSelectIsa picks another.  On the SSE2
 // path int8 rows at T = 1 are read in integers (decode_attention_sse2_int8.h).
 
 #include <algorithm>
@@ -50,19 +51,14 @@
 #include <utility>
 #include <vector>
 
+#include "decode_attention_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using namespace jss::attention;  // what the paths share, and the paths
 
 namespace {
 
-constexpr int64_t kTile = 64;               // keys per tile: a K and a V tile stay in L1
-constexpr int64_t kLaneRows = 4;            // from this many rows per pair on, put rows in the lanes
-// Keys ahead of the one being read whose rows a dense float32 or bfloat16
-// pair asks for, for few query rows (rows_by_dot): the CPU's own prefetchers
-// stay too close to a read this slow per byte (SSE2: 32k float32 valid took
-// 6.3 ms without, 4.0 with; 4k bfloat16 240 us against 180, on two cores).
-constexpr int64_t kAheadKeys = 128;
 constexpr int64_t kChunkKeys = 512;         // the fewest keys one thread's chunk gets
 // A step runs on the pool when it reads at least kParallelKeys key rows (K/V
 // bytes dominate: decoding is bound by memory bandwidth) or scores at least
@@ -70,16 +66,6 @@ constexpr int64_t kChunkKeys = 512;         // the fewest keys one thread's chun
 // than waking another (measured on XLA:CPU, 8 kv-heads x 64).
 constexpr int64_t kParallelKeys = 4096;
 constexpr int64_t kParallelWork = 1 << 17;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kExpFloor = -88.0f;
-
-#if defined(__GNUC__) || defined(__clang__)
-#define JSS_INLINE inline __attribute__((always_inline))
-#else
-#define JSS_INLINE inline
-#endif
-
-enum class Dtype { kF32, kBF16, kF16, kI8, kF8 };
 
 constexpr int64_t element_bytes(Dtype dtype) {
   return dtype == Dtype::kF32 ? 4 : (dtype == Dtype::kI8 || dtype == Dtype::kF8) ? 1 : 2;
@@ -89,150 +75,6 @@ struct Shape {
   int64_t batch, T, q_heads, kv_heads, capacity, dim, groups;
   int64_t rows() const { return T * groups; }  // query rows per (batch row, kv head), ordered (t, g)
 };
-
-// Where one (batch row, kv head) pair's rows lie.  Row p starts at byte
-// k + row_offset(p) (and the same offset from v): dense, p * row_stride; paged,
-// through the row's page table.  A quantized cache's row scales lie the same
-// way, in floats: k_scale[scale_index(p)].
-struct PairSource {
-  const char *k, *v;
-  Dtype dtype;
-  int64_t row_stride;          // bytes between rows of one page (dense: between all rows)
-  const int32_t* pages;        // the pair's page table (nullptr: dense)
-  int64_t page_size, page_stride, num_pages;  // rows per page, bytes per page, pages in the pool
-  const float *k_scale = nullptr, *v_scale = nullptr;  // quantized: the row scales (else nullptr)
-  int64_t scale_stride = 0, scale_page_stride = 0;      // floats between rows' scales, between pages'
-  // A ring (ring > 0, dense only): positions below sink lie in their own slot, a later position p in slot
-  // sink + (p - sink) % ring, so a run of positions lies in order up to the ring's end, then wraps.
-  int64_t sink = 0, ring = 0;
-
-  bool read_in_place() const { return dtype == Dtype::kF32 && pages == nullptr; }  // else tile buffers too
-  bool quantized() const { return k_scale != nullptr; }
-  int64_t page_of(int64_t p) const { return std::clamp<int64_t>(pages[p / page_size], 0, num_pages - 1); }
-  int64_t slot(int64_t p) const { return ring == 0 || p < sink ? p : sink + (p - sink) % ring; }
-  // Rows from p on that lie in order (p's page, the sinks, or the ring up to its end).
-  int64_t rows_in_order(int64_t p) const {
-    if (pages != nullptr) return page_size - p % page_size;
-    if (ring == 0) return std::numeric_limits<int64_t>::max();
-    return p < sink ? sink - p : ring - (p - sink) % ring;
-  }
-  int64_t row_offset(int64_t p) const {
-    if (pages == nullptr) return slot(p) * row_stride;
-    return page_of(p) * page_stride + (p % page_size) * row_stride;
-  }
-  int64_t scale_index(int64_t p) const {
-    if (pages == nullptr) return slot(p) * scale_stride;
-    return page_of(p) * scale_page_stride + (p % page_size) * scale_stride;
-  }
-};
-
-// One thread's share: a (batch row, kv head) pair and a key range, and where
-// its running state lives: top[M], total[M], acc[M, D].
-struct Chunk {
-  int64_t pair, first_key, end_key;
-  float *top, *total, *acc;
-  bool windowed;  // its rows' keys start at their first (a ring's window), else at 0 (its sinks, a cache)
-};
-
-// What one chunk reads: its pair's query rows (scaled), keys and values, the
-// last key each row may see, and tile buffers for rows not read in place.
-struct ChunkInput {
-  PairSource source;
-  std::vector<float> q;       // [M, D], scaled
-  std::vector<int64_t> last;  // [M]: the last key each row sees
-  std::vector<int64_t> first;  // [M]: the first key each row sees (0 but in a ring's window)
-  int64_t first_key, end_key;  // keys this chunk reads: [first_key, end_key)
-  float *kbuf, *vbuf;          // [kTile, D] each
-  float *ksbuf, *vsbuf;        // [kTile] each: a paged tile's row scales
-};
-
-// count chunks of one key range, with M query rows each of head dim dim.
-using ChunkFn = void (*)(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim);
-
-// The kernel once per instruction set, each vector one register wide.  The
-// parameters were chosen by measurement (8 kv-heads x 64, T = 1 and 16, one
-// core; benchmarks/attention.py): four rows per pass over the values beat
-// two by 5-10% on AVX2 and AVX-512; four keys at a time instead of eight lost
-// 30% at T = 16; on SSE2 no choice reaches XLA's loop for many rows (its dots
-// dispatch to the CPU's widest vectors), so there the kernel declines them
-// (jax_session_state._native.DECLINED_ROWS).  Over bfloat16 rows at T = 1,
-// four keys at a time beat eight by 7% on AVX2 (with a second sum per key)
-// and 5% on SSE2; sixteen lost 15-20% everywhere.  A dense pair read at
-// T = 1 goes in tiles of 1024 keys on AVX2 and AVX-512 (one core, 1k-32k
-// valid: float32 12-18% and bfloat16 3-10% faster than tiles of 64 and 256;
-// 2048 gained 2% more), and SSE2's bfloat16 too (3% at 4k); SSE2's float32
-// keeps 64 (1024 lost 3-8%).  Elsewhere the tiles stay as they were.
-// JSS_PORTABLE (-DJSS_PORTABLE) builds the generic path alone, as every non-x86 target gets it, so
-// that x86 machines can check it compiles (tests/test_native_build.py).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(JSS_PORTABLE)
-#define JSS_X86 1
-#include <immintrin.h>
-namespace baseline {  // x86-64: SSE2, 16 registers
-#define JSS_LANES 4
-#define JSS_KEYS 8
-#define JSS_REGS 8
-#define JSS_VROWS 1
-#define JSS_ROW_LANES 4
-#define JSS_PAIR_KEYS 4
-#define JSS_DENSE_FLOAT_TILE 64
-#define JSS_DENSE_PAIR_TILE 1024
-#include "decode_attention_isa.h"
-}  // namespace baseline
-
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
-namespace avx2 {  // x86-64-v3: 16 ymm registers
-#define JSS_LANES 8
-#define JSS_KEYS 8
-#define JSS_REGS 8
-#define JSS_VROWS 4
-#define JSS_ROW_LANES JSS_LANES
-#define JSS_PAIR_KEYS 4
-#define JSS_DENSE_FLOAT_TILE 1024
-#define JSS_DENSE_PAIR_TILE 1024
-#include "decode_attention_isa.h"
-}  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#pragma clang attribute push(__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
-#endif
-namespace avx512 {  // x86-64-v4: 32 zmm registers
-#define JSS_LANES 16
-#define JSS_KEYS 8
-#define JSS_REGS 16
-#define JSS_VROWS 4
-#define JSS_ROW_LANES JSS_LANES
-#define JSS_PAIR_KEYS 8
-#define JSS_DENSE_FLOAT_TILE 1024
-#define JSS_DENSE_PAIR_TILE 1024
-#include "decode_attention_isa.h"
-}  // namespace avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#else
-namespace generic {  // any other target (aarch64: NEON, 32 registers)
-#define JSS_LANES 4
-#define JSS_KEYS 8
-#define JSS_REGS 16
-#define JSS_VROWS 2
-#define JSS_ROW_LANES JSS_LANES
-#define JSS_PAIR_KEYS 8
-#define JSS_DENSE_FLOAT_TILE 64
-#define JSS_DENSE_PAIR_TILE 256
-#include "decode_attention_isa.h"
-}  // namespace generic
-#endif
 
 struct Isa {
   const char* name;

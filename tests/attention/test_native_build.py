@@ -21,6 +21,7 @@ import pytest
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = sorted(CSRC.glob("*.cc"))  # every source the extension builds (setup.py lists them)
+ATTENTION_SOURCES = sorted(CSRC.glob("decode_attention*.cc"))  # the kernel's dispatch and one source per path
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +48,29 @@ def test_kernel_sources_compile_without_warnings(cxx, defines):
     assert done.returncode == 0, f"{shlex.join(command)}\n{done.stderr[-4000:]}"
 
 
-def preprocess(cxx: list[str], source: Path) -> dict[str, str]:
-    """``source`` after the preprocessor, by build: ``"this-machine"`` and ``"portable"`` (``-DJSS_PORTABLE``)."""
+def preprocess(cxx: list[str], *sources: Path) -> dict[str, str]:
+    """``sources`` after the preprocessor, one after another, by build: ``"this-machine"`` and ``"portable"``
+    (``-DJSS_PORTABLE``)."""
     return {
-        name: subprocess.run(compile_command(cxx, "-E", "-P", *defines, str(source)), capture_output=True, text=True,
-                             check=True).stdout
+        name: "".join(subprocess.run(compile_command(cxx, "-E", "-P", *defines, str(source)), capture_output=True,
+                                     text=True, check=True).stdout for source in sources)
         for name, defines in (("this-machine", []), ("portable", ["-DJSS_PORTABLE"]))
     }
 
 
 def test_portable_build_holds_the_generic_path_alone(cxx):
     """With JSS_PORTABLE the preprocessed kernel has the generic path and none of the x86 ones or intrinsics."""
-    preprocessed = preprocess(cxx, CSRC / "decode_attention.cc")
+    assert [source.name for source in ATTENTION_SOURCES] == [
+        f"decode_attention{path}.cc" for path in ("", "_avx2", "_avx512", "_baseline", "_generic")]
+    preprocessed = preprocess(cxx, *ATTENTION_SOURCES)
     portable = preprocessed["portable"]
-    assert "namespace generic" in portable
-    assert not any(marker in portable for marker in ("namespace avx2", "namespace avx512", "_mm_", "_mm256_"))
+    assert "namespace jss::attention::generic {" in portable
+    assert not any(marker in portable for marker in ("attention::baseline", "attention::avx2", "attention::avx512",
+                                                     "avx2::", "avx512::", "_mm_", "_mm256_"))
     if platform.machine() in ("x86_64", "AMD64"):  # the build for this machine holds the x86 paths instead
-        assert "namespace avx512" in preprocessed["this-machine"]
-        assert "namespace generic" not in preprocessed["this-machine"]
+        for path in ("baseline", "avx2", "avx512"):
+            assert f"namespace jss::attention::{path} {{" in preprocessed["this-machine"]
+        assert "attention::generic" not in preprocessed["this-machine"]
 
 
 def test_portable_crc_has_no_x86_instructions(cxx):
