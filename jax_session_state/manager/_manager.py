@@ -570,8 +570,8 @@ class SessionStateManager:
           SessionCheckedOutError: it is checked out already.
           BudgetExceededError: restoring it or counting the pool does not fit.
           ValueError / TypeError / IndexError: the slot is live or out of
-            range, or the session's structure differs from the pool's.
-          In every case nothing changed (restored objects stay restored).
+            range, or the session's structure differs from the pool's;
+            in every case nothing changed (restored objects stay restored).
         """
         _require_pool(pool, "checkout", session_id)
         events: list[ManagerEvent] = []
