@@ -30,6 +30,7 @@ MODULES = [
     "attention",
     "branches",
     "checkpoint_digest",
+    "frames",
     "manager",
     "multihost",
     "paged",

@@ -118,7 +118,7 @@ def _cell(row: Mapping[str, Any], column: str) -> str:
     value = row.get(column, "")
     if _is_device_key(column) and isinstance(value, int):
         return _bytes(value)
-    if column == "committed" and isinstance(row.get("capacity"), int):
+    if column == "committed" and row.get("ring") and isinstance(row.get("capacity"), int):
         return _committed(value, row["capacity"])
     if column == "capacity" and row.get("margin"):
         return f"{value} + {row['margin']} staging"
@@ -178,6 +178,7 @@ def object_row(name: str, obj: StateObject, seen: SeenStorages) -> dict[str, Any
         "staged": fill.staged,
         "capacity": fill.capacity,
         "margin": fill.margin,
+        "ring": getattr(obj, "window", None) is not None or getattr(obj, "ring", False) is True,
         "resident": obj.resident,
         "recompute": ", ".join(obj.recompute_source) or None,
         **obj.nbytes_by_device(seen),

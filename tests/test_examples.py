@@ -62,9 +62,9 @@ def test_rollout_demo_with_trained_weights(trained, tmp_path):
     rows = {line.split()[0]: line for line in summary.splitlines()[2:] if line.strip()}
     for name in SESSION_OBJECTS:
         assert name in rows, f"the summary misses {name}:\n{summary}"
-    kv = re.split(r"\s{2,}", rows["kv_0"])  # name, kind, shapes, dtype, committed, staged, capacity, margin, ...
-    assert kv[1:5] == ["KVCache", "[1, 2, 96, 16]", "float32", "[640]"]
-    assert kv[6:8] == ["80", "16"]  # capacity: sink 16 + window 64 stay visible; margin: 16 slots for a chunk
+    kv = re.split(r"\s{2,}", rows["kv_0"])  # name, kind, shapes, dtype, committed, staged, capacity, resident, ...
+    assert kv[1:5] == ["KVCache", "[1, 2, 96, 16]", "float32", "[80 of 640 seen]"]
+    assert kv[6] == "80 + 16 staging"  # sink 16 + window 64 stay visible, and 16 slots for a chunk
     assert "EncodeOnceKV" in rows["cond"] and "prompt" in rows["cond"].split("EncodeOnceKV")[1]
     assert "LatentBuffer" in rows["frames"] and "FixedState" in rows["carry"]
     assert "40 frames (640 tokens)" in done.stdout
