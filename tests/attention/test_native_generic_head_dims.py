@@ -8,15 +8,13 @@ well past one tile are read here.  Each path runs in a process of its own
 (``JSS_NATIVE_ISA`` is read at import).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
 from jax_session_state._core import _library
+from tests.support.native_paths import run_on_path
 
 HEAD_DIMS = (8, 12, 20, 48)
 LENGTHS = (1, 63, 64, 65, 70, 1000, 2048)
@@ -49,12 +47,6 @@ GENERIC_HEAD_DIMS = textwrap.dedent(f"""
                     reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_library.STATUS}")
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_few_rows_at_any_head_dim_match_float64_on_every_path(isa):
-    if not _library.ISAS.get(isa):
-        pytest.skip(f"this build and CPU run the paths {[name for name, ok in _library.ISAS.items() if ok]}")
-    env = {**os.environ, _library.ENV_ISA: isa}
-    done = subprocess.run([sys.executable, "-c", GENERIC_HEAD_DIMS], capture_output=True, text=True, env=env,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    used, calls, worst = done.stdout.strip().splitlines()[-1].split(" | ")
+    used, calls, worst = run_on_path(isa, GENERIC_HEAD_DIMS)[-1].split(" | ")
     assert used == isa and calls == "[1]"  # every case ran the kernel
     assert float(worst) < 1e-5

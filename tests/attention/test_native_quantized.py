@@ -6,10 +6,7 @@ are applied inside the kernel, to the scores and to the value weights.
 Tests skip, saying why, where the kernel was not built.
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -22,6 +19,7 @@ import jax_session_state as jss
 from jax_session_state._core import _library
 from jax_session_state.attention import _native
 from tests.support.attention_reference import append_view, assert_close, randn, reference
+from tests.support.native_paths import run_on_path
 
 needs_native = pytest.mark.skipif(
     not _library.AVAILABLE or jax.default_backend() != "cpu",
@@ -213,12 +211,7 @@ FORCED_ISA = textwrap.dedent("""
 @needs_native
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_every_isa_path_reads_quantized_caches_to_float32_rounding(isa):
-    if not _library.ISAS.get(isa):
-        pytest.skip(f"this CPU runs the paths {[name for name, ok in _library.ISAS.items() if ok]}")
-    env = {**os.environ, _library.ENV_ISA: isa}
-    done = subprocess.run([sys.executable, "-c", FORCED_ISA], capture_output=True, text=True, env=env, check=False)
-    assert done.returncode == 0, done.stderr
-    *kinds, summary = done.stdout.strip().splitlines()
+    *kinds, summary = run_on_path(isa, FORCED_ISA)
     used, worst = summary.split(" | ")
     assert used == isa and float(worst) < 1e-5, summary
     assert all(kind.startswith("native ") for kind in kinds), kinds  # a quantized cache is never declined

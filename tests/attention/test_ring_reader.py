@@ -8,10 +8,7 @@ path (a process each: ``JSS_NATIVE_ISA`` is read at import) and the
 attend, discard) holds no copy of the storage and compiles once.
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -29,6 +26,7 @@ from tests.support.attention_reference import (
     randn,
     reference,
 )
+from tests.support.native_paths import run_on_path
 
 native = pytest.mark.skipif(not _library.enabled(), reason=f"the native kernel is not in use: {_library.STATUS}")
 READERS = ["auto", "loop", "bucketed"]
@@ -231,12 +229,7 @@ FORCED_ISA = textwrap.dedent("""
                     reason=f"the native kernel runs on CPU only; here: {jax.default_backend()}, {_library.STATUS}")
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_every_native_path_reads_rings_as_float64(isa):
-    if not _library.ISAS.get(isa):
-        pytest.skip(f"this build and CPU run the paths {[name for name, ok in _library.ISAS.items() if ok]}")
-    env = {**os.environ, _library.ENV_ISA: isa}
-    done = subprocess.run([sys.executable, "-c", FORCED_ISA], capture_output=True, text=True, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    used, calls, worst = done.stdout.strip().splitlines()[-1].split(" | ")
+    used, calls, worst = run_on_path(isa, FORCED_ISA)[-1].split(" | ")
     # Every case ran the kernel, but float32 steps of many query rows a path declines (_native.DECLINED_ROWS).
     assert used == isa and calls in ("[1]", "[0, 1]")
     assert float(worst) < 1e-5
