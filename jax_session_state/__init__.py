@@ -24,7 +24,7 @@ from jax_session_state.errors import (
 )
 from jax_session_state.kinds import Fill, ManagedOptions
 from jax_session_state.manager import Held, ManagerEvent, SessionStateManager
-from jax_session_state.manager.offload import Parked
+from jax_session_state.manager.parking import Parked
 from jax_session_state.objects import (
     BranchKVView,
     EncodeOnceKV,

@@ -143,6 +143,17 @@ def test_data_flows_one_way_between_sub_packages():
     assert wrong == []
 
 
+def test_saving_a_session_does_not_depend_on_the_manager():
+    """Only the manager's record in a checkpoint imports ``manager``; array helpers live below it, in ``_core``."""
+    graph = _import_graph(_modules())
+    importers = sorted(
+        module for module, targets in graph.items()
+        if module.startswith("jax_session_state.checkpoint")
+        and any(t == "jax_session_state.manager" or t.startswith("jax_session_state.manager.") for t in targets)
+    )
+    assert importers == ["jax_session_state.checkpoint._save_restore"]
+
+
 def test_private_modules_live_in_their_sub_package():
     loose = sorted(path.name for path in PACKAGE.glob("_*.py") if path.name != "__init__.py")
     assert loose == []

@@ -73,8 +73,10 @@ the files), ``_digest``
 no one process holds whole), ``_processes`` (the named, timed steps every
 process takes), ``_atomic`` (a checkpoint appears whole or not at all)
 and ``_orbax_io`` (the arrays, through Orbax, onto any mesh).
-It may import everything below it (``errors``, ``base``, ``session``,
-``sharding``, ``manager``); nothing in the package imports it.
+It may import everything below it (``errors``, ``_core``, ``base``,
+``session``, ``sharding``); only ``_save_restore`` imports ``manager``, for a
+manager's record: saving a session does not depend on the manager.  Nothing
+in the package imports it.
 
 Example:
   >>> import tempfile

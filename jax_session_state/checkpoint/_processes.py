@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from jax_session_state._core._coordination import KeyValueStore, store
 from jax_session_state.errors import CheckpointError
-from jax_session_state.manager._coordination import KeyValueStore, store
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Steps", "count", "is_primary"]
 

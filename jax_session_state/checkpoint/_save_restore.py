@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_session_state._core._placement import place, runtime_owned
 from jax_session_state.checkpoint import _atomic, _claims, _codec, _manifest, _orbax_io, _pieces, _processes
 from jax_session_state.checkpoint._manifest import FORMAT, VERSION, ArrayTable
 from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
@@ -26,7 +27,6 @@ from jax_session_state.manager import (
     SessionStateManager,
     SnapshotSession,
 )
-from jax_session_state.manager.offload import place, runtime_owned
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 

@@ -17,13 +17,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_session_state._core._placement import is_donated
 from jax_session_state.base import StateObject
 from jax_session_state.checkpoint import _codec
 from jax_session_state.checkpoint._claims import Classes
 from jax_session_state.checkpoint._manifest import ArrayTable
 from jax_session_state.checkpoint._orbax_io import AS_NUMPY, Destination
 from jax_session_state.errors import CheckpointError, DonatedError, PayloadError, PayloadTypeError
-from jax_session_state.manager.offload import is_donated
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules
 

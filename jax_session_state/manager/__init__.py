@@ -6,12 +6,11 @@ under its lock; ``_arguments``: the checks of what callers pass it;
 ``_prepare``: the new objects of its actions, all computed before any is
 applied; ``_table``: byte figures per session and object; ``_events``: what
 it reports; ``_snapshot``: the records it reports and exports;
-``_agreement`` with ``_coordination``: the decisions on sessions spanning
-several JAX processes, agreed through the distributed runtime's key-value
-store), the planner it calls (:mod:`.planner`, with ``_plan_records`` and
-``_plan_search``: a pure function of byte figures and the recompute graph,
-no lock, no clock) and :mod:`.offload` (parking objects in another memory
-kind and copying them back).
+``_agreement``: the decisions on sessions spanning several JAX processes,
+agreed through the distributed runtime's key-value store), the planner it
+calls (:mod:`.planner`, with ``_plan_records`` and ``_plan_search``: a pure
+function of byte figures and the recompute graph, no lock, no clock) and
+:mod:`.parking` (objects parked in a host memory kind and restored).
 
 May import: ``errors``, ``accounting``, ``_core``, ``base``, ``kinds``,
 ``session`` and ``pool``. Only ``checkpoint`` and ``summary`` import it.

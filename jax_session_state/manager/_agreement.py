@@ -32,8 +32,8 @@ from typing import Any
 
 import jax
 
+from jax_session_state._core._coordination import KeyValueStore, store
 from jax_session_state.errors import ProcessDisagreementError
-from jax_session_state.manager._coordination import KeyValueStore, store
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ProcessAgreement", "agree_on"]
 

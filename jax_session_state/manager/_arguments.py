@@ -12,9 +12,9 @@ import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from jax_session_state._core._placement import is_donated
 from jax_session_state._core._validation import non_negative, positive_int
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.manager import offload
 from jax_session_state.session import Session
 
 OWNER = "SessionStateManager"
@@ -102,7 +102,7 @@ def checked_session(session: Any, operation: str, session_id: Hashable) -> Sessi
         raise PayloadTypeError(
             f"{operation}({session_id!r}, session): expected a jss.Session; got {type(session).__name__}."
         )
-    if offload.is_donated(session):
+    if is_donated(session):
         raise PayloadError(
             f"{operation}({session_id!r}, session): some of its arrays were deleted (donated to a jitted "
             "step). Pass the step's output instead. Nothing changed."

@@ -75,6 +75,7 @@ from typing import Any, Literal, Self
 
 import jax
 
+from jax_session_state._core._placement import is_donated
 from jax_session_state.accounting import Storage, tree_storages
 from jax_session_state.base import StateObject
 from jax_session_state.errors import (
@@ -86,7 +87,6 @@ from jax_session_state.errors import (
     SessionCheckedOutError,
     SessionStateLostError,
 )
-from jax_session_state.manager import offload
 from jax_session_state.manager._agreement import ProcessAgreement, agree_on
 from jax_session_state.manager._arguments import checked_session, manager_settings, rebuild_arguments
 from jax_session_state.manager._events import ManagerEvent, deliver
@@ -741,7 +741,7 @@ class SessionStateManager:
         with self._lock:
             sessions = []
             for session_id, entry in self._by_recency():
-                if offload.is_donated(entry.session):
+                if is_donated(entry.session):
                     raise DonatedError(
                         f"session {session_id!r} is in use: its arrays were donated to a step that has not "
                         "been put back. put() it (or release() it) first."
@@ -861,7 +861,7 @@ class SessionStateManager:
                     entry.session,
                     {name: entry.records[name].parked for name in entry.names("parked")},
                     frozenset(entry.names("evicted")),
-                    offload.is_donated(entry.session),
+                    is_donated(entry.session),
                     bool(entry.pins),
                 )
                 for session_id, entry in self._by_recency()
@@ -931,7 +931,7 @@ class SessionStateManager:
 
     def _count_cap_victim(self) -> Hashable | None:
         for session_id, entry in self._by_recency():
-            if not entry.pins and entry.busy is None and not offload.is_donated(entry.session):
+            if not entry.pins and entry.busy is None and not is_donated(entry.session):
                 return session_id
         return None
 
@@ -1096,7 +1096,7 @@ class SessionStateManager:
           _Donated: naming every acted-on session whose arrays were donated.
         """
         # A step in progress holds such a session: untouchable till its put.
-        donated = {a.session_id for a in result.actions if offload.is_donated(self._entries[a.session_id].session)}
+        donated = {a.session_id for a in result.actions if is_donated(self._entries[a.session_id].session)}
         if donated:
             raise _Donated(donated)
         return [prepared(action, self._entries[action.session_id], self.park_memory_kind) for action in result.actions]

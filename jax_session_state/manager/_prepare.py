@@ -15,10 +15,11 @@ from typing import NamedTuple
 
 import jax
 
+from jax_session_state._core._placement import Placement
 from jax_session_state.accounting import storages
 from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError
-from jax_session_state.manager import offload
+from jax_session_state.manager import parking
 from jax_session_state.manager._events import ManagerEvent
 from jax_session_state.manager._table import Entry, Ledger, ObjectRecord, Rebuild
 from jax_session_state.manager.planner import Action, DemoteObject, EvictObject, PreemptSession
@@ -51,11 +52,11 @@ def prepared(action: Action, entry: Entry, park_memory_kind: str | None) -> Prep
     obj, record = entry.session[action.name], entry.records[action.name]
     try:
         if isinstance(action, EvictObject):
-            return Prepared(action, (obj.evict()[0], record.evicted(offload.Placement.of(obj))))
+            return Prepared(action, (obj.evict()[0], record.evicted(Placement.of(obj))))
         if isinstance(action, DemoteObject):
             demoted = jax.block_until_ready(_demoted(obj))
             return Prepared(action, (demoted, ObjectRecord.of(demoted)))
-        return Prepared(action, (obj.reset(), record.parked_as(offload.park(obj, park_memory_kind))))
+        return Prepared(action, (obj.reset(), record.parked_as(parking.park(obj, park_memory_kind))))
     except Exception as error:
         verb = {EvictObject: "evicting", DemoteObject: "demoting"}.get(type(action), "parking")
         error.add_note(
@@ -86,7 +87,7 @@ def restored_session(session_id: Hashable, entry: Entry, rebuilds: Mapping[str, 
     """
     objects = dict(entry.session.objects)
     for name in entry.names("parked"):
-        objects[name] = offload.restore(entry.records[name].parked)
+        objects[name] = parking.restore(entry.records[name].parked)
     sources = entry.session.replace(objects=dict(objects))
     for name in entry.names("evicted"):
         objects[name] = rebuilt(rebuilds[name].fn, session_id, name, sources, entry.records[name].placement)
@@ -98,7 +99,7 @@ def rebuilt(
     session_id: Hashable,
     name: str,
     session: Session,
-    placement: offload.Placement | None,
+    placement: Placement | None,
 ) -> StateObject:
     """Object ``name`` of ``session`` rebuilt by ``fn`` and put on ``placement`` (None: where ``fn`` put it).
 

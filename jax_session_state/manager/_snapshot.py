@@ -12,7 +12,7 @@ import types
 from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple
 
-from jax_session_state.manager import offload
+from jax_session_state.manager import parking
 from jax_session_state.session import Session
 
 __all__ = ["Held", "ManagerSnapshot", "SnapshotSession"]
@@ -44,7 +44,7 @@ class Held:
     """
 
     session: Session
-    parked: Mapping[str, offload.Parked]
+    parked: Mapping[str, parking.Parked]
     evicted: frozenset[str]
     donated: bool
     pinned: bool = False
@@ -74,7 +74,7 @@ class SnapshotSession(NamedTuple):
     session_id: Hashable
     session: Session
     evicted: frozenset[str]
-    parked: Mapping[str, offload.Parked] = types.MappingProxyType({})
+    parked: Mapping[str, parking.Parked] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,10 @@ from typing import Literal
 
 import jax
 
+from jax_session_state._core._placement import Placement
 from jax_session_state.accounting import Storage, device_key, tree_storages
 from jax_session_state.base import StateObject
-from jax_session_state.manager.offload import Parked, Placement
+from jax_session_state.manager.parking import Parked
 from jax_session_state.manager.planner import ObjectUsage, SessionUsage
 from jax_session_state.session import Session
 

@@ -8,8 +8,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jax_session_state import checkpoint
+from jax_session_state._core import _placement
 from jax_session_state.checkpoint import _save_restore
-from jax_session_state.manager import offload
 from tests.checkpoint.test_checkpoint import assert_same, random_session
 
 
@@ -38,7 +38,7 @@ def test_arrays_written_with_orbax_array_metadata_files_restore_bit_for_bit(tmp_
 
 def _wrapping_host_memory(values):
     """A committed jax array that wraps host memory, as Orbax's reads sometimes return."""
-    host = offload._aligned(values)  # 64-byte aligned: what jax.device_put wraps instead of copying on CPU
+    host = _placement._aligned(values)  # 64-byte aligned: what jax.device_put wraps instead of copying on CPU
     x = jax.device_put(host, jax.devices()[0])
     assert x.unsafe_buffer_pointer() == host.ctypes.data  # wrapped, not copied
     return x
@@ -53,7 +53,7 @@ def test_restored_arrays_own_their_buffers_and_only_wrapped_ones_are_copied():
     finished = [_save_restore._finish(x, entry, None) for x in (wrapped, owned)]
     assert finished[1].unsafe_buffer_pointer() == owned_at  # a runtime-owned array is not copied
     assert all(x.committed for x in finished)
-    read_as_numpy = _save_restore._finish(offload._aligned(values), entry, device)  # made by jnp: uncommitted
+    read_as_numpy = _save_restore._finish(_placement._aligned(values), entry, device)  # made by jnp: uncommitted
     assert not read_as_numpy.committed
     step = jax.jit(lambda x: x.at[0, 0].add(1.0), donate_argnums=0)
     for x in (*finished, read_as_numpy):

@@ -16,7 +16,7 @@ import pytest
 import jax_session_state as jss
 from jax_session_state import checkpoint
 from jax_session_state.checkpoint import _digest
-from jax_session_state.manager import offload
+from jax_session_state.manager import parking
 
 
 def bits(x):
@@ -147,14 +147,14 @@ def test_a_key_entry_of_another_implementation_than_its_spec_is_refused(tmp_path
 def test_a_target_in_pinned_host_memory_restores_there(tmp_path):
     rng = np.random.default_rng(4)
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    parked = offload.park(jss.FixedState.allocate(shapes=(3, 4)).commit(normal(rng, 3, 4))).obj
+    parked = parking.park(jss.FixedState.allocate(shapes=(3, 4)).commit(normal(rng, 3, 4))).obj
     original = jss.Session(objects={"carry": parked}, attrs={"x": jax.device_put(normal(rng, 5), host)})
     checkpoint.save(tmp_path, original)
     restored = checkpoint.restore(tmp_path, target=original)
     assert_same_bits(restored, original)
     assert placement(restored) == placement(original)
     assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(restored)} == {"pinned_host"}
-    back = offload.restore(offload.park(restored["carry"]))  # and it steps on once brought back
+    back = parking.restore(parking.park(restored["carry"]))  # and it steps on once brought back
     assert bits(back.view()) == bits(parked.view())
 
 

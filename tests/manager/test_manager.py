@@ -418,7 +418,7 @@ def test_a_donated_session_between_get_and_put_is_left_alone():
     session = m.get("a")
     m.get("b")  # a is the least recently used now, and its stored copy is about to die
     new = step(session)
-    assert jss.manager.offload.is_donated(m.held()["a"].session) and m.held()["a"].donated
+    assert jss._core._placement.is_donated(m.held()["a"].session) and m.held()["a"].donated
     m.create("c", make_session(2))  # must not touch a: b gives way
     assert {e.session_id for e in events} == {"b"}
     with m.pin("c"):

@@ -1,46 +1,27 @@
-"""Park a state object's storage in a host memory kind, and bring it back.
+"""Where an object's arrays live, and putting them there: the placement helpers below the manager.
 
-:func:`park` copies every array of an object to a host memory kind of the
-same devices (``jax.device_put`` with the array's sharding carrying
-``memory_kind="pinned_host"``), so the accounting moves its bytes from
-``"cpu:0"`` to ``"cpu:0/pinned_host"`` (``"cuda:0"`` to
-``"cuda:0/pinned_host"``).  :func:`restore` puts them back on their original
-shardings — same devices, same memory kind, committed or not as they were,
-bit for bit — so a jitted step sees exactly what it saw before: it neither
-retraces nor compiles again.
-
-A :class:`Parked` is deliberately not a pytree: a jitted step cannot take it
-by accident (``jit`` rejects it), it must be restored first.
-
-Example:
-  >>> import jax_session_state as jss
-  >>> from jax_session_state.manager import offload
-  >>> carry = jss.FixedState.allocate(shapes=(2, 8))
-  >>> carry.nbytes_by_device()
-  {'cpu:0': 129}
-  >>> parked = offload.park(carry)
-  >>> parked.nbytes_by_device()
-  {'cpu:0/pinned_host': 129}
-  >>> offload.restore(parked).nbytes_by_device()
-  {'cpu:0': 129}
+:class:`Placement` records each array's sharding and whether it is committed
+(what JAX compiles a jitted step for), :func:`place` puts one array back
+there, :func:`runtime_owned` gives an array in buffers the runtime owns (so a
+donated step reuses them) and :func:`is_donated` says whether a pytree lost
+arrays to a donated step.  The manager parks and restores objects with them,
+and a checkpoint restore places what it reads with them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from jax_session_state._core import _library
-from jax_session_state.accounting import SeenStorages
-from jax_session_state.base import StateObject
-from jax_session_state.errors import DonatedError, NotResidentError, PayloadError, PayloadTypeError
+from jax_session_state.errors import PayloadError
 
-__all__ = ["Parked", "Placement", "is_donated", "park", "place", "restore"]
+__all__ = ["Placement", "is_donated", "place", "runtime_owned"]
 
-T = TypeVar("T", bound=StateObject)
+T = TypeVar("T")
 
 
 def is_donated(tree: Any) -> bool:
@@ -48,7 +29,7 @@ def is_donated(tree: Any) -> bool:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jax_session_state.manager.offload import is_donated
+      >>> from jax_session_state._core._placement import is_donated
       >>> x = jnp.ones(4)
       >>> y = jax.jit(lambda x: x + 1, donate_argnums=0)(x)
       >>> is_donated({"x": x}), is_donated({"y": y})
@@ -76,7 +57,7 @@ class Placement:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import jax_session_state as jss
-      >>> from jax_session_state.manager.offload import Placement
+      >>> from jax_session_state._core._placement import Placement
       >>> carry = jss.FixedState.allocate(shapes=(2,))
       >>> placement = Placement.of(carry)
       >>> placement.committed  # made by jnp ops on the default device
@@ -127,7 +108,7 @@ def place(x: Any, sharding: jax.sharding.Sharding | None, *, committed: bool) ->
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jax_session_state.manager.offload import place
+      >>> from jax_session_state._core._placement import place
       >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
       >>> [place(jnp.ones(2), sharding, committed=c).committed for c in (True, False)]
       [True, False]
@@ -188,7 +169,7 @@ def runtime_owned(x: jax.Array) -> jax.Array:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jax_session_state.manager.offload import runtime_owned
+      >>> from jax_session_state._core._placement import runtime_owned
       >>> x = jnp.arange(4.0) + 1
       >>> at = x.unsafe_buffer_pointer()
       >>> runtime_owned(x).unsafe_buffer_pointer() == at  # owned already: not copied
@@ -199,108 +180,6 @@ def runtime_owned(x: jax.Array) -> jax.Array:
     return _identity_donated(x)
 
 
-@dataclasses.dataclass(frozen=True)
-class Parked(Generic[T]):
-    """A state object whose arrays sit in a host memory kind, and where they came from.
-
-    Not a pytree, so no jitted step takes it by accident: :func:`restore` it.
-
-    Attributes:
-      obj: the object, its arrays in ``memory_kind`` of their devices.
-      placement: where its arrays were before parking.
-      memory_kind: the host memory kind holding them.
-
-    Example:
-      >>> import jax
-      >>> import jax_session_state as jss
-      >>> parked = jss.manager.offload.park(jss.FixedState.allocate(shapes=(2, 8)))
-      >>> parked.memory_kind, parked.nbytes_by_device()
-      ('pinned_host', {'cpu:0/pinned_host': 129})
-      >>> try:
-      ...     jax.jit(lambda state: state)(parked)  # restore() it first
-      ... except TypeError as error:
-      ...     print(type(error).__name__)
-      TypeError
-    """
-
-    obj: T
-    placement: Placement
-    memory_kind: str
-
-    def nbytes_by_device(self, seen: SeenStorages | None = None) -> dict[str, int]:
-        """Bytes held in host memory, by device key (``"cpu:0/pinned_host"``)."""
-        return self.obj.nbytes_by_device(seen)
-
-
-def park(obj: T, memory_kind: str = "pinned_host") -> Parked[T]:
-    """Copies ``obj``'s arrays to ``memory_kind`` of their devices; waits until the copy is done.
-
-    Args:
-      obj: a resident state object whose arrays are alive.
-      memory_kind: a memory kind every device of the object has (see
-        ``device.addressable_memories()``).
-
-    Returns:
-      The :class:`Parked` object.  ``obj`` itself is untouched: its device
-      memory is released when the last reference to it goes.
-
-    Raises:
-      PayloadTypeError: ``obj`` is not a state object.
-      NotResidentError: ``obj`` holds no storage.
-      DonatedError: some array of ``obj`` was deleted (donated); park the
-        step's output instead.
-      PayloadError: a device of ``obj`` has no ``memory_kind`` memory.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import jax_session_state as jss
-      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
-      >>> parked = jss.manager.offload.park(kv.append((jnp.ones((1, 2, 1, 2)),) * 2))
-      >>> parked.obj.k.sharding.memory_kind, parked.nbytes_by_device()
-      ('pinned_host', {'cpu:0/pinned_host': 80})
-    """
-    if not isinstance(obj, StateObject):
-        raise PayloadTypeError(
-            f"park() takes a state object (a StateObject such as KVCache or FixedState); got "
-            f"{type(obj).__qualname__}. Park each object of a session on its own."
-        )
-    if not obj.resident:
-        raise NotResidentError(f"park() of {_name(obj)}, which is not resident: there is nothing to park.")
-    if is_donated(obj):
-        raise DonatedError(
-            f"park() of {_name(obj)}, whose arrays were deleted (donated to a jitted step). "
-            "Park the step's output instead."
-        )
-    placement = Placement.of(obj)
-    for sharding in placement.shardings:
-        for device in sharding.device_set if sharding is not None else ():
-            kinds = [memory.kind for memory in device.addressable_memories()]
-            if memory_kind not in kinds:
-                raise PayloadError(
-                    f"park() of {_name(obj)}: device {device} has no {memory_kind!r} memory; "
-                    f"it has {kinds}. Pass one of those."
-                )
-    parked = placement.treedef.unflatten(
-        leaf if s is None else jax.device_put(leaf, s.with_memory_kind(memory_kind))
-        for leaf, s in zip(jax.tree_util.tree_leaves(obj), placement.shardings)
-    )
-    return Parked(jax.block_until_ready(parked), placement, memory_kind)
-
-
-def restore(parked: Parked[T]) -> T:
-    """The parked object back on its original shardings (devices, memory kind, committed or not), bit for bit.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import jax_session_state as jss
-      >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=4)
-      >>> kv = kv.append((jnp.arange(4.0).reshape(1, 2, 1, 2),) * 2)
-      >>> back = jss.manager.offload.restore(jss.manager.offload.park(kv))
-      >>> back.k.sharding.memory_kind, bool((back.view().k == kv.view().k).all())
-      ('device', True)
-    """
-    return parked.placement.apply(parked.obj)
-
-
 def _name(obj: Any) -> str:
-    return obj.describe() if isinstance(obj, StateObject) else type(obj).__name__
+    describe = getattr(obj, "describe", None)
+    return describe() if callable(describe) else type(obj).__name__

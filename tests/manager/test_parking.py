@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_session_state as jss
-from jax_session_state._core import _library
-from jax_session_state.manager import offload
+from jax_session_state._core import _library, _placement
+from jax_session_state.manager import parking
 from tests.support.devices import DEVICE, PINNED
 from tests.support.kinds import KINDS
 from tests.support.world import assert_same
@@ -24,11 +24,11 @@ def test_park_and_restore_every_kind_bit_for_bit(kind):
     rng = np.random.default_rng(0)
     obj = factory().append(payload(rng)).stage(payload(rng))
     nbytes = obj.nbytes
-    parked = offload.park(obj)
+    parked = parking.park(obj)
     assert obj.nbytes_by_device() == {DEVICE: nbytes}  # the original is untouched
     assert parked.nbytes_by_device() == {PINNED: nbytes}
     assert {leaf.sharding.memory_kind for leaf in jax.tree_util.tree_leaves(parked.obj)} == {"pinned_host"}
-    restored = offload.restore(parked)
+    restored = parking.restore(parked)
     assert restored.nbytes_by_device() == {DEVICE: nbytes}
     assert_same(restored, obj)
     assert type(restored) is type(obj) and restored.describe() == obj.describe()
@@ -46,24 +46,24 @@ def test_a_parked_object_cannot_enter_a_jitted_step_and_a_restored_one_does_not_
     rows = jnp.asarray(rng.normal(size=(1, 3, 2, 4)), jnp.float32)
     cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8).append((rows, rows))
     expected = read(cache)
-    parked = offload.park(cache)
+    parked = parking.park(cache)
     # JAX's own TypeError: Parked is deliberately not a pytree, so jit refuses it.
-    with pytest.raises(TypeError, match=r"as an abstract array.*offload\.Parked"):
+    with pytest.raises(TypeError, match=r"as an abstract array.*parking\.Parked"):
         read(parked)
-    assert read(offload.restore(parked)) == expected and len(traces) == 1
+    assert read(parking.restore(parked)) == expected and len(traces) == 1
 
 
 def test_park_refuses_what_it_cannot_park():
     cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
     with pytest.raises(jss.NotResidentError, match=r"park\(\) of KVCache.*not resident"):
-        offload.park(cache.evict()[0])
+        parking.park(cache.evict()[0])
     with pytest.raises(jss.PayloadError, match=r"has no 'tape' memory; it has \[.*'pinned_host'"):
-        offload.park(cache, "tape")
+        parking.park(cache, "tape")
     donated = cache.empty()
     jax.jit(lambda c: c.discard(), donate_argnums=0)(donated)
-    assert offload.is_donated(donated) and not offload.is_donated(cache)
+    assert _placement.is_donated(donated) and not _placement.is_donated(cache)
     with pytest.raises(jss.DonatedError, match="arrays were deleted"):
-        offload.park(donated)
+        parking.park(donated)
 
 
 @pytest.mark.parametrize(
@@ -73,14 +73,14 @@ def test_park_refuses_what_it_cannot_park():
 )
 def test_park_of_what_is_not_a_state_object_is_refused_naming_its_type(what, name):
     with pytest.raises(jss.PayloadTypeError, match=rf"park\(\) takes a state object .*; got {name}\."):
-        offload.park(what())
+        parking.park(what())
 
 
 def test_runtime_owned_leaves_arrays_in_host_memory_where_they_are():
     values = np.random.default_rng(2).normal(size=(5, 3)).astype(np.float32)
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     x = jax.device_put(values, host)
-    owned = offload.runtime_owned(x)  # no donated identity over host memory (XLA:CPU may abort on one)
+    owned = _placement.runtime_owned(x)  # no donated identity over host memory (XLA:CPU may abort on one)
     assert owned is x and not x.is_deleted()
     assert owned.sharding == host and owned.committed
     assert np.asarray(owned).tobytes() == values.tobytes()
@@ -104,14 +104,14 @@ def test_restored_arrays_are_committed_as_they_were_so_a_step_does_not_compile_a
     compiles = []
     for _ in range(4):  # the first cycle compiles the copies that parking and restoring make
         compiles.append(len(BACKEND_COMPILES))
-        restored = offload.restore(offload.park(cache))
+        restored = parking.restore(parking.park(cache))
         assert [x.committed for x in jax.tree_util.tree_leaves(restored)] == [
             x.committed for x in jax.tree_util.tree_leaves(cache)
         ]
         assert {x.committed for x in jax.tree_util.tree_leaves(cache)} == {committed}
         assert_same(restored, cache)
         cache = step(restored)
-        rebuilt = offload.Placement.of(cache).apply(cache.empty())  # what the manager does to a rebuilt object
+        rebuilt = _placement.Placement.of(cache).apply(cache.empty())  # what the manager does to a rebuilt object
         n_leaves = len(jax.tree_util.tree_leaves(cache))
         assert [x.committed for x in jax.tree_util.tree_leaves(rebuilt)] == [committed] * n_leaves
         step(rebuilt)
@@ -121,7 +121,7 @@ def test_restored_arrays_are_committed_as_they_were_so_a_step_does_not_compile_a
 def test_placement_refuses_another_structure():
     cache = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=8)
     other = jss.KVCache.allocate(batch=1, kv_heads=2, head_dim=4, capacity=16)
-    placement = offload.Placement.of(cache)
+    placement = _placement.Placement.of(cache)
     for wrong in (jss.FixedState.allocate(shapes=(2,)), other):  # another kind; another spec of the kind
         with pytest.raises(jss.PayloadError, match=r"cannot place .* where an object of another structure was"):
             placement.apply(wrong)
@@ -145,7 +145,7 @@ def test_a_large_host_array_is_placed_uncommitted_in_a_buffer_the_runtime_owns(d
     if _library.AVAILABLE:
         monkeypatch.setattr(_library, "owned_copy", lambda x, copy=_library.owned_copy: copies.append(x) or copy(x))
     host = _host_bytes_at(offset, 3 << 20, dtype, seed=offset)
-    placed = offload.place(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]), committed=False)
+    placed = _placement.place(host, jax.sharding.SingleDeviceSharding(jax.devices()[0]), committed=False)
     assert not placed.committed and placed.dtype == host.dtype and placed.shape == host.shape
     assert np.asarray(placed).tobytes() == host.tobytes()
     assert placed.unsafe_buffer_pointer() != host.ctypes.data
@@ -168,7 +168,7 @@ SHARDED = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_session_state as jss
-    from jax_session_state.manager import offload
+    from jax_session_state.manager import parking
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("heads",))
     def make(seed):
@@ -183,9 +183,9 @@ SHARDED = textwrap.dedent(
     shardings = [leaf.sharding for leaf in jax.tree_util.tree_leaves(a)]
     per_device = a.nbytes_by_device()
     assert set(per_device) == {"cpu:0", "cpu:1"}, per_device
-    parked = offload.park(a["kv"])
+    parked = parking.park(a["kv"])
     assert parked.nbytes_by_device() == {k + "/pinned_host": n for k, n in per_device.items()}
-    back = offload.restore(parked)
+    back = parking.restore(parked)
     assert [leaf.sharding for leaf in jax.tree_util.tree_leaves(back)] == shardings
     for x, y in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(a)):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
