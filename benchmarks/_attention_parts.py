@@ -113,7 +113,7 @@ def rollout_step(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array) -
 def step_in_place_fn(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array):
     """:func:`rollout_step`, then the length rewound: every call writes the same rows."""
     cache, out = rollout_step(cache, q, k, v)
-    return with_lengths(cache, cache.lengths - q.shape[1]), out
+    return with_lengths(cache, cache.committed - q.shape[1]), out
 
 
 step_in_place = jax.jit(step_in_place_fn, donate_argnums=0)

@@ -103,7 +103,7 @@ def with_lengths(cache: jss.KVCache, lengths: Any) -> jss.KVCache:
     same rows.  Works under ``jit``; a sharded cache stays sharded.
     """
     cache = cache.discard()
-    rows = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
+    rows = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.committed.shape)
     return cache.with_storage(bookkeeping=cache.bookkeeping.at[0].set(rows))  # row 0: committed tokens
 
 

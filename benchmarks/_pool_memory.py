@@ -66,7 +66,7 @@ def main() -> None:
     pool.check()
     print(json.dumps({
         "baseline": baseline, "pool": pool_bytes, "peak": _status_bytes("VmHWM"), "filled": filled,
-        "tokens_written": int(pool.sessions["kv_0"].lengths[0, 0]),
+        "tokens_written": int(pool.sessions["kv_0"].committed[0, 0]),
     }))
 
 

@@ -54,7 +54,7 @@ def main() -> None:
     jss.check(session)
     print(json.dumps({
         "baseline": baseline, "session": session_bytes, "peak": _status_bytes("VmHWM"),
-        "tokens_written": int(session["kv_0"].lengths[0]),
+        "tokens_written": int(session["kv_0"].committed[0]),
     }))
 
 

@@ -63,7 +63,7 @@ def random_paged(key: jax.Array, capacity: int, valid: int, head_dim: int) -> js
     return cache.with_storage(
         k_pages=jax.random.normal(k_key, shape), v_pages=jax.random.normal(v_key, shape),
         page_table=jax.random.permutation(order_key, pages).astype(jnp.int32)[None],
-        lengths=jnp.full((1,), valid, jnp.int32), refcounts=jnp.ones((pages,), jnp.int32),
+        committed=jnp.full((1,), valid, jnp.int32), refcounts=jnp.ones((pages,), jnp.int32),
         free_count=jnp.zeros((), jnp.int32),
     )
 

@@ -45,7 +45,7 @@ def _chunk(seed: int, dtype: jnp.dtype = jnp.float32) -> jss.KVChunk:
 def _append_then_forget(cache: jss.KVCache, chunk: jss.KVChunk) -> jss.KVCache:
     """Appends ``chunk``, then rewinds the length: every call writes the same rows."""
     cache = cache.append(chunk)
-    return with_lengths(cache, cache.lengths - CHUNK)
+    return with_lengths(cache, cache.committed - CHUNK)
 
 
 PREFIX = 512  # tokens already in the cache when an append is timed, at every capacity
@@ -79,7 +79,7 @@ def append_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[st
 
     def call(mode: str, capacity: int) -> None:
         state[mode, capacity] = steps[mode](state[mode, capacity], chunk)
-        state[mode, capacity].lengths.block_until_ready()
+        state[mode, capacity].committed.block_until_ready()
 
     donated = interleaved(
         {capacity: functools.partial(call, "donated", capacity) for capacity in capacities}, rounds=rounds, repeat=200
@@ -124,7 +124,7 @@ def bf16_timings(capacities: tuple[int, ...], *, rounds: int) -> dict[tuple[str,
 
     def call(key: tuple[str, int]) -> None:
         state[key] = steps[key](state[key], chunk)
-        state[key].lengths.block_until_ready()
+        state[key].committed.block_until_ready()
 
     native = interleaved({key: functools.partial(call, key) for key in steps if key[0] == "native"},
                          rounds=rounds, repeat=200)

@@ -60,7 +60,7 @@ def step_benchmark(capacity: int, *, rounds: int) -> tuple[list[dict], jss.Sessi
         traces.append(None)
         kv = kv.append(chunk)
         out = jss.attend(q, kv.view())
-        return with_lengths(kv, kv.lengths - CHUNK), out  # rewind: every call writes the same rows
+        return with_lengths(kv, kv.committed - CHUNK), out  # rewind: every call writes the same rows
 
     jitted = jax.jit(step, donate_argnums=0)
     states = {}

@@ -122,7 +122,7 @@ def main() -> None:
     true_score = float(evaluate(params, session, own_actions)[1][0])
     session = jax.jit(lambda branches, lane: branches.adopt(lane))(best_branches, best_lane)
     jss.check(session)
-    written = int(session[kv_names(config)[0]].lengths[0])
+    written = int(session[kv_names(config)[0]].committed[0])
     print(f"best score {best_score:.4f} (the episode's own actions score {true_score:.4f}); "
           f"adopted lane {best_lane}: {written} tokens now committed, {mib(session.nbytes_by_device())}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -380,7 +380,7 @@ def rollout(
         staged, frame = model.step(session, action, *frame_seen)
         session = staged.commit()
         if on_step is not None:
-            jax.debug.callback(on_step, index, session[first].lengths, ordered=True)
+            jax.debug.callback(on_step, index, session[first].committed, ordered=True)
         return session, frame
 
     xs = (jnp.arange(actions.shape[0]), actions) + (() if observed is None else (observed,))

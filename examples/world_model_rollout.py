@@ -191,7 +191,7 @@ def main() -> None:
     print(f"{args.steps} frames ({tokens} tokens) in {elapsed:.2f} s: {elapsed / args.steps * 1e3:.2f} ms per frame "
           f"on average; per frame (over each {STEPS_PER_ITERATION}-step iteration) p10 {p10:.2f}, median {p50:.2f}, "
           f"p90 {p90:.2f}, max {step_ms.max():.2f} ms")
-    print(f"K/V: {int(session[kv_names(config)[0]].lengths[0])} tokens written per block, "
+    print(f"K/V: {int(session[kv_names(config)[0]].committed[0])} tokens written per block, "
           + (f"capacity {config.capacity}" if config.capacity else f"sink {config.sink} + window {config.window} kept"))
     print(jss.summary(session))
     if args.quantize is not None:

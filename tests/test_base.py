@@ -83,7 +83,7 @@ def test_a_donated_session_raises_naming_the_object():
     session = jss.Session(objects={"kv": jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)})
     rows = jnp.asarray(rng.normal(size=(1, 2, 1, 2)), jnp.float32)
     out = jax.jit(lambda s: s.append(kv=(rows, rows)), donate_argnums=0)(session)
-    assert out["kv"].lengths.tolist() == [2]
+    assert out["kv"].committed.tolist() == [2]
     for use in (session.view, session.nbytes_by_device, lambda: jss.summary(session)):
         with pytest.raises(DonatedError, match=r"KVCache\(.*was donated to a jitted call"):
             use()

@@ -73,7 +73,7 @@ def test_map_steps_each_slot_like_the_session_alone_and_leaves_empty_slots_uncha
             alone, alone_out = jax.jit(step)(alone, scales[slot])
         assert_same_session(pool.extract(slot), alone, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(out[slot]), np.asarray(alone_out), rtol=1e-5, atol=1e-6)
-    lengths = pool.sessions["kv"].lengths[:, 0]
+    lengths = pool.sessions["kv"].committed[:, 0]
     assert lengths.tolist() == [0, 5 * CHUNK, 0, 3 * CHUNK, 8 * CHUNK, 0]
     empty_after = jax.tree_util.tree_map(lambda x: x[np.array([0, 2, 5])], pool.sessions)
     assert_same_session(empty_after, empty_before)  # bit for bit
@@ -192,8 +192,8 @@ def test_insert_writes_one_slot_in_place_and_extract_reads_one_slot():
     others = np.flatnonzero(np.arange(64) != 3)  # every other slot, leaf for leaf, bit for bit as before the insert
     assert_same_session(*(jax.tree_util.tree_map(lambda x: x[others], s) for s in (pool.sessions, held)))
     assert_same_session(jax.tree_util.tree_map(lambda x: x[3], pool.sessions), session)  # read by index, not extract
-    assert int(pool.sessions["kv"].lengths[3, 0]) == 2 * CHUNK
-    assert [int(pool.sessions["kv"].lengths[s, 0]) for s in (2, 4)] == [3 * CHUNK, 5 * CHUNK]
+    assert int(pool.sessions["kv"].committed[3, 0]) == 2 * CHUNK
+    assert [int(pool.sessions["kv"].committed[s, 0]) for s in (2, 4)] == [3 * CHUNK, 5 * CHUNK]
 
 
 @pytest.mark.parametrize("native", [True, False] if _library.AVAILABLE else [False])
@@ -214,7 +214,7 @@ def test_a_donated_pool_step_writes_every_leaf_in_place(native):
     kv = pool.sessions["kv"]
     for slot in range(SLOTS - 1):  # each slot's 4 chunks, drawn here from its key as `step` draws them
         start, rng = (slot % 3) * CHUNK, held.attrs["rng"][slot]
-        assert kv.lengths[slot].tolist() == [start + 4 * CHUNK]
+        assert kv.committed[slot].tolist() == [start + 4 * CHUNK]
         want = {name: np.array(getattr(held["kv"], name)[slot]) for name in ("k", "v")}
         for i in range(4):
             rng, k_rows, _ = jax.random.split(rng, 3)

@@ -83,7 +83,7 @@ def test_jitted_donated_step_compiles_once_and_keeps_buffers():
         key = jax.random.split(key)[0]
     assert session["kv"].k.unsafe_buffer_pointer() == pointer
     assert int(session.attrs["step"]) == 5
-    assert session["kv"].lengths.tolist() == [10] and session["kv"].staged.tolist() == [0]
+    assert session["kv"].committed.tolist() == [10] and session["kv"].staged.tolist() == [0]
     for name in ("k", "v"):  # numpy: the five chunks in order from row 0, the rows after them never written
         got = np.asarray(getattr(session["kv"], name))
         want = np.concatenate([c[name] for c in chunks], axis=1).transpose(0, 2, 1, 3)

@@ -55,7 +55,7 @@ def test_two_steps_per_loop_iteration_roll_what_one_does_even_for_an_odd_count()
     (one_session, one_frames), (two_session, two_frames) = runs[1], runs[2]
     np.testing.assert_allclose(np.asarray(two_frames), np.asarray(one_frames), rtol=1e-6, atol=1e-6)
     for name in kv_names(CONFIG):
-        assert two_session[name].lengths.tolist() == one_session[name].lengths.tolist() == [(2 + 3) * CONFIG.tokens]
+        assert two_session[name].committed.tolist() == one_session[name].committed.tolist() == [(2 + 3) * CONFIG.tokens]
     np.testing.assert_allclose(
         np.asarray(two_session.view()["carry"]["h"]), np.asarray(one_session.view()["carry"]["h"]), rtol=1e-6, atol=1e-6
     )
@@ -71,13 +71,13 @@ def test_donated_rollout_compiles_once_and_writes_in_place():
         return rollout(nnx.merge(graphdef, params), session, actions)
 
     reference = session.fork()  # its own buffers: rolled without donation below
-    length, end = int(session["kv_0"].lengths[0]), (1 + 8) * CONFIG.tokens  # rows [length, end) written below
+    length, end = int(session["kv_0"].committed[0]), (1 + 8) * CONFIG.tokens  # rows [length, end) written below
     held = {name: np.asarray(jnp.copy(getattr(session["kv_0"], name))) for name in ("k", "v")}  # host copies
     before = session["kv_0"].k.unsafe_buffer_pointer()
     session, _ = run(params, session, actions)
     session, frames = run(params, session, actions)
     assert session["kv_0"].k.unsafe_buffer_pointer() == before  # the donated buffer was reused
-    assert session["kv_0"].lengths.tolist() == [(1 + 8) * CONFIG.tokens] and frames.shape == (4, 1, 8, 8, 4)
+    assert session["kv_0"].committed.tolist() == [(1 + 8) * CONFIG.tokens] and frames.shape == (4, 1, 8, 8, 4)
     jss.check(session)
     # The same rollout, not donated: what it must have written.
     roll = jax.jit(lambda params, session, actions: rollout(nnx.merge(graphdef, params), session, actions))
@@ -117,6 +117,6 @@ def test_a_lane_imagines_what_the_session_would_roll(capacity):
         np.testing.assert_allclose(np.asarray(imagined[lane]), np.asarray(frames), rtol=1e-4, atol=1e-4)
         adopted = branches.adopt(lane)
         for name in kv_names(config):
-            assert adopted[name].lengths.tolist() == rolled[name].lengths.tolist()
+            assert adopted[name].committed.tolist() == rolled[name].committed.tolist()
         np.testing.assert_allclose(adopted.view()["carry"]["h"], rolled.view()["carry"]["h"], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(adopted.view()["frames"].items, rolled.view()["frames"].items, rtol=1e-4, atol=1e-4)

@@ -60,7 +60,7 @@ def release(cache: PagedKVCache, slot: Array) -> dict[str, Array]:
     """``slot`` emptied: its references dropped, the pages left unreferenced pushed on the free list."""
     return {
         "page_table": cache.page_table.at[slot].set(-1),
-        "lengths": cache.lengths.at[slot].set(0),
+        "committed": cache.committed.at[slot].set(0),
         "staged": cache.staged.at[slot].set(0),
         **unreference(cache, cache.page_table[slot]),
     }

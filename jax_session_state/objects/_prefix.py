@@ -68,7 +68,7 @@ def map_pages(cache: PagedKVCache, slot: int | Array, pages: Array, count: int |
     row = jnp.where(use, pages, -1)
     new = cache.with_storage(
         page_table=cache.page_table.at[slot].set(row),
-        lengths=cache.lengths.at[slot].set(count * cache.page_size),
+        committed=cache.committed.at[slot].set(count * cache.page_size),
         refcounts=_pages.referenced(cache.refcounts, pages, use),
     )
     return cache._unless(bad_slot | occupied | bad, new)

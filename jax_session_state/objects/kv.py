@@ -106,7 +106,7 @@ class KVCache(StateObject, kw_only=True):
     ever written; a ring slot holds the largest position below it that maps
     to the slot) and the writes refused under jit (the same in every row).
     One array, so a step updates all of it in one operation; read it
-    through :attr:`committed` (:attr:`lengths`), :attr:`staged`,
+    through :attr:`committed`, :attr:`staged`,
     :attr:`high_water` and :attr:`overflowed`."""
 
     can_overflow = True
@@ -116,8 +116,6 @@ class KVCache(StateObject, kw_only=True):
     def committed(self) -> Array | None:
         """``Int[Array, "batch"]`` committed tokens per row."""
         return self._counter(_COMMITTED)
-
-    lengths = committed
 
     @property
     def staged(self) -> Array | None:
@@ -284,7 +282,7 @@ class KVCache(StateObject, kw_only=True):
           is raised, under jit ``overflowed`` is set.
         """
         chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
-        start = self.lengths
+        start = self.committed
         if self.window is None:
             room = self.capacity - start
             limit = f"capacity {self.capacity}"
@@ -309,7 +307,7 @@ class KVCache(StateObject, kw_only=True):
         new = self._with_bookkeeping(
             **{name: self._write_rows(getattr(self, name), x, start, written, whole=chunk.counts is None)
                for name, x in rows.items()},
-            committed=self.lengths,
+            committed=self.committed,
             staged=jnp.where(refused, self.staged, written),
             high_water=jnp.maximum(self.high_water, start + written),
             refused=self.bookkeeping[..., _REFUSED, :] + refused,
@@ -319,7 +317,7 @@ class KVCache(StateObject, kw_only=True):
     def _commit_staged(self, when: Array | bool = True) -> KVCache:
         promoted = jnp.where(when, self.staged, 0)
         return self._with_bookkeeping(
-            committed=self.lengths + promoted,
+            committed=self.committed + promoted,
             staged=self.staged - promoted,
             high_water=self.high_water,
             refused=self.bookkeeping[..., _REFUSED, :],
@@ -341,9 +339,9 @@ class KVCache(StateObject, kw_only=True):
         staged or appended.
         """
         self._require_resident("view")
-        end = self.lengths + self.staged if include_staged else self.lengths
+        end = self.committed + self.staged if include_staged else self.committed
         positions = _ring.slot_positions(self.slots, self.high_water, sink=self.sink, ring=self.ring_slots)
-        start = 0 if self.window is None or include_staged else (self.lengths - self.window)[:, None]
+        start = 0 if self.window is None or include_staged else (self.committed - self.window)[:, None]
         shown = _ring.visible(positions, start=start, end=end[:, None], sink=self.sink)
         return KVView(
             k=self.k,
@@ -442,7 +440,7 @@ class KVCache(StateObject, kw_only=True):
         The window's refused writes are added to this cache's, so ``overflowed``
         tells that rows of the lane were lost.
         """
-        counts = window.lengths + window.staged
+        counts = window.committed + window.staged
         k, v = (_quantize.dequantize(x, scale, self.dtype).transpose(0, 2, 1, 3)  # token-major, window-sized
                 for x, scale in ((window.k, window.k_scale), (window.v, window.v_scale)))
         piece = window.capacity if self.window is None else self.max_staged

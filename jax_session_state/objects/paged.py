@@ -32,7 +32,7 @@ __all__ = ["PagedKVCache", "PagedView"]
 
 # Storage that a refused operation leaves exactly as it was (the pools are
 # written with dropped indices instead).
-_BOOKKEEPING = ("page_table", "lengths", "staged", "refcounts", "free_pages", "free_count")
+_BOOKKEEPING = ("page_table", "committed", "staged", "refcounts", "free_pages", "free_count")
 
 
 class PagedKVCache(StateObject, kw_only=True):
@@ -102,7 +102,7 @@ class PagedKVCache(StateObject, kw_only=True):
     else None."""
     page_table: Array | None = None
     """``Int[Array, "max_slots max_pages_per_slot"]`` page ids in row order, -1 after the last."""
-    lengths: Array | None = None
+    committed: Array | None = None
     """``Int[Array, "max_slots"]`` committed rows per slot."""
     staged: Array | None = None
     """``Int[Array, "max_slots"]`` staged rows per slot, after the committed ones."""
@@ -119,16 +119,9 @@ class PagedKVCache(StateObject, kw_only=True):
     data_fields = ("k_pages", "v_pages")
 
     @property
-    def committed(self) -> Array | None:
-        """``Int[Array, "max_slots"]`` committed rows per slot (:attr:`lengths`)."""
-        return self.lengths
-
-    @property
     def capacity(self) -> int:
         """The most rows one slot can hold: ``max_pages_per_slot * page_size``."""
         return self.max_pages_per_slot * self.page_size
-
-    slot_rows = capacity
 
     @property
     def overflowed(self) -> Array | None:
@@ -174,7 +167,7 @@ class PagedKVCache(StateObject, kw_only=True):
             storage axes are ``("num_pages", "page_size", "kv_heads",
             "head_dim")`` for the pools (and their scales), ``("max_slots",
             "max_pages_per_slot")`` for the page table, ``("max_slots",)``
-            for the lengths and ``("num_pages",)`` for the free list.
+            for the committed and staged rows and ``("num_pages",)`` for the free list.
 
         Returns:
           An empty, resident cache.
@@ -211,7 +204,7 @@ class PagedKVCache(StateObject, kw_only=True):
         return {
             "k_pages": pool, "v_pages": pool, "k_scale": scale, "v_scale": scale,
             "page_table": ("max_slots", "max_pages_per_slot"),
-            "lengths": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
+            "committed": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
             "free_count": (), "refused": (),
         }
 
@@ -235,7 +228,7 @@ class PagedKVCache(StateObject, kw_only=True):
             "k_scale": scale,
             "v_scale": None if scale is None else jnp.ones_like(scale),
             "page_table": jnp.full((self.max_slots, self.max_pages_per_slot), -1, jnp.int32),
-            "lengths": slots,
+            "committed": slots,
             "staged": jnp.zeros_like(slots),
             "refcounts": jnp.zeros((self.num_pages,), jnp.int32),
             "free_pages": jnp.arange(self.num_pages - 1, -1, -1, dtype=jnp.int32),  # page 0 on top
@@ -261,14 +254,14 @@ class PagedKVCache(StateObject, kw_only=True):
         chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.max_slots)
         T = chunk.k.shape[1]
         owner = f"{self.describe()}.{operation}"
-        start = self.lengths
+        start = self.committed
         end = start + counts
-        no_room = jnp.any(end > self.slot_rows)
+        no_room = jnp.any(end > self.capacity)
         refuse_now_if(
             no_room,
             lambda: CapacityError(
                 f"{owner}: writing {np.asarray(counts).tolist()} rows after {np.asarray(start).tolist()} "
-                f"exceeds a slot's {self.slot_rows} rows (max_pages_per_slot {self.max_pages_per_slot} x "
+                f"exceeds a slot's {self.capacity} rows (max_pages_per_slot {self.max_pages_per_slot} x "
                 f"page_size {self.page_size}); nothing was written. Allocate more max_pages_per_slot."
             ),
         )
@@ -312,7 +305,7 @@ class PagedKVCache(StateObject, kw_only=True):
 
     def _commit_staged(self, when: Array | bool = True) -> PagedKVCache:
         promoted = jnp.where(when, self.staged, 0)
-        return self.with_storage(lengths=self.lengths + promoted, staged=self.staged - promoted)
+        return self.with_storage(committed=self.committed + promoted, staged=self.staged - promoted)
 
     def discard(self) -> PagedKVCache:
         """Forgets staged rows (O(1)); their pages stay with the slot for its next rows."""
@@ -346,7 +339,7 @@ class PagedKVCache(StateObject, kw_only=True):
         src, bad_src = self._slot("fork", "src", src)
         dst, bad_dst = self._slot("fork", "dst", dst)
         owner = f"{self.describe()}.fork"
-        length = self.lengths[src]
+        length = self.committed[src]
         empty_src = length == 0
         refuse_now_if(
             empty_src,
@@ -355,7 +348,7 @@ class PagedKVCache(StateObject, kw_only=True):
                 "committed rows to copy (commit staged rows first)."
             ),
         )
-        dst_rows = self.lengths[dst] + self.staged[dst]
+        dst_rows = self.committed[dst] + self.staged[dst]
         occupied_dst = dst_rows > 0
         refuse_now_if(
             occupied_dst,
@@ -387,7 +380,7 @@ class PagedKVCache(StateObject, kw_only=True):
         new = released.with_storage(
             **{name: _pages.copy_page(getattr(self, name), source, target) for name in self._pools},
             page_table=released.page_table.at[dst].set(new_row),
-            lengths=released.lengths.at[dst].set(length),
+            committed=released.committed.at[dst].set(length),
             refcounts=refcounts.at[target].set(1, mode="drop"),
             free_count=released.free_count - partial.astype(jnp.int32),
         )
@@ -450,7 +443,7 @@ class PagedKVCache(StateObject, kw_only=True):
     def view(self, *, include_staged: bool = True) -> PagedView:
         """The pools, page tables and per-slot lengths; see :class:`PagedView`."""
         self._require_resident("view")
-        lengths = self.lengths + self.staged if include_staged else self.lengths
+        lengths = self.committed + self.staged if include_staged else self.committed
         return PagedView(
             k_pages=self.k_pages,
             v_pages=self.v_pages,
@@ -469,7 +462,7 @@ class PagedKVCache(StateObject, kw_only=True):
 
         Each row is quantized as ``allocate(quantize=...)`` would have
         written it (the error bound: the class docstring); page tables,
-        reference counts, free list, lengths and staged rows are kept, so
+        reference counts, free list, committed and staged rows are kept, so
         attention, forks and frees work unchanged.  Under ``jit`` with the
         cache donated the bookkeeping is reused in place; the peak is the
         float pools plus their quantized copy (about 1.3x float32).

@@ -165,7 +165,7 @@ class PrefixIndex:
         self._check(cache, "publish")
         slot = self._check_slot(cache, slot, "publish")
         keys = page_keys(tokens, page_size=self.page_size, identity=self.identity)
-        committed = int(cache.lengths[slot]) // self.page_size
+        committed = int(cache.committed[slot]) // self.page_size
         table = np.asarray(cache.page_table[slot])
         new = []
         for entry, key in enumerate(keys[:committed]):

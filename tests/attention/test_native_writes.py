@@ -136,7 +136,7 @@ def test_kv_cache_writes_natively_as_xla_writes(case):
         assert called
         assert_same_leaves(native, xla)
         cache = native
-    assert int(cache.lengths.max()) > 0 and np.any(as_f32(cache.k) != 0)
+    assert int(cache.committed.max()) > 0 and np.any(as_f32(cache.k) != 0)
 
 
 @needs_native
@@ -159,7 +159,7 @@ def test_item_buffers_and_paged_pools_write_natively_as_xla_writes():
     (forked, forked_xla), called = both_ways(lambda c: c.fork(0, 2), native)  # copies the partly filled page
     assert called
     assert_same_leaves(forked, forked_xla)
-    assert int(forked.lengths[2]) == 6
+    assert int(forked.committed[2]) == 6
 
 
 @needs_native
@@ -212,7 +212,7 @@ def test_a_donated_bfloat16_append_writes_its_rows_in_place_and_compiles_once():
     want_v = np.concatenate([as_f32(c.v) for c in chunks], axis=1)  # V too: each chunk at its offset
     np.testing.assert_array_equal(as_f32(cache.v[:, :, :64]), want_v.transpose(0, 2, 1, 3))
     assert not np.any(as_f32(cache.v[:, :, 64:]))
-    assert cache.lengths.tolist() == [64] and cache.staged.tolist() == [0]
+    assert cache.committed.tolist() == [64] and cache.staged.tolist() == [0]
 
 
 @needs_native
@@ -247,7 +247,7 @@ def bf16_session(seed: int) -> jss.Session:
 def bf16_step(session: jss.Session, rows: jax.Array) -> tuple[jss.Session, jax.Array]:
     """Appends ``rows`` ``[1, 2, 2, 8]`` as K and V, and their first row as a frame."""
     session = session.append(kv=jss.KVChunk(rows, rows), frames=rows[0, 0, 0])
-    return session, session["kv"].lengths
+    return session, session["kv"].committed
 
 
 @needs_native
@@ -285,13 +285,13 @@ def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
         return jax.tree_util.tree_map(lambda x: x[i], p.sessions)
 
     assert_same_leaves(slot(results[0], 1), slot(pool, 1))  # an empty slot: untouched
-    assert int(results[0].extract(2).objects["kv"].lengths[0]) == 3 + 3 + 2
+    assert int(results[0].extract(2).objects["kv"].committed[0]) == 3 + 3 + 2
     assert_same_leaves(slot(results[0], 3), slot(pool, 3))
     written = as_f32(per_slot)  # numpy: each live slot's two rows at its length, the rows before unchanged
     for live_slot in (0, 2):
         old, new = pool.extract(live_slot).objects, results[0].extract(live_slot).objects
-        length = int(old["kv"].lengths[0])
-        assert new["kv"].lengths.tolist() == [length + 2]
+        length = int(old["kv"].committed[0])
+        assert new["kv"].committed.tolist() == [length + 2]
         for name in ("k", "v"):
             want = as_f32(getattr(old["kv"], name)).copy()
             want[:, :, length:length + 2] = written[live_slot].transpose(0, 2, 1, 3)

@@ -41,7 +41,7 @@ def ring_cache(rng, *, batch=3, kv_heads=2, dim=16, window=40, sink=3, max_stage
         counts = jnp.asarray(rng.integers(n // 2, n + 1, batch), jnp.int32)
         cache = cache.append(jss.KVChunk(jnp.asarray(randn(rng, batch, n, kv_heads, dim)),
                                          jnp.asarray(randn(rng, batch, n, kv_heads, dim)), counts))
-    assert int(jnp.min(cache.lengths)) > window + sink  # wrapped
+    assert int(jnp.min(cache.committed)) > window + sink  # wrapped
     return cache
 
 

@@ -129,7 +129,7 @@ def test_restored_session_continues_a_jitted_rollout_bit_for_bit(tmp_path):
     restored = checkpoint.restore(tmp_path, target=original)
     key = jnp.copy(restored.attrs["rng"])  # copies: a reference to the restored session would stop donation
     want = {name: np.array(jnp.copy(getattr(restored["kv"], name))) for name in ("k", "v")}
-    start = [int(n) + int(s) for n, s in zip(restored["kv"].lengths, restored["kv"].staged)]  # commit() promotes
+    start = [int(n) + int(s) for n, s in zip(restored["kv"].committed, restored["kv"].staged)]  # commit() promotes
     for _ in range(5):
         buffers = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(restored.objects)]
         original, restored = step(original), donated(restored)
@@ -142,7 +142,7 @@ def test_restored_session_continues_a_jitted_rollout_bit_for_bit(tmp_path):
             drawn = np.asarray(jax.random.normal(name_key, (B, 1, H, D)))
             for b in range(B):
                 want[name][b, :, start[b] + i] = drawn[b, 0]
-    assert restored["kv"].lengths.tolist() == [s + 5 for s in start] and restored["kv"].staged.tolist() == [0] * B
+    assert restored["kv"].committed.tolist() == [s + 5 for s in start] and restored["kv"].staged.tolist() == [0] * B
     for name in ("k", "v"):
         np.testing.assert_allclose(np.asarray(getattr(restored["kv"], name)), want[name], rtol=1e-6, atol=1e-7,
                                    err_msg=name)

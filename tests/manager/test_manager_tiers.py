@@ -161,7 +161,7 @@ def test_a_demoted_session_round_trips_a_checkpoint(tmp_path):
     restored = jss.checkpoint.restore(tmp_path / "ckpt", target=session)
     kv = restored["kv"]
     assert (kv.quantize, kv.tiers) == ("int8", ()) and kv.k.dtype == jnp.int8
-    for name in ("k", "v", "k_scale", "v_scale", "lengths"):
+    for name in ("k", "v", "k_scale", "v_scale", "committed"):
         np.testing.assert_array_equal(np.asarray(getattr(kv, name)), np.asarray(getattr(session["kv"], name)))
 
 

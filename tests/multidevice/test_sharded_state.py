@@ -70,7 +70,7 @@ KINDS = {
         kv_chunk,
         {
             "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "k_scale": None, "v_scale": None,
-            "page_table": P(), "lengths": P(), "staged": P(), "refcounts": P(), "free_pages": P(),
+            "page_table": P(), "committed": P(), "staged": P(), "refcounts": P(), "free_pages": P(),
             "free_count": P(), "refused": P(),
         },
     ),
@@ -80,7 +80,7 @@ KINDS = {
         kv_chunk,
         {
             "k_pages": P(None, None, "model"), "v_pages": P(None, None, "model"), "k_scale": P(None, None, "model"),
-            "v_scale": P(None, None, "model"), "page_table": P(), "lengths": P(), "staged": P(), "refcounts": P(),
+            "v_scale": P(None, None, "model"), "page_table": P(), "committed": P(), "staged": P(), "refcounts": P(),
             "free_pages": P(), "free_count": P(), "refused": P(),
         },
     ),
@@ -192,7 +192,7 @@ def test_indivisible_axis_raises_naming_kind_axis_sizes_and_mesh_axis():
 def test_indivisible_axis_is_replicated_when_the_rules_say_so():
     rules = jss.ShardingRules(MESH, dict(RULES.axes), replicate_indivisible=True)
     kv = jss.KVCache.allocate(batch=B, kv_heads=6, head_dim=D, capacity=8, sharding=rules)
-    assert kv.k.sharding.spec == P("data") and kv.lengths.sharding.spec == P("data")
+    assert kv.k.sharding.spec == P("data") and kv.committed.sharding.spec == P("data")
     assert kv.k.addressable_shards[0].data.shape == (1, 6, 8, D)
 
 

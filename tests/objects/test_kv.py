@@ -79,7 +79,7 @@ def test_one_row_write_near_capacity_changes_only_its_rows(start, count):
     expected[:, start:start + count] = rows[:, :count]
     np.testing.assert_array_equal(np.asarray(cache.k).transpose(0, 2, 1, 3), expected)
     np.testing.assert_array_equal(np.asarray(cache.v).transpose(0, 2, 1, 3), -expected)
-    assert cache.lengths.tolist() == [start + count] and not bool(cache.overflowed)
+    assert cache.committed.tolist() == [start + count] and not bool(cache.overflowed)
 
 
 @pytest.mark.parametrize("start", [0, 4, 5, 8])
@@ -98,7 +98,7 @@ def test_one_row_whole_chunk_near_capacity_writes_all_or_nothing(start):
         expected[:, start:start + 4] = rows
     np.testing.assert_array_equal(np.asarray(cache.k).transpose(0, 2, 1, 3), expected)
     np.testing.assert_array_equal(np.asarray(cache.v).transpose(0, 2, 1, 3), -expected)
-    assert cache.lengths.tolist() == [start + 4 if fits else start] and bool(cache.overflowed) == (not fits)
+    assert cache.committed.tolist() == [start + 4 if fits else start] and bool(cache.overflowed) == (not fits)
 
 
 def test_one_row_append_is_one_in_place_slice_update_per_array():

@@ -94,7 +94,7 @@ def test_demote_quantizes_every_row_and_keeps_the_counts(jit):
     demote = jax.jit(lambda c: c.demote(), donate_argnums=0) if jit else (lambda c: c.demote())
     demoted = demote(jax.tree_util.tree_map(jnp.copy, cache))
     assert (demoted.quantize, demoted.tiers) == ("int8", ())
-    assert demoted.lengths.tolist() == [7, 4] and demoted.staged.tolist() == [2, 2]
+    assert demoted.committed.tolist() == [7, 4] and demoted.staged.tolist() == [2, 2]
     for got, want in zip(demoted.view().materialize(), direct.view().materialize()):
         for name in ("positions", "k", "v"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
@@ -107,7 +107,7 @@ def test_demote_without_tiers_is_an_error_and_changes_nothing():
     cache = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=4, capacity=4).append((jnp.ones((1, 2, 1, 4)),) * 2)
     with pytest.raises(jss.NotDemotableError, match=r"KVCache\(.*tiers=\(\"int8\",\)"):
         cache.demote()
-    assert cache.lengths.tolist() == [2] and cache.k.dtype == jnp.float32
+    assert cache.committed.tolist() == [2] and cache.k.dtype == jnp.float32
 
 
 @pytest.mark.parametrize(

@@ -430,7 +430,7 @@ def test_jitted_steps_compile_once():
     for step in range(12):
         cache = append(cache, _chunk(rng, rng.integers(0, 4, size=4).tolist(), T=3))
         if step % 3 == 2:
-            src = int(np.argmax(np.asarray(cache.lengths)))
+            src = int(np.argmax(np.asarray(cache.committed)))
             dst = (src + 1) % 4
             cache = fork(free(cache, dst), src, dst)
     jss.check(cache)
@@ -463,7 +463,7 @@ def test_a_fork_touches_one_page_of_the_pools_whatever_their_size(num_pages):
     fork = jax.jit(lambda c, src, dst: c.fork(src, dst), donate_argnums=0)
     page = cache.k_pages[0].nbytes
     pools = cache.k_pages.nbytes + cache.v_pages.nbytes
-    bookkeeping = sum(getattr(cache, name).nbytes for name in ("page_table", "lengths", "staged", "refcounts",
+    bookkeeping = sum(getattr(cache, name).nbytes for name in ("page_table", "committed", "staged", "refcounts",
                                                               "free_pages", "free_count", "refused"))
     accessed = fork.lower(cache, 0, 1).compile().cost_analysis()["bytes accessed"]
     assert accessed <= 16 * page + 32 * bookkeeping < pools / 4, (accessed, page, bookkeeping, pools)

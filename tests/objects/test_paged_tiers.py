@@ -123,7 +123,7 @@ def test_demote_quantizes_every_page_in_place_of_the_bookkeeping_and_keeps_the_t
     cache = cache.stage(jss.KVChunk(k[:, :2], v[:, :2], jnp.asarray([2, 0, 1], jnp.int32)))
     direct = paged(quantize="int8", dtype=dtype).append(jss.KVChunk(k, v, jnp.asarray([9, 4, 0], jnp.int32))).fork(1, 2)
     direct = direct.stage(jss.KVChunk(k[:, :2], v[:, :2], jnp.asarray([2, 0, 1], jnp.int32)))
-    bookkeeping = ("page_table", "lengths", "staged", "refcounts", "free_pages", "free_count")
+    bookkeeping = ("page_table", "committed", "staged", "refcounts", "free_pages", "free_count")
     pointers = {name: getattr(cache, name).unsafe_buffer_pointer() for name in bookkeeping}
     before = {name: np.asarray(jnp.copy(getattr(cache, name))) for name in bookkeeping}  # no view of the donated
     demoted = jax.jit(lambda c: c.demote(), donate_argnums=0)(cache)
@@ -153,7 +153,7 @@ def test_bad_tiers_input_is_named_and_changes_nothing():
     cache = paged().append((one, one))
     with pytest.raises(jss.NotDemotableError, match=r"PagedKVCache\(.*tiers=\(\"int8\",\)"):
         cache.demote()
-    assert cache.k_pages.dtype == jnp.float32 and cache.lengths.tolist() == [2, 2, 2]
+    assert cache.k_pages.dtype == jnp.float32 and cache.committed.tolist() == [2, 2, 2]
     with pytest.raises(jss.PayloadTypeError, match=r"PagedKVCache\(.*dtype float32"):
         paged(quantize="int8").append((one.astype(jnp.int8), one.astype(jnp.int8)))
 
@@ -217,7 +217,7 @@ def test_quantized_pages_are_read_in_place_by_the_kernel_and_the_loop():
 def test_quantized_paged_cache_round_trips_a_checkpoint_exactly(tmp_path, how):
     rng = np.random.default_rng(6)
     cache, _ = written_rows(rng, paged(quantize="int8") if how == "allocated" else paged(tiers=("int8",)))
-    cache = cache.fork(0, 2) if int(cache.lengths[2]) == 0 else cache
+    cache = cache.fork(0, 2) if int(cache.committed[2]) == 0 else cache
     if how == "demoted":
         cache = cache.demote()
     session = jss.Session(objects={"kv": cache})

@@ -45,7 +45,7 @@ def test_kv_cache_denoising_matches_model(how, sizing):
     kv, snapshots = denoised(kv, frames, lambda x: x, how)
     for i, (state, (noisy_k, _)) in enumerate(snapshots):
         f = i // STEPS
-        assert state.staged.tolist() == [N] * B and state.lengths.tolist() == [f * N] * B
+        assert state.staged.tolist() == [N] * B and state.committed.tolist() == [f * N] * B
         for b, row in enumerate(state.view().materialize()):  # one staged copy: the last step's, after the history
             np.testing.assert_array_equal(row["positions"][-N:], np.arange(f * N, (f + 1) * N))
             np.testing.assert_array_equal(row["k"][-N:], noisy_k[b])
@@ -66,7 +66,7 @@ def test_paged_cache_denoising_matches_model(how):
     paged = jss.PagedKVCache.allocate(max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=8)
     paged, snapshots = denoised(paged, frames, lambda x: x, how)
     for i, (state, (noisy_k, _)) in enumerate(snapshots):
-        assert state.lengths.tolist() == [(i // STEPS) * N] * B and state.staged.tolist() == [N] * B
+        assert state.committed.tolist() == [(i // STEPS) * N] * B and state.staged.tolist() == [N] * B
         for b, row in enumerate(state.view().materialize()):
             np.testing.assert_array_equal(row["k"][-N:], noisy_k[b])
     history = np.concatenate([k for k, _ in frames], axis=1)

@@ -93,7 +93,7 @@ def small_cache_with_published(prompts: dict[int, np.ndarray]) -> tuple[jss.Page
 
 
 def bookkeeping(cache: jss.PagedKVCache) -> dict[str, np.ndarray]:
-    return {name: np.asarray(getattr(cache, name)) for name in ("page_table", "lengths", "staged", "refcounts")}
+    return {name: np.asarray(getattr(cache, name)) for name in ("page_table", "committed", "staged", "refcounts")}
 
 
 @pytest.mark.parametrize("method", ["attach", "publish"])
