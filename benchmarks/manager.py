@@ -51,7 +51,7 @@ KIB = 1024
 
 # ------------------------------------------------------------------------ sessions
 def template(extra: int = 0) -> jss.Session:
-    """A small session: a prompt, conditioning rebuilt from it, a carry (and ``extra`` floats)."""
+    """A small session: a prompt, conditioning recomputed from it, a carry (and ``extra`` floats)."""
     objects = {
         "prompt": jss.FixedState.allocate(shapes=(1, 4, 8)),
         "cond": jss.EncodeOnceKV.allocate(
@@ -64,7 +64,7 @@ def template(extra: int = 0) -> jss.Session:
     return jss.Session(objects=objects, attrs={"step": jnp.int32(0)})
 
 
-def rebuild_cond(session: jss.Session) -> jss.EncodeOnceKV:
+def recompute_cond(session: jss.Session) -> jss.EncodeOnceKV:
     k = session["prompt"].view().reshape(1, 4, 2, 4)
     return session["cond"].empty().commit((k, k))
 
@@ -75,7 +75,7 @@ def filled_manager(count: int) -> tuple[jss.SessionStateManager, jss.Session]:
     nbytes = one.nbytes_by_device()
     budget = {key: n * count for key, n in nbytes.items()}
     manager = jss.SessionStateManager(max_sessions=count + 10, byte_budget=budget, park_memory_kind=None)
-    manager.register_rebuild("cond", rebuild_cond)
+    manager.register_recompute("cond", recompute_cond)
     for sid in range(count):
         manager.create(sid, one.fork())
     return manager, one
@@ -153,13 +153,13 @@ def pressure_timings(managers: dict, *, rounds: int) -> dict[int, dict]:
             manager.put(count - 1, grown)
             samples[count].append(time.perf_counter() - start)
             manager.put(count - 1, small)
-            for event in events[-4:]:  # rebuild what was evicted: the manager is full again
+            for event in events[-4:]:  # recompute what was evicted: the manager is full again
                 manager.get(event.session_id)
             manager.on_event = None
     out = {}
     for count, (_, _, _, events) in puts.items():
         kinds = collections.Counter(e.kind for e in events)
-        assert kinds == {"evict": 4 * rounds, "rebuild": 4 * rounds}, kinds
+        assert kinds == {"evict": 4 * rounds, "recompute": 4 * rounds}, kinds
         out[count] = {"seconds": statistics.median(samples[count]), "drops_per_put": 4}
     return out
 
@@ -173,13 +173,13 @@ def _full_sessions(count: int) -> list[SessionUsage]:
     for i in range(count):
         device = f"cuda:{i % 2}"
         objects = (
-            ObjectUsage("prompt", {device: 64 * KIB}, rebuildable=True, recompute_cost=50.0),
+            ObjectUsage("prompt", {device: 64 * KIB}, recomputable=True, recompute_cost=50.0),
             ObjectUsage(
-                "cond_kv", {device: 8 * KIB}, sources=("prompt",), rebuildable=True, recompute_cost=1.0
+                "cond_kv", {device: 8 * KIB}, sources=("prompt",), recomputable=True, recompute_cost=1.0
             ),
             ObjectUsage("kv_cache", {device: (200 + i % 7 * 16) * KIB}),
             ObjectUsage(
-                "frames", {device: 32 * KIB}, sources=("kv_cache",), rebuildable=True, recompute_cost=2.0
+                "frames", {device: 32 * KIB}, sources=("kv_cache",), recomputable=True, recompute_cost=2.0
             ),
         )
         sessions.append(
@@ -199,9 +199,9 @@ def _pair_sessions(count: int) -> list[SessionUsage]:
         SessionUsage(
             i,
             (
-                ObjectUsage("prompt", {"cuda:0": 100 * KIB}, rebuildable=True, recompute_cost=400.0),
+                ObjectUsage("prompt", {"cuda:0": 100 * KIB}, recomputable=True, recompute_cost=400.0),
                 ObjectUsage(
-                    "cond_kv", {"cuda:0": 10 * KIB}, sources=("prompt",), rebuildable=True, recompute_cost=1.0
+                    "cond_kv", {"cuda:0": 10 * KIB}, sources=("prompt",), recomputable=True, recompute_cost=1.0
                 ),
             ),
             last_used=i,

@@ -22,7 +22,7 @@ def make_session() -> jss.Session:
             "kv": jss.KVCache.allocate(
                 batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, window=64, sink=4, max_staged=CHUNK
             ),
-            # Conditioning K/V, written once, rebuildable from the prompt embedding.
+            # Conditioning K/V, written once, recomputable from the prompt embedding.
             "cond": jss.EncodeOnceKV.allocate(
                 batch=BATCH, kv_heads=HEADS, head_dim=HEAD_DIM, capacity=16, recompute_source="prompt"
             ),

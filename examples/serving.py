@@ -1,7 +1,7 @@
 """Continuous batching: 64 users of a world model served by a 16-slot pool under a byte budget.
 
 Every user holds one session of the world model in ``world_model.py`` (ring
-K/V caches, conditioning K/V rebuilt from the prompt, a recurrent carry,
+K/V caches, conditioning K/V recomputed from the prompt, a recurrent carry,
 recent frames) and wants a rollout of some dozens of frames.  Users arrive
 over time and are served in turns: a scheduler checks a waiting user's
 session out of the ``SessionStateManager`` into a free slot of a
@@ -10,7 +10,7 @@ session out of the ``SessionStateManager`` into a free slot of a
 back in, mid-rollout, to wait for its next turn -- or leaves when its
 rollout is done.  The manager holds the waiting sessions under a ``cpu:0``
 budget that fits the pool and a few more sessions: it evicts conditioning
-K/V (rebuilt at the next checkout) and parks the rest in pinned host
+K/V (recomputed at the next checkout) and parks the rest in pinned host
 memory.  At the end one user's frames, served this way, are compared with
 the same user's rollout stepped alone.
 
@@ -119,7 +119,7 @@ def main(args: argparse.Namespace) -> None:
     budget = pool.nbytes_by_device()[DEVICE] + args.room * one
     manager = jss.SessionStateManager(max_sessions=args.users, byte_budget={DEVICE: budget},
                                       park_memory_kind="pinned_host")
-    manager.register_rebuild("cond", lambda s: encode(params, s["cond"], s["prompt"].view()))
+    manager.register_recompute("cond", lambda s: encode(params, s["cond"], s["prompt"].view()))
     print(f"{args.users} users, {args.slots} slots; a session is {one / 2**10:.0f} KiB, the pool "
           f"{pool.nbytes / 2**20:.1f} MiB; {DEVICE} budget {budget / 2**20:.1f} MiB "
           f"(the pool and {args.room} sessions)")
@@ -186,7 +186,7 @@ def main(args: argparse.Namespace) -> None:
     stats = manager.stats()
     print(f"\nserved {total} frames to {args.users} users in {t} pool steps, {seconds:.2f} s: "
           f"{total / seconds:,.0f} frames/s ({np.mean(history['live']):.1f} slots live per step on average)")
-    print(", ".join(f"{key} {stats[key]}" for key in ("parks", "restores", "evictions", "rebuilds", "preemptions")))
+    print(", ".join(f"{key} {stats[key]}" for key in ("parks", "restores", "evictions", "recomputes", "preemptions")))
 
     alone = new_session(0)
     frames_alone = []

@@ -8,7 +8,7 @@ next frame, 16 tokens at a time (one token per 2x2 patch of an 8x8x4 latent):
   window ring by default, append mode when ``capacity`` is given) and reads it
   with ``jss.attend``: token-causal, grouped-query heads;
 - every block cross-attends to the prompt's K/V, an ``EncodeOnceKV`` written
-  once per session and rebuildable from the prompt embedding (``FixedState``);
+  once per session and recomputable from the prompt embedding (``FixedState``);
 - a recurrent carry (``FixedState``) summarises each frame and feeds the next;
 - a ``LatentBuffer`` ring keeps the recent frames the next step reads.
 

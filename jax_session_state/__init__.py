@@ -5,6 +5,7 @@ from jax_session_state.accounting import SeenStorages, device_bytes, device_key
 from jax_session_state.attention import attend, attend_with_lse, merge_attention
 from jax_session_state.base import StateObject, check, is_state_object
 from jax_session_state.branches import Branches, Lane
+from jax_session_state.building_blocks import Fill, ManagedOptions
 from jax_session_state.errors import (
     BudgetExceededError,
     CapacityError,
@@ -22,7 +23,6 @@ from jax_session_state.errors import (
     SessionStateError,
     SessionStateLostError,
 )
-from jax_session_state.kinds import Fill, ManagedOptions
 from jax_session_state.manager import Held, ManagerEvent, SessionStateManager
 from jax_session_state.manager.parking import Parked
 from jax_session_state.objects import (
@@ -41,10 +41,10 @@ from jax_session_state.objects import (
     Retrieved,
 )
 from jax_session_state.pool import SessionPool
+from jax_session_state.reports import Summary, summary
 from jax_session_state.reuse import PrefixIndex, SharedStore, content_key, donate_unshared, page_keys
 from jax_session_state.session import Session
 from jax_session_state.sharding import ShardingRules, shard
-from jax_session_state.summary import Summary, summary
 
 __version__ = "0.1.0"
 

@@ -39,6 +39,7 @@ from flax import struct
 from jax_session_state._core import _validation as v
 from jax_session_state._core._validation import non_negative
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
+from jax_session_state.building_blocks import _MANAGEMENT_FIELDS, Fill, check_same_spec, overwrite
 from jax_session_state.errors import (
     CapacityError,
     DonatedError,
@@ -47,7 +48,6 @@ from jax_session_state.errors import (
     NotResidentError,
     PayloadTypeError,
 )
-from jax_session_state.kinds import _MANAGEMENT_FIELDS, Fill, check_same_spec, overwrite
 from jax_session_state.sharding import ShardingRules, local_value, rules_or_none
 
 __all__ = [
@@ -72,8 +72,8 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
 
     Attributes:
       recompute_source: names of sibling objects in the same session this
-        object can be rebuilt from (empty when it cannot be rebuilt).
-      recompute_cost: estimated work to rebuild it, a number >= 0 (any
+        object can be recomputed from (empty when it cannot be recomputed).
+      recompute_cost: estimated work to recompute it, a number >= 0 (any
         unit, compared across objects by the eviction planner).
       sharding: where the storage lives on a mesh
         (:class:`~jax_session_state.ShardingRules` over the logical axes of
@@ -421,7 +421,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         if not self.evictable:
             raise NotEvictableError(
                 f"{self.describe()} cannot be evicted: it has no recompute source, "
-                "so its contents could not be rebuilt. Declare recompute_source= "
+                "so its contents could not be recomputed. Declare recompute_source= "
                 "at allocate, park it to host memory, or reset() it deliberately."
             )
         freed = self.nbytes if self.resident else 0
@@ -461,7 +461,7 @@ class StateObject(struct.PyTreeNode, abc.ABC, kw_only=True):
         if not self.resident:
             raise NotResidentError(
                 f"{operation}() on {self.describe()}, which is not resident (it was "
-                "evicted or reset). Rebuild it, restore it through the manager, or "
+                "evicted or reset). Recompute it, restore it through the manager, or "
                 "start over with .empty()."
             )
         self._require_not_donated(operation)

@@ -37,8 +37,8 @@ from flax import struct
 from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, add_bytes, tree_bytes_by_device
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import refuse_now_if
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
-from jax_session_state.kinds import refuse_now_if
 
 if TYPE_CHECKING:  # annotations only; at run time Session.branch imports this module
     from jax_session_state.session import Session

@@ -47,7 +47,7 @@ class SessionStateError(Exception):
     range.  ``RuntimeError`` is left for what no argument caused: a native
     kernel asked for that this build or CPU lacks (``JSS_NATIVE_ISA``,
     ``implementation="native"``), ``update`` called from inside its own
-    ``fn``, and a registered rebuild function that raised (its error
+    ``fn``, and a registered recompute function that raised (its error
     chained).
 
     Example:
@@ -93,7 +93,7 @@ class NotResidentError(SessionStateError, RuntimeError):
       ...     evicted.view()
       ... except jss.NotResidentError as error:
       ...     print(error)
-      view() on EncodeOnceKV(...), which is not resident (it was evicted or reset). Rebuild it,
+      view() on EncodeOnceKV(...), which is not resident (it was evicted or reset). Recompute it,
       restore it through the manager, or start over with .empty().
     """
 
@@ -158,13 +158,13 @@ class NotEvictableError(SessionStateError, RuntimeError):
 
     Example:
       >>> import jax_session_state as jss
-      >>> carry = jss.FixedState.allocate(shapes=(2,))  # no recompute_source: it cannot be rebuilt
+      >>> carry = jss.FixedState.allocate(shapes=(2,))  # no recompute_source: it cannot be recomputed
       >>> try:
       ...     carry.evict()
       ... except jss.NotEvictableError as error:
       ...     print(error)
       FixedState(float32[2]) cannot be evicted: it has no recompute source, so its contents could
-      not be rebuilt. Declare recompute_source= at allocate, park it to host memory, or reset() it
+      not be recomputed. Declare recompute_source= at allocate, park it to host memory, or reset() it
       deliberately.
     """
 

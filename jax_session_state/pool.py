@@ -32,9 +32,9 @@ Example:
   >>> pool = insert(pool, 2, new_session())
   >>> def step(session, rows):  # written for one session
   ...     session = session.append(kv=(rows, rows))
-  ...     return session.with_attrs(steps=session.attrs["steps"] + 1), session["kv"].lengths
-  >>> pool, lengths = jax.jit(jss.SessionPool.map, static_argnums=1)(pool, step, jnp.ones((4, 1, 3, 1, 4)))
-  >>> lengths[:, 0]  # only slot 2 is live
+  ...     return session.with_attrs(steps=session.attrs["steps"] + 1), session["kv"].committed
+  >>> pool, committed = jax.jit(jss.SessionPool.map, static_argnums=1)(pool, step, jnp.ones((4, 1, 3, 1, 4)))
+  >>> committed[:, 0]  # only slot 2 is live
   Array([0, 0, 3, 0], dtype=int32)
   >>> pool.extract(2).attrs["steps"]
   Array(1, dtype=int32)
@@ -57,8 +57,8 @@ from jax_session_state._core._masked_step import run_masked
 from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
+from jax_session_state.building_blocks import update_slice_or_keep
 from jax_session_state.errors import NotResidentError, PayloadError, PayloadTypeError
-from jax_session_state.kinds import update_slice_or_keep
 from jax_session_state.session import Session
 
 __all__ = ["SessionPool"]

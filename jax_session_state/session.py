@@ -184,7 +184,7 @@ class Session(struct.PyTreeNode):
 
     # ----------------------------------------------------- recompute graph
     def recomputable(self, name: str) -> bool:
-        """Whether ``name`` could be rebuilt now: it has sources and all are resident.
+        """Whether ``name`` could be recomputed now: it has sources and all are resident.
 
         Args:
           name: an object of this session.
@@ -272,8 +272,8 @@ def _validate_recompute_graph(edges: tuple[tuple[str, tuple[str, ...]], ...]) ->
     """Raises RecomputeGraphError for a missing source or a cycle.
 
     Args:
-      edges: each object's name and the names it can be rebuilt from.  The
-        graph is static, so a session rebuilt with the same structure (every
+      edges: each object's name and the names it can be recomputed from.  The
+        graph is static, so a session made anew with the same structure (every
         jitted step's output) is checked once; errors are not cached.
     """
     sources = dict(edges)
@@ -291,7 +291,7 @@ def _validate_recompute_graph(edges: tuple[tuple[str, tuple[str, ...]], ...]) ->
             cycle = path[path.index(node):] + [node]
             raise RecomputeGraphError(
                 f"recompute sources form a cycle: {' -> '.join(cycle)}. An object "
-                "cannot be rebuilt from itself; drop one of these edges."
+                "cannot be recomputed from itself; drop one of these edges."
             )
         if node not in done:
             for source in sources.get(node, ()):

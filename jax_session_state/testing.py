@@ -39,8 +39,8 @@ import numpy as np
 
 from jax_session_state.accounting import SeenStorages
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import Fill
 from jax_session_state.errors import DonatedError, NotEvictableError, NotResidentError, SessionStateError
-from jax_session_state.kinds import Fill
 
 __all__ = ["CHECKS", "Conformance", "assert_logically_equal", "logical", "logically_equal"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 from pathlib import Path
 
 import jax_session_state
@@ -178,3 +179,55 @@ def test_no_compatibility_shim_before_a_first_release():
             if any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules" for t in targets):
                 shims.append(f"{name}: assigns into sys.modules")
     assert shims == []
+
+
+RETIRED = {  # a retired word -> the one word the glossary (docs/concepts.md) keeps for its concept
+    r"offload": "park",
+    r"rebuil": "recompute",
+    r"\bslot_rows\b": "capacity",
+    r"\bjss\.kinds\b|\bjax_session_state\.kinds\b|\bjax_session_state import kinds\b": "building_blocks",
+    r"\bjax_session_state\.summary\b|\bjax_session_state import summary\b": "reports (the module of jss.summary)",
+    r"\bobjects\._prefix\b|\breuse\._prefix\b|\bimport _prefix\b": "_page_sharing / _prefix_index",
+}
+
+
+def _retired_words(root: Path) -> list[str]:
+    """``file:line: word (say ...)`` for every retired word in the package, the docs, the examples and the README.
+
+    The glossary section of the concepts page names the retired words, so it is left out; so is
+    the changelog, which tells what they became."""
+    sources = [*sorted((root / "jax_session_state").rglob("*.py")), *sorted((root / "docs").rglob("*.md")),
+               *sorted((root / "examples").rglob("*.py")), root / "README.md"]
+    found = []
+    for path in sources:
+        if path.name == "changelog.md" or not path.exists():
+            continue
+        in_glossary = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("## "):
+                in_glossary = path.name == "concepts.md" and line == "## Glossary"
+            if in_glossary:
+                continue
+            for pattern, word in RETIRED.items():
+                if (match := re.search(pattern, line, re.IGNORECASE)):
+                    found.append(f"{path.relative_to(root)}:{number}: {match.group(0)!r} (say {word})")
+    return found
+
+
+def test_one_word_per_concept():
+    """The words the glossary retired appear nowhere in the package, the docs or the examples."""
+    assert _retired_words(PACKAGE.parent) == []
+
+
+def test_the_retired_word_check_names_file_and_line(tmp_path: Path):
+    (tmp_path / "jax_session_state").mkdir()
+    (tmp_path / "jax_session_state" / "a.py").write_text("x = 1\nmanager.register_rebuild('cond', fn)\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "concepts.md").write_text("# C\n## Glossary\nrebuild: retired\n## Next\nOffload it\n")
+    (tmp_path / "README.md").write_text("cache.slot_rows\n")
+    assert _retired_words(tmp_path) == [
+        "jax_session_state/a.py:2: 'rebuil' (say recompute)",
+        "docs/concepts.md:5: 'Offload' (say park)",
+        "README.md:1: 'slot_rows' (say capacity)",
+    ]
+

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import jax_session_state as jss
 from tests.support.devices import DEVICE
-from tests.support.world import _step, make_session, rebuild_cond, session_bytes
+from tests.support.world import _step, make_session, recompute_cond, session_bytes
 
 SLOTS, CAPACITY, MAX_STEPS = 3, 40, 30
 IDS = st.sampled_from("abcde")
@@ -70,7 +70,7 @@ class PoolManagerMachine(RuleBasedStateMachine):
             max_sessions=max_sessions, byte_budget={DEVICE: self.budget}, evict_when_full=evict,
             park_memory_kind="pinned_host" if park else None, on_event=self.events.append,
         )
-        self.manager.register_rebuild("cond", rebuild_cond)
+        self.manager.register_recompute("cond", recompute_cond)
         self.pool = jss.SessionPool.allocate(make_session(0, capacity=CAPACITY), slots=SLOTS)
         self.alone = {}  # sid or ("guest", slot) -> the session stepped alone
         self.steps = {}  # the same keys -> steps taken
@@ -261,7 +261,7 @@ def test_checkout_refuses_a_pool_that_does_not_fit_and_changes_nothing():
 def test_checkout_restores_dropped_and_parked_objects_first(tmp_path):
     budget = 2 * ONE + ONE // 2  # two and a half sessions, or a pool of two slots and some room
     manager = jss.SessionStateManager(byte_budget={DEVICE: budget})
-    manager.register_rebuild("cond", rebuild_cond)
+    manager.register_recompute("cond", recompute_cond)
     for i, sid in enumerate("abc"):
         manager.create(sid, make_session(i + 1, capacity=CAPACITY))
     held = manager.held()
@@ -286,7 +286,7 @@ def test_threads_checking_out_and_in_never_lose_a_session():
     import threading
 
     manager = jss.SessionStateManager(byte_budget={DEVICE: POOL_BYTES + 4 * ONE})
-    manager.register_rebuild("cond", rebuild_cond)
+    manager.register_recompute("cond", recompute_cond)
     sessions = {sid: make_session(i + 1, capacity=CAPACITY) for i, sid in enumerate("abcdef")}
     for sid, session in sessions.items():
         manager.create(sid, session.fork())

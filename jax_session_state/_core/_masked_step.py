@@ -15,7 +15,7 @@ in-place write masked by the slot's ``live`` flag:
 - the native row writer of bfloat16 / float8 buffers on CPU
   (``_writes.write_rows``): its slots are pushed out of range the same way,
   and the per-platform ``cond`` around it (``lax.platform_dependent``) is
-  rebuilt with its branches masked;
+  made again with its branches masked;
 
 and every output is tagged with the input it is that input written in place
 (its *origin*).  An output whose origin is its own input leaf needs no

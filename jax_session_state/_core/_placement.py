@@ -93,7 +93,7 @@ class Placement:
         if treedef != self.treedef:
             raise PayloadError(
                 f"cannot place {_name(obj)} where an object of another structure was: expected "
-                f"{self.treedef}, got {treedef}. Rebuild it with the same spec as the original."
+                f"{self.treedef}, got {treedef}. Allocate it with the same spec as the original."
             )
         placed = [place(x, s, committed=c) for x, s, c in zip(leaves, self.shardings, self.committed)]
         return jax.tree_util.tree_unflatten(treedef, placed)

@@ -56,7 +56,7 @@ def save(
         every session it holds (:meth:`~SessionStateManager.snapshot`),
         least recently used first, parked objects included (read from host
         memory, nothing is brought back), evicted objects recorded as
-        evicted.  Pins, counters, callbacks, rebuild and demotion functions
+        evicted.  Pins, counters, callbacks, recompute and demotion functions
         are not saved.  Sessions between a ``get`` and the ``put`` of a step
         that donated them cannot be saved.
       timeout: with several processes, the seconds each process waits for
@@ -182,7 +182,7 @@ def restore(
         else where its arrays are, memory kind included) and what a
         checkpoint does not record (demotion functions).  For a manager
         checkpoint, an empty manager to fill (its own settings, callbacks
-        and registered rebuilds apply); without one, a new manager with the
+        and registered recompute functions apply); without one, a new manager with the
         saved settings.
       shardings: rules to place every object by (attrs are replicated on the
         mesh), whatever the checkpoint was saved on; overrides ``target``'s.

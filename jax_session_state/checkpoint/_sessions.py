@@ -1,4 +1,4 @@
-"""A session's record in a checkpoint: its objects, specs and attrs, and how a restore places and rebuilds it.
+"""A session's record in a checkpoint: its objects, specs and attrs, and how a restore places and recomputes it.
 
 :func:`encode_session` turns a session into the manifest's record and its
 arrays into an :class:`~._manifest.ArrayTable`; :func:`plan_session` reads a

@@ -12,8 +12,8 @@ calls (:mod:`.planner`, with ``_plan_records`` and ``_plan_search``: a pure
 function of byte figures and the recompute graph, no lock, no clock) and
 :mod:`.parking` (objects parked in a host memory kind and restored).
 
-May import: ``errors``, ``accounting``, ``_core``, ``base``, ``kinds``,
-``session`` and ``pool``. Only ``checkpoint`` and ``summary`` import it.
+May import: ``errors``, ``accounting``, ``_core``, ``base``, ``building_blocks``,
+``session`` and ``pool``. Only ``checkpoint`` and ``reports`` import it.
 """
 
 from jax_session_state.manager._manager import (

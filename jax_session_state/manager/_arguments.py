@@ -71,8 +71,8 @@ def manager_settings(
     }
 
 
-def rebuild_arguments(name: Any, fn: Any, cost: Any) -> None:
-    """Checks ``register_rebuild(name, fn, cost=cost)``.
+def recompute_arguments(name: Any, fn: Any, cost: Any) -> None:
+    """Checks ``register_recompute(name, fn, cost=cost)``.
 
     Raises:
       PayloadTypeError: ``name`` is not a str, ``fn`` not callable, or
@@ -81,14 +81,14 @@ def rebuild_arguments(name: Any, fn: Any, cost: Any) -> None:
     """
     if not isinstance(name, str):
         raise PayloadTypeError(
-            f"register_rebuild(name, fn): name must be an object name (a str); got {type(name).__name__} {name!r}."
+            f"register_recompute(name, fn): name must be an object name (a str); got {type(name).__name__} {name!r}."
         )
     if not name:
-        raise PayloadError("register_rebuild(name, fn): name must be an object name; got the empty string.")
+        raise PayloadError("register_recompute(name, fn): name must be an object name; got the empty string.")
     if not callable(fn):
-        raise PayloadTypeError(f"register_rebuild({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
+        raise PayloadTypeError(f"register_recompute({name!r}, fn): fn must be callable; got {type(fn).__name__}.")
     if cost is not None:
-        non_negative(f"register_rebuild({name!r})", "cost", cost)
+        non_negative(f"register_recompute({name!r})", "cost", cost)
 
 
 def checked_session(session: Any, operation: str, session_id: Hashable) -> Session:

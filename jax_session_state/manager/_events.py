@@ -19,7 +19,7 @@ from typing import Literal
 
 __all__ = ["EventKind", "ManagerEvent", "deliver"]
 
-EventKind = Literal["evict", "demote", "park", "restore", "rebuild", "preempt", "refusal"]
+EventKind = Literal["evict", "demote", "park", "restore", "recompute", "preempt", "refusal"]
 
 _log = logging.getLogger("jax_session_state.manager")
 
@@ -29,10 +29,10 @@ class ManagerEvent:
     """Something the manager did to a session, or refused to do.
 
     Attributes:
-      kind: ``"evict"`` (an object evicted, to be rebuilt), ``"demote"`` (an
+      kind: ``"evict"`` (an object evicted, to be recomputed), ``"demote"`` (an
         object replaced by its lower tier, lossy and not undone), ``"park"`` (an
         object moved to host memory), ``"restore"`` (a parked object copied
-        back), ``"rebuild"`` (an evicted object rebuilt), ``"preempt"`` (a whole
+        back), ``"recompute"`` (an evicted object recomputed), ``"preempt"`` (a whole
         session released: later lookups raise SessionStateLostError) or
         ``"refusal"`` (a create, put or restore refused; nothing changed).
       session_id: the session acted on (for a refusal, the one refused).

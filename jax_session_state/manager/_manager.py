@@ -8,10 +8,10 @@ manager frees bytes from other sessions (never a pinned one, one inside
 ``update`` or between a donating ``get`` and its ``put``, nor the one being
 served) in this order (see :func:`jax_session_state.manager.planner.plan`):
 
-1. it evicts objects it can rebuild (a rebuild is registered with
-   :meth:`SessionStateManager.register_rebuild` and the object declares a
+1. it evicts objects it can recompute (a recompute function is registered with
+   :meth:`SessionStateManager.register_recompute` and the object declares a
    ``recompute_source``), least recently used sessions first, cheapest
-   rebuild per byte first;
+   recompute per byte first;
 2. it demotes objects that declare a lower tier (a ``KVCache`` or
    ``PagedKVCache`` allocated with ``tiers=("int8",)``, a ``LatentBuffer``
    with ``demote_fn``), least recently used sessions first, most bytes saved
@@ -26,8 +26,8 @@ served) in this order (see :func:`jax_session_state.manager.planner.plan`):
 A buffer several objects hold (in one session or several) counts once, and
 an object holding one is neither demoted nor parked: either would copy the
 buffer and free nothing.  If nothing fits it refuses and changes nothing;
-an action that fails on the way (a demotion or a rebuild that raises)
-leaves every session as it was.  A later ``get`` rebuilds
+an action that fails on the way (a demotion or a recompute that raises)
+leaves every session as it was.  A later ``get`` recomputes
 evicted objects and copies parked ones back before returning the session
 (demoted ones stay demoted).  Nothing is lost silently: every action is
 reported through ``on_event`` and a preempted session raises
@@ -50,14 +50,14 @@ The state:
   while a lookup may hand it out at once, else None;
 - ``_lost``: why recently lost ids were lost (for their lookup errors);
 - ``_ledger``: reference counts of every buffer held, and byte totals;
-- ``_rebuilds``: registered rebuild functions by object name, with a
+- ``_recomputes``: registered recompute functions by object name, with a
   version the planner's cached figures are keyed by;
 - ``_hits``, ``_misses``, ``_counts``: what ``stats()`` reports.
 
 Making room (``_plan_room``) asks the pure planner for a
 plan over every session's cached figures and prepares each action's new
 object (:mod:`~jax_session_state.manager._prepare`) before anything changes;
-a restore also copies back and rebuilds its objects then; only then are the
+a restore also copies back and recomputes its objects then; only then are the
 actions applied (``_apply``): a refusal or an error leaves
 every session as it was.
 """
@@ -88,11 +88,11 @@ from jax_session_state.errors import (
     SessionStateLostError,
 )
 from jax_session_state.manager._agreement import ProcessAgreement, agree_on
-from jax_session_state.manager._arguments import checked_session, manager_settings, rebuild_arguments
+from jax_session_state.manager._arguments import checked_session, manager_settings, recompute_arguments
 from jax_session_state.manager._events import ManagerEvent, deliver
-from jax_session_state.manager._prepare import Prepared, Room, prepared, rebuilt, release_replaced, restored_session
+from jax_session_state.manager._prepare import Prepared, Room, prepared, recomputed, release_replaced, restored_session
 from jax_session_state.manager._snapshot import Held, ManagerSnapshot, SnapshotSession
-from jax_session_state.manager._table import Entry, Ledger, Rebuild, distinct_bytes, split_shared
+from jax_session_state.manager._table import Entry, Ledger, Recompute, distinct_bytes, split_shared
 from jax_session_state.manager.planner import DemoteObject, EvictObject, Plan, SessionUsage, plan
 from jax_session_state.pool import SessionPool
 from jax_session_state.session import Session
@@ -103,7 +103,7 @@ __all__ = ["Held", "ManagerEvent", "ManagerSnapshot", "SessionStateManager", "Sn
 LOST_REASONS_KEPT = 4096
 """How many lost (released or preempted) session ids keep their reason for later lookups."""
 
-COUNTERS = ("evictions", "demotions", "preemptions", "parks", "restores", "rebuilds", "refusals")
+COUNTERS = ("evictions", "demotions", "preemptions", "parks", "restores", "recomputes", "refusals")
 """The action counters ``stats()`` reports."""
 
 
@@ -152,12 +152,12 @@ class SessionStateManager:
       host_budget: the most bytes held in ``park_memory_kind`` memory, all
         devices together: parks stop there; None: unlimited.
       lock_factory: makes the manager's lock, anything
-        :class:`threading.Condition` accepts: ``threading.RLock`` (a rebuild
+        :class:`threading.Condition` accepts: ``threading.RLock`` (a recompute
         function, which runs under the lock, may then call the manager) or
         ``threading.Lock``.
       on_event: called with a :class:`ManagerEvent` for every action and
         refusal (``kind`` ``"evict"``, ``"demote"``, ``"park"``,
-        ``"restore"``, ``"rebuild"``, ``"preempt"`` or ``"refusal"``), after
+        ``"restore"``, ``"recompute"``, ``"preempt"`` or ``"refusal"``), after
         the manager's lock is released and the operation is done.  Every
         event of an operation reaches it even if it raises; its errors are
         raised to the caller of that completed operation after the last
@@ -232,9 +232,9 @@ class SessionStateManager:
         self._recency: collections.OrderedDict[Hashable, Session | None] = collections.OrderedDict()
         self._lost: collections.OrderedDict[Hashable, str] = collections.OrderedDict()
         self._ledger = Ledger()
-        self._rebuilds: dict[str, Rebuild] = {}
-        self._rebuilds_version = 0
-        self._table_version = 0  # counts changes of _entries (a rebuild function may make some)
+        self._recomputes: dict[str, Recompute] = {}
+        self._recomputes_version = 0
+        self._table_version = 0  # counts changes of _entries (a recompute function may make some)
         self._hits = self._misses = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
         # More reports for stats(), by name (a reuse.SharedStore adds "shared"); called outside the lock.
@@ -498,20 +498,20 @@ class SessionStateManager:
             self._remember_loss(session_id, "it was released with release()")
             return True
 
-    def register_rebuild(
+    def register_recompute(
         self, name: str, fn: Callable[[Session], StateObject], *, cost: float | None = None
     ) -> None:
-        """Lets the manager evict objects called ``name`` and rebuild them on the next lookup.
+        """Lets the manager evict objects called ``name`` and recompute them on the next lookup.
 
         Only objects that declare a ``recompute_source`` are ever evicted.
 
         Args:
           name: the object name, in every session.
-          fn: ``fn(session) -> StateObject`` rebuilds the object from its
+          fn: ``fn(session) -> StateObject`` recomputes the object from its
             (resident) sources; it must return an object of the same kind and
             spec (``describe()``), and is placed on the original's shardings.
             It runs under the manager's lock.
-          cost: the rebuild's cost for the planner (cheapest per byte is
+          cost: the recompute's cost for the planner (cheapest per byte is
             evicted first); None uses the object's ``recompute_cost``.
 
         Raises:
@@ -522,22 +522,22 @@ class SessionStateManager:
         Example:
           >>> import jax.numpy as jnp
           >>> import jax_session_state as jss
-          >>> def make():  # "cond" (2049 bytes) can be rebuilt from "prompt" (33 bytes)
+          >>> def make():  # "cond" (2049 bytes) can be recomputed from "prompt" (33 bytes)
           ...     cond = jss.FixedState.allocate(shapes=(1, 256), recompute_source=("prompt",))
           ...     return jss.Session(objects={"prompt": jss.FixedState.allocate(shapes=(1, 4)), "cond": cond})
           >>> events = []
           >>> manager = jss.SessionStateManager(byte_budget={"cpu:0": 2200}, on_event=events.append)
-          >>> manager.register_rebuild("cond", lambda s: s["cond"].empty().commit(jnp.tile(s["prompt"].view(), 64)))
+          >>> manager.register_recompute("cond", lambda s: s["cond"].empty().commit(jnp.tile(s["prompt"].view(), 64)))
           >>> manager.create("a", make())
           >>> manager.create("b", make())  # "a"'s cond is evicted
-          >>> session = manager.get("a")  # rebuilt; "b"'s is evicted to make room
+          >>> session = manager.get("a")  # recomputed; "b"'s is evicted to make room
           >>> [(e.kind, e.session_id, e.object_name) for e in events]
-          [('evict', 'a', 'cond'), ('evict', 'b', 'cond'), ('rebuild', 'a', 'cond')]
+          [('evict', 'a', 'cond'), ('evict', 'b', 'cond'), ('recompute', 'a', 'cond')]
         """
-        rebuild_arguments(name, fn, cost)
+        recompute_arguments(name, fn, cost)
         with self._lock:
-            self._rebuilds[name] = Rebuild(fn, cost)
-            self._rebuilds_version += 1
+            self._recomputes[name] = Recompute(fn, cost)
+            self._recomputes_version += 1
 
     # ------------------------------------------------------------ pools
     def checked_out(self) -> dict[Hashable, tuple[int, int]]:
@@ -722,7 +722,7 @@ class SessionStateManager:
 
         Nothing is brought back or copied: parked objects appear with their
         arrays in host memory, evicted objects non-resident.  Pins, counters,
-        ``on_event`` and registered rebuilds are not part of it.
+        ``on_event`` and registered recompute functions are not part of it.
 
         Raises:
           DonatedError: a session's arrays were donated to a step that has
@@ -764,8 +764,8 @@ class SessionStateManager:
     def load(self, snapshot: ManagerSnapshot) -> None:
         """Fills this empty manager with a snapshot's sessions, least recently used first.
 
-        This manager's own settings, ``on_event`` and registered rebuilds
-        apply: evicted objects with a registered rebuild are rebuilt before
+        This manager's own settings, ``on_event`` and registered recompute functions
+        apply: evicted objects with a registered recompute are recomputed before
         their session is admitted, the others stay non-resident; parked
         objects stay parked (a lookup copies them back, as it would have
         in the manager saved); admission follows ``create``'s rules (so
@@ -786,8 +786,8 @@ class SessionStateManager:
         try:
             for held in snapshot.sessions:
                 objects = dict(held.session.objects)
-                for name in sorted(held.evicted & self._rebuilds.keys()):
-                    objects[name] = rebuilt(self._rebuilds[name].fn, held.session_id, name, held.session, None)
+                for name in sorted(held.evicted & self._recomputes.keys()):
+                    objects[name] = recomputed(self._recomputes[name].fn, held.session_id, name, held.session, None)
                 session = checked_session(held.session.replace(objects=objects), "load", held.session_id)
                 events: list[ManagerEvent] = []
                 with self._delivering(events), self._lock:  # events go out once the lock is released
@@ -816,9 +816,9 @@ class SessionStateManager:
           ``sessions``; ``hits`` and ``misses`` (lookups by get, update, pin
           and checkout: a miss found the id lost or had to bring objects back) and
           their sum ``lookups``; ``evictions`` (objects evicted to be
-          rebuilt), ``demotions`` (objects replaced by their lower tier),
+          recomputed), ``demotions`` (objects replaced by their lower tier),
           ``preemptions`` (whole sessions released), ``parks``, ``restores``
-          (parked objects copied back), ``rebuilds``, ``refusals``;
+          (parked objects copied back), ``recomputes``, ``refusals``;
           ``bytes`` by device key; with a
           :class:`~jax_session_state.reuse.SharedStore` on this manager,
           ``shared``: its :meth:`~jax_session_state.reuse.SharedStore.stats`.
@@ -834,7 +834,7 @@ class SessionStateManager:
           ...     pass
           >>> manager.stats()
           {'sessions': 1, 'lookups': 2, 'hits': 1, 'misses': 1, 'evictions': 0, 'demotions': 0,
-           'preemptions': 0, 'parks': 0, 'restores': 0, 'rebuilds': 0, 'refusals': 0, 'bytes': {'cpu:0': 33}}
+           'preemptions': 0, 'parks': 0, 'restores': 0, 'recomputes': 0, 'refusals': 0, 'bytes': {'cpu:0': 33}}
         """
         with self._lock:
             stats = {
@@ -1041,7 +1041,7 @@ class SessionStateManager:
                 message = (
                     f"{action} does not fit the byte budget ({reason}); after everything the manager may "
                     f"free it is still {result.message}. Nothing changed. Raise byte_budget, release() or unpin "
-                    "sessions, register rebuild functions, or allow parking and eviction."
+                    "sessions, register recompute functions, or allow parking and eviction."
                 )
                 events.append(
                     ManagerEvent("refusal", session_id, None, dict(result.shortfall_by_device), message)
@@ -1081,12 +1081,12 @@ class SessionStateManager:
         for tick, (other_id, entry) in enumerate(self._by_recency()):
             if other_id != session_id and other_id != exclude:
                 pinned = bool(entry.pins) or entry.busy is not None or other_id in untouchable
-                views.append((entry, entry.usage(other_id, tick, pinned, self._rebuilds, self._rebuilds_version)))
+                views.append((entry, entry.usage(other_id, tick, pinned, self._recomputes, self._recomputes_version)))
         last = len(self._entries)
         if restoring:
-            views.append((proposal, proposal.restored_usage(session_id, last, self._rebuilds)))
+            views.append((proposal, proposal.restored_usage(session_id, last, self._recomputes)))
         else:
-            views.append((proposal, proposal.usage(session_id, last, True, self._rebuilds, self._rebuilds_version)))
+            views.append((proposal, proposal.usage(session_id, last, True, self._recomputes, self._recomputes_version)))
         return [*split_shared(views), *self._pool_usages()]
 
     def _prepare(self, result: Plan) -> list[Prepared]:
@@ -1137,7 +1137,7 @@ class SessionStateManager:
         """Brings the session's parked and evicted objects back; the new entry.
 
         The room is planned and prepared, then the objects are copied back and
-        rebuilt, and only then is the room made: a refusal or a failing rebuild
+        recomputed, and only then is the room made: a refusal or a failing recompute
         leaves every session as it was.
         """
         parked, evicted = entry.names("parked"), entry.names("evicted")
@@ -1156,8 +1156,8 @@ class SessionStateManager:
         )
         planned = room()
         version = self._table_version
-        new = Entry.of(restored_session(session_id, entry, self._rebuilds)).carrying(entry)
-        self._apply(planned if self._table_version == version else room())  # a rebuild function changed the table
+        new = Entry.of(restored_session(session_id, entry, self._recomputes)).carrying(entry)
+        self._apply(planned if self._table_version == version else room())  # a recompute function changed the table
         self._ledger.apply(entry.storages(), new.storages())
         self._store(session_id, new)
         reason = f"session {session_id!r} looked up"
@@ -1165,8 +1165,8 @@ class SessionStateManager:
             self._counts["restores"] += 1
             events.append(ManagerEvent("restore", session_id, name, new.records[name].home_bytes, reason))
         for name in evicted:
-            self._counts["rebuilds"] += 1
-            events.append(ManagerEvent("rebuild", session_id, name, new.records[name].home_bytes, reason))
+            self._counts["recomputes"] += 1
+            events.append(ManagerEvent("recompute", session_id, name, new.records[name].home_bytes, reason))
         return new
 
     def _pool_usages(self) -> list[SessionUsage]:

@@ -51,11 +51,11 @@ class ObjectUsage:
       name: object name, unique within its session.
       bytes_by_device: bytes per device key where the storage is now; for a
         parked object that is under the pinned_host keys, for an evicted object
-        where a rebuild would put it (not counted as usage).
+        where a recompute would put it (not counted as usage).
       state: ``"resident"``, ``"evicted"`` or ``"parked"``.
-      sources: names of sibling objects the object is rebuilt from.
-      recompute_cost: estimated work to rebuild the object, >= 0.
-      rebuildable: whether a rebuild function is registered for the object.
+      sources: names of sibling objects the object is recomputed from.
+      recompute_cost: estimated work to recompute the object, >= 0.
+      recomputable: whether a recompute function is registered for the object.
       demoted_bytes_by_device: bytes per device key the object would hold
         once demoted to its next lower tier; None when it has none.
       parkable: whether parking the object moves exactly its
@@ -80,7 +80,7 @@ class ObjectUsage:
     state: ObjectState = "resident"
     sources: tuple[str, ...] = ()
     recompute_cost: float = 0.0
-    rebuildable: bool = False
+    recomputable: bool = False
     demoted_bytes_by_device: Mapping[str, int] | None = None
     parkable: bool = True
 
@@ -153,11 +153,11 @@ class _FreeingObject:
 
 
 class EvictObject(_FreeingObject):
-    """Evict an object (release its storage to rebuild it later); ``freed`` is its bytes per device key.
+    """Evict an object (release its storage to recompute it later); ``freed`` is its bytes per device key.
 
     Example:
       >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
-      >>> cond = ObjectUsage("cond", {"cpu:0": 300}, sources=("prompt",), rebuildable=True)
+      >>> cond = ObjectUsage("cond", {"cpu:0": 300}, sources=("prompt",), recomputable=True)
       >>> session = SessionUsage("s", (cond, ObjectUsage("prompt", {"cpu:0": 100})), last_used=0)
       >>> plan([session], budgets={"cpu:0": 200}).actions
       (EvictObject(session_id='s', name='cond', freed=mappingproxy({'cpu:0': 300})),)
@@ -246,7 +246,7 @@ class Refusal:
     Example:
       >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
       >>> session = SessionUsage("s", (ObjectUsage("kv", {"cpu:0": 600}),), last_used=0)
-      >>> refusal = plan([session], budgets={"cpu:0": 500})  # not rebuildable, no parking, no preemption
+      >>> refusal = plan([session], budgets={"cpu:0": 500})  # not recomputable, no parking, no preemption
       >>> refusal.message, refusal.proven
       ('over budget: cpu:0 by 100 bytes', True)
     """

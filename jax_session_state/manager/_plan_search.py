@@ -50,14 +50,14 @@ def add_footprint(total: dict[str, int], session: SessionUsage) -> dict[str, int
 
 
 def evictable(session: SessionUsage) -> list[ObjectUsage]:
-    """Objects evictable before planning: resident, rebuildable, sources resident,
+    """Objects evictable before planning: resident, recomputable, sources resident,
     and not a source of an already evicted object."""
     resident = {o.name for o in session.objects if o.state == "resident"}
     needed = {s for o in session.objects if o.state == "evicted" for s in o.sources}
     return [
         o
         for o in session.objects
-        if o.rebuildable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
+        if o.recomputable and o.name in resident and o.name not in needed and resident.issuperset(o.sources)
     ]
 
 

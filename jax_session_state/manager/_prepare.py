@@ -1,10 +1,10 @@
 """The new objects of the manager's actions, computed before anything changes.
 
 Making room and bringing a session back first compute every new object --
-evicted, demoted, parked, copied back or rebuilt -- from the objects as they
+evicted, demoted, parked, copied back or recomputed -- from the objects as they
 are, donating nothing; only once all of them exist does the manager swap
 them in (:class:`~jax_session_state.SessionStateManager`).  A failure
-on the way (a rebuild function that raises, a device out of memory) then
+on the way (a recompute function that raises, a device out of memory) then
 leaves every session as it was.
 """
 
@@ -21,7 +21,7 @@ from jax_session_state.base import StateObject
 from jax_session_state.errors import PayloadError
 from jax_session_state.manager import parking
 from jax_session_state.manager._events import ManagerEvent
-from jax_session_state.manager._table import Entry, Ledger, ObjectRecord, Rebuild
+from jax_session_state.manager._table import Entry, Ledger, ObjectRecord, Recompute
 from jax_session_state.manager.planner import Action, DemoteObject, EvictObject, PreemptSession
 from jax_session_state.session import Session
 
@@ -78,55 +78,55 @@ def release_replaced(old: StateObject, ledger: Ledger) -> None:
             leaf.delete()
 
 
-def restored_session(session_id: Hashable, entry: Entry, rebuilds: Mapping[str, Rebuild]) -> Session:
-    """``entry``'s session with its parked objects copied back and its evicted ones rebuilt.
+def restored_session(session_id: Hashable, entry: Entry, recomputes: Mapping[str, Recompute]) -> Session:
+    """``entry``'s session with its parked objects copied back and its evicted ones recomputed.
 
     Raises:
-      RuntimeError: a rebuild function raised.
-      PayloadError: a rebuild function returned another kind or spec.
+      RuntimeError: a recompute function raised.
+      PayloadError: a recompute function returned another kind or spec.
     """
     objects = dict(entry.session.objects)
     for name in entry.names("parked"):
         objects[name] = parking.restore(entry.records[name].parked)
     sources = entry.session.replace(objects=dict(objects))
     for name in entry.names("evicted"):
-        objects[name] = rebuilt(rebuilds[name].fn, session_id, name, sources, entry.records[name].placement)
+        objects[name] = recomputed(recomputes[name].fn, session_id, name, sources, entry.records[name].placement)
     return entry.session.replace(objects=objects)
 
 
-def rebuilt(
+def recomputed(
     fn: Callable[[Session], StateObject],
     session_id: Hashable,
     name: str,
     session: Session,
     placement: Placement | None,
 ) -> StateObject:
-    """Object ``name`` of ``session`` rebuilt by ``fn`` and put on ``placement`` (None: where ``fn`` put it).
+    """Object ``name`` of ``session`` recomputed by ``fn`` and put on ``placement`` (None: where ``fn`` put it).
 
     Raises:
       RuntimeError: ``fn`` raised.
       PayloadError: ``fn`` returned another kind or spec than the original.
     """
     original = session[name]
-    where = f"rebuilding {name!r} of session {session_id!r}"
+    where = f"recomputing {name!r} of session {session_id!r}"
     try:
-        rebuilt = fn(session)
+        recomputed = fn(session)
     except Exception as error:
         raise RuntimeError(
-            f"{where}: the registered rebuild function raised {type(error).__name__}: {error}. The "
+            f"{where}: the registered recompute function raised {type(error).__name__}: {error}. The "
             f"session is unchanged ({name!r} is still evicted); fix the function given to "
-            f"register_rebuild({name!r})."
+            f"register_recompute({name!r})."
         ) from error
-    if not isinstance(rebuilt, StateObject):
-        got = type(rebuilt).__name__
-    elif not rebuilt.resident:
-        got = f"{rebuilt.describe()} (not resident)"
+    if not isinstance(recomputed, StateObject):
+        got = type(recomputed).__name__
+    elif not recomputed.resident:
+        got = f"{recomputed.describe()} (not resident)"
     else:
-        got = rebuilt.describe()
+        got = recomputed.describe()
     if got != original.describe():
         raise PayloadError(
-            f"{where}: the rebuild function must return a resident {original.describe()}; it returned "
-            f"{got}. The session is unchanged; fix the function given to register_rebuild({name!r})."
+            f"{where}: the recompute function must return a resident {original.describe()}; it returned "
+            f"{got}. The session is unchanged; fix the function given to register_recompute({name!r})."
         )
-    rebuilt = rebuilt.replace(recompute_source=original.recompute_source, recompute_cost=original.recompute_cost)
-    return rebuilt if placement is None else placement.apply(rebuilt)
+    recomputed = recomputed.replace(recompute_source=original.recompute_source, recompute_cost=original.recompute_cost)
+    return recomputed if placement is None else placement.apply(recomputed)

@@ -25,7 +25,7 @@ class Held:
     Attributes:
       session: the session; its parked and evicted objects are not resident here.
       parked: the parked objects by name (their arrays in host memory).
-      evicted: names of the objects evicted, to be rebuilt on the next lookup.
+      evicted: names of the objects evicted, to be recomputed on the next lookup.
       donated: whether its arrays were deleted by a step in progress (between
         a ``get`` and its ``put``).
       pinned: whether a ``pin()`` block holds it.
@@ -57,7 +57,7 @@ class SnapshotSession(NamedTuple):
       session_id: its id.
       session: the session; parked objects hold their arrays in host memory,
         evicted objects are non-resident.
-      evicted: names of the objects the manager evicted (to be rebuilt).
+      evicted: names of the objects the manager evicted (to be recomputed).
       parked: the parked objects by name, with where their arrays go back
         to (their objects are the ones in ``session``); a manager loading
         the snapshot holds them parked.

@@ -63,8 +63,8 @@ def distinct_bytes(storages: Iterable[Storage]) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rebuild:
-    """A registered rebuild: ``fn(session) -> StateObject`` and its cost (None: the object's own)."""
+class Recompute:
+    """A registered recompute: ``fn(session) -> StateObject`` and its cost (None: the object's own)."""
 
     fn: Callable[[Session], StateObject]
     cost: float | None
@@ -76,12 +76,12 @@ class ObjectRecord:
 
     Attributes:
       state: ``resident``; ``parked`` (its arrays in host memory, ``parked``);
-        ``evicted`` (by the manager, to be rebuilt onto
+        ``evicted`` (by the manager, to be recomputed onto
         ``placement``); ``absent`` (non-resident when it was put: left alone).
       storages: the buffers held for it now (parked: the host copies).
       home_bytes: its bytes by device key when resident where it belongs.
       parked: the parked object, when parked.
-      placement: where an evicted object's arrays go when it is rebuilt.
+      placement: where an evicted object's arrays go when it is recomputed.
     """
 
     state: RecordState
@@ -104,11 +104,11 @@ class ObjectRecord:
         return ObjectRecord("parked", tuple(tree_storages(parked.obj)), self.home_bytes, parked=parked)
 
     def usage(
-        self, name: str, obj: StateObject, rebuild: Rebuild | None, *, as_resident: bool = False
+        self, name: str, obj: StateObject, recompute: Recompute | None, *, as_resident: bool = False
     ) -> ObjectUsage:
         """The planner's figures of this object (``as_resident``: as if restored)."""
-        rebuildable = rebuild is not None and bool(obj.recompute_source) and obj.evictable
-        cost = rebuild.cost if rebuild is not None and rebuild.cost is not None else obj.recompute_cost
+        recomputable = recompute is not None and bool(obj.recompute_source) and obj.evictable
+        cost = recompute.cost if recompute is not None and recompute.cost is not None else obj.recompute_cost
         demoted = None
         if self.state == "absent":
             state, nbytes = "evicted", {}
@@ -125,7 +125,7 @@ class ObjectRecord:
             state=state,
             sources=obj.recompute_source,
             recompute_cost=cost,
-            rebuildable=rebuildable,
+            recomputable=recomputable,
             demoted_bytes_by_device=demoted,
         )
 
@@ -212,24 +212,24 @@ class Entry:
         session_id: Hashable,
         last_used: int,
         pinned: bool,
-        rebuilds: Mapping[str, Rebuild],
+        recomputes: Mapping[str, Recompute],
         version: int,
     ) -> SessionUsage:
-        """The planner's figures of this session; object figures cached per rebuild registry ``version``."""
+        """The planner's figures of this session; object figures cached per recompute registry ``version``."""
         if self._usage is None or self._usage[0] != version:
-            self._usage = (version, self._object_usage(rebuilds, as_resident=False))
+            self._usage = (version, self._object_usage(recomputes, as_resident=False))
         return SessionUsage(session_id, self._usage[1], last_used, pinned, self.attrs_bytes)
 
     def restored_usage(
-        self, session_id: Hashable, last_used: int, rebuilds: Mapping[str, Rebuild]
+        self, session_id: Hashable, last_used: int, recomputes: Mapping[str, Recompute]
     ) -> SessionUsage:
         """The planner's figures of this session once its parked and evicted objects are back."""
-        objects = self._object_usage(rebuilds, as_resident=True)
+        objects = self._object_usage(recomputes, as_resident=True)
         return SessionUsage(session_id, objects, last_used, True, self.attrs_bytes)
 
-    def _object_usage(self, rebuilds: Mapping[str, Rebuild], as_resident: bool) -> tuple[ObjectUsage, ...]:
+    def _object_usage(self, recomputes: Mapping[str, Recompute], as_resident: bool) -> tuple[ObjectUsage, ...]:
         return tuple(
-            record.usage(name, self.session.objects[name], rebuilds.get(name), as_resident=as_resident)
+            record.usage(name, self.session.objects[name], recomputes.get(name), as_resident=as_resident)
             for name, record in self.records.items()
         )
 

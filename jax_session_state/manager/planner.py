@@ -10,7 +10,7 @@ returned :class:`Plan` (evictions, demotions, parks, preemptions, in order) or r
 Example:
   >>> from jax_session_state.manager.planner import ObjectUsage, SessionUsage, plan
   >>> kv = ObjectUsage("kv", {"cuda:0": 600})
-  >>> cond = ObjectUsage("cond", {"cuda:0": 300}, sources=("prompt",), rebuildable=True)
+  >>> cond = ObjectUsage("cond", {"cuda:0": 300}, sources=("prompt",), recomputable=True)
   >>> prompt = ObjectUsage("prompt", {"cuda:0": 100})
   >>> result = plan([SessionUsage("s", (kv, cond, prompt), last_used=0)],
   ...               budgets={"cuda:0": 800}, park=True)
@@ -267,7 +267,7 @@ def plan(
     *candidate* if it is on another session and frees bytes on a key over
     budget before planning:
 
-    - evict: an object that is resident, rebuildable, whose sources are all
+    - evict: an object that is resident, recomputable, whose sources are all
       resident, and that no evicted object (before or earlier in the plan)
       lists as a source;
     - demote: a resident object with ``demoted_bytes_by_device`` (a lower
@@ -328,8 +328,8 @@ def plan(
       The greedy pass evictions the cheap ``cond_kv`` first, which pins
       ``prompt``; the search sees that only evicting ``prompt`` fits:
 
-      >>> prompt = ObjectUsage("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=500.0)
-      >>> cond_kv = ObjectUsage("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True,
+      >>> prompt = ObjectUsage("prompt", {"cuda:0": 1000}, recomputable=True, recompute_cost=500.0)
+      >>> cond_kv = ObjectUsage("cond_kv", {"cuda:0": 10}, sources=("prompt",), recomputable=True,
       ...                       recompute_cost=1.0)
       >>> result = plan([SessionUsage("s", (prompt, cond_kv), last_used=1)], budgets={"cuda:0": 500})
       >>> [(type(a).__name__, a.name) for a in result.actions]

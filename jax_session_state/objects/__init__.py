@@ -6,10 +6,10 @@ Owns ``kv`` (``KVCache``: append mode or a sink + window ring), ``kv_views``
 helpers: ``_ring`` (ring slot arithmetic), ``_quantize`` (int8 / fp8 rows and
 their scales), ``_items`` (the bookkeeping of item buffers), ``_pages``
 (the free list, reference counts and page copies of ``PagedKVCache``) and
-``_prefix`` (held pages mapped into a free slot, for prefix reuse).
+``_page_sharing`` (held pages mapped into a free slot, for prefix reuse).
 
 May import: ``errors``, ``accounting``, ``sharding``, ``_core``, ``base`` and
-``kinds``. Objects know nothing of sessions, attention, pools or the
+``building_blocks``. Objects know nothing of sessions, attention, pools or the
 manager.
 """
 

@@ -21,8 +21,8 @@ from jax import Array, lax
 
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import refuse_now_if, update_slice_or_keep
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
-from jax_session_state.kinds import refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _ring
 
 # Entries of ``ItemBuffer.bookkeeping``.

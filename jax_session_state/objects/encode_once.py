@@ -11,8 +11,8 @@ from jax import Array
 
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import allocator, refuse_now_if
 from jax_session_state.errors import CapacityError
-from jax_session_state.kinds import allocator, refuse_now_if
 from jax_session_state.objects import _ring
 from jax_session_state.objects.kv_views import KVChunk, KVView, read_chunk
 
@@ -27,7 +27,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
     The first commit writes it; **every later commit is a no-op** and so is
     staging once written, so a rollout step can commit the conditioning
-    unconditionally and only the first call writes.  It is usually rebuilt
+    unconditionally and only the first call writes.  It is usually recomputed
     from a prompt embedding (``recompute_source="prompt"``) rather than kept
     when memory is short.  The view is a :class:`KVView` in append mode;
     attend to it with ``causal=False``.
@@ -102,7 +102,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
           capacity: the most conditioning tokens per row.
           dtype: storage dtype; payloads must match it exactly.
           **options: how the object is managed
-            (:class:`~jax_session_state.kinds.ManagedOptions`:
+            (:class:`~jax_session_state.building_blocks.ManagedOptions`:
             ``recompute_source``, typically the prompt embedding,
             ``recompute_cost``, ``sharding``).  Its storage axes are
             ``("batch", "kv_heads", "capacity", "head_dim")`` for k and v and

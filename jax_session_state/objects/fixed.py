@@ -11,7 +11,7 @@ from flax import struct
 from jax_session_state._core import _validation as v
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import StateObject
-from jax_session_state.kinds import allocator, overwrite
+from jax_session_state.building_blocks import allocator, overwrite
 from jax_session_state.sharding import LogicalAxes
 
 __all__ = ["FixedState"]
@@ -26,7 +26,7 @@ class FixedState(StateObject, kw_only=True):
     place of the committed one, which is kept beside it for ``discard()``
     (those bytes are reported by ``staged_nbytes_by_device``), so reading the
     value never selects between the two and ``commit()`` moves no data.  A
-    carry usually cannot be rebuilt, so ``evict()`` raises
+    carry usually cannot be recomputed, so ``evict()`` raises
     :class:`NotEvictableError` unless a recompute source is declared.
 
     Example:
@@ -79,7 +79,7 @@ class FixedState(StateObject, kw_only=True):
             axis never sharded), e.g. ``{"h": ("batch", "hidden")}``.  None
             leaves every axis unnamed.
           **options: how the object is managed
-            (:class:`~jax_session_state.kinds.ManagedOptions`:
+            (:class:`~jax_session_state.building_blocks.ManagedOptions`:
             ``recompute_source``, without which it is never evictable,
             ``recompute_cost``, ``sharding``).
         """

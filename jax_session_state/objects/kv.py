@@ -11,8 +11,8 @@ from jax import Array
 
 from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import allocator, refuse_now_if, update_slice_or_keep
 from jax_session_state.errors import CapacityError, PayloadTypeError
-from jax_session_state.kinds import allocator, refuse_now_if, update_slice_or_keep
 from jax_session_state.objects import _frames, _quantize, _ring
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
@@ -198,7 +198,7 @@ class KVCache(StateObject, kw_only=True):
           tiers: the quantized forms it may be demoted to when memory is
             short (``("int8",)``), highest precision first.
           **options: how the object is managed
-            (:class:`~jax_session_state.kinds.ManagedOptions`:
+            (:class:`~jax_session_state.building_blocks.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
             storage axes are ``("batch", "kv_heads", "capacity",
             "head_dim")`` for k and v and ``(None, "batch")`` for the
@@ -369,7 +369,7 @@ class KVCache(StateObject, kw_only=True):
         counts, positions and staged rows are kept, so attention reads the
         demoted cache unchanged.  Under ``jit`` with the cache donated the
         float storage is read once and freed: the peak is the float cache
-        plus its quantized copy (about 1.3x the float cache).
+        plus its quantized copy.
 
         Returns:
           The cache quantized to ``tiers[0]``, with the remaining tiers.

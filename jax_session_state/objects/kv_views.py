@@ -14,8 +14,8 @@ from jax import Array
 
 from jax_session_state._core import _validation as v
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import refuse_now_if
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.kinds import refuse_now_if
 from jax_session_state.objects._quantize import dequantize
 
 __all__ = ["BranchKVView", "KVChunk", "KVView", "PagedView", "read_chunk"]
@@ -36,7 +36,7 @@ class KVChunk(NamedTuple):
       >>> import jax_session_state as jss
       >>> rows = jnp.ones((2, 4, 1, 8))  # batch 2, T 4, one kv head of 8
       >>> kv = jss.KVCache.allocate(batch=2, kv_heads=1, head_dim=8, capacity=16)
-      >>> kv.append(jss.KVChunk(rows, rows, counts=jnp.array([4, 1], jnp.int32))).lengths
+      >>> kv.append(jss.KVChunk(rows, rows, counts=jnp.array([4, 1], jnp.int32))).committed
       Array([4, 1], dtype=int32)
     """
 
@@ -103,8 +103,8 @@ class KVView(struct.PyTreeNode):
 
     Storage is head-major, ``[batch, kv_heads, capacity, head_dim]``: measured
     on XLA CPU, a token-major ``[batch, capacity, kv_heads, head_dim]`` cache
-    made XLA transpose the whole cache every attention step (3x slower, 2.5x
-    the cache's bytes at peak), while head-major feeds the score matmuls
+    made XLA transpose the whole cache every attention step (slower, and a
+    peak of more than twice the cache's bytes), while head-major feeds the score matmuls
     directly.  Slots are not in position order in ring mode; ``positions``
     says which absolute position each slot holds.
 

@@ -12,8 +12,8 @@ from flax import struct
 from jax import Array, lax
 
 from jax_session_state._core import _validation as v
+from jax_session_state.building_blocks import allocator
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.kinds import allocator
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes
 
@@ -113,7 +113,7 @@ class LatentBuffer(ItemBuffer, kw_only=True):
             own bound.  Not saved by checkpoints (a function is code, not
             state): a restored buffer has none.
           **options: how the object is managed
-            (:class:`~jax_session_state.kinds.ManagedOptions`:
+            (:class:`~jax_session_state.building_blocks.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "LatentBuffer.allocate"

@@ -23,8 +23,8 @@ from jax import Array
 
 from jax_session_state._core import _validation as v
 from jax_session_state.base import StateObject
+from jax_session_state.building_blocks import allocator, overwrite, refuse_now_if
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
-from jax_session_state.kinds import allocator, overwrite, refuse_now_if
 from jax_session_state.objects import _pages, _quantize
 from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
@@ -162,7 +162,7 @@ class PagedKVCache(StateObject, kw_only=True):
           tiers: the quantized forms it may be demoted to when memory is
             short (``("int8",)``), highest precision first.
           **options: how the object is managed
-            (:class:`~jax_session_state.kinds.ManagedOptions`:
+            (:class:`~jax_session_state.building_blocks.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
             storage axes are ``("num_pages", "page_size", "kv_heads",
             "head_dim")`` for the pools (and their scales), ``("max_slots",
@@ -465,7 +465,7 @@ class PagedKVCache(StateObject, kw_only=True):
         reference counts, free list, committed and staged rows are kept, so
         attention, forks and frees work unchanged.  Under ``jit`` with the
         cache donated the bookkeeping is reused in place; the peak is the
-        float pools plus their quantized copy (about 1.3x float32).
+        float pools plus their quantized copy.
 
         Returns:
           The cache quantized to ``tiers[0]``, with the remaining tiers.

@@ -11,8 +11,8 @@ from flax import struct
 from jax import Array
 
 from jax_session_state._core import _validation as v
+from jax_session_state.building_blocks import allocator
 from jax_session_state.errors import PayloadError
-from jax_session_state.kinds import allocator
 from jax_session_state.objects import _ring
 from jax_session_state.objects._items import ItemBuffer
 from jax_session_state.sharding import LogicalAxes
@@ -142,7 +142,7 @@ class RetrievalStore(ItemBuffer, kw_only=True):
             storage axes are ``("slots", "key_dim")`` for keys and
             ``("slots", *axes)`` for each value leaf.
           **options: how the object is managed
-            (:class:`~jax_session_state.kinds.ManagedOptions`:
+            (:class:`~jax_session_state.building_blocks.ManagedOptions`:
             ``recompute_source``, ``recompute_cost``, ``sharding``).
         """
         owner = "RetrievalStore.allocate"

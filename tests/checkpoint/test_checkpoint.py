@@ -509,7 +509,7 @@ def _served_session(i):
 
 def _manager(budget_sessions=3, **kwargs):
     manager = jss.SessionStateManager(byte_budget={DEVICE: budget_sessions * _served_session(0).nbytes}, **kwargs)
-    manager.register_rebuild("cond", lambda s: s["cond"].empty().commit(2 * s["prompt"].view()))
+    manager.register_recompute("cond", lambda s: s["cond"].empty().commit(2 * s["prompt"].view()))
     return manager
 
 
@@ -535,7 +535,7 @@ def test_a_manager_round_trips_its_sessions_lru_order_parks_and_drops(tmp_path):
     assert stats["sessions"] == 5 and stats["lookups"] == stats["parks"] == stats["evictions"] == 0
     assert not any(h.pinned for h in restored.held().values())  # pins are not persisted
     for sid, session in originals.items():
-        back = restored.get(sid)  # parked objects copied back, dropped ones rebuilt
+        back = restored.get(sid)  # parked objects copied back, dropped ones recomputed
         for name in session.objects:
             for x, y in zip(jax.tree_util.tree_leaves(back[name]), jax.tree_util.tree_leaves(session[name])):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{sid}.{name}")

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 
 import jax_session_state as jss
-from jax_session_state.kinds import allocator, overwrite
+from jax_session_state.building_blocks import allocator, overwrite
 
 
 class Totals(jss.StateObject, kw_only=True):

@@ -17,7 +17,7 @@ from tests.support.world import (
     assert_same,
     contents,
     make_session,
-    rebuild_cond,
+    recompute_cond,
     session_bytes,
     step,
 )
@@ -29,7 +29,7 @@ ONE = SIZES["session"]
 def manager(**kw):
     events = []
     m = jss.SessionStateManager(on_event=events.append, **kw)
-    m.register_rebuild("cond", rebuild_cond)
+    m.register_recompute("cond", recompute_cond)
     return m, events
 
 
@@ -198,7 +198,7 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
     original = contents(a)
     m.create("a", a)
     m.create("b", make_session(1))
-    # Only "a" may give way; cond is rebuildable (dropped first), the rest is parked, largest first.
+    # Only "a" may give way; cond is recomputable (dropped first), the rest is parked, largest first.
     assert kinds(events) == [
         ("evict", "a", "cond"),
         ("park", "a", "kv"),
@@ -229,7 +229,7 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
         ("restore", "a", "kv"),
         ("restore", "a", "prompt"),
     ]
-    assert kinds(events)[7:] == [("rebuild", "a", "cond")]  # after its source is back
+    assert kinds(events)[7:] == [("recompute", "a", "cond")]  # after its source is back
     assert contents(restored).keys() == original.keys()
     for key, value in contents(restored).items():
         assert value.tobytes() == original[key].tobytes(), key
@@ -240,7 +240,7 @@ def test_recompute_chain_drops_cond_first_parks_the_rest_and_restores_bit_for_bi
             and leaf.sharding.memory_kind == "device"
         )
     stats = m.stats()
-    assert (stats["evictions"], stats["parks"], stats["restores"], stats["rebuilds"]) == (2, 6, 3, 1)
+    assert (stats["evictions"], stats["parks"], stats["restores"], stats["recomputes"]) == (2, 6, 3, 1)
     assert stats["bytes"] == {DEVICE: ONE + 4, PINNED: parked_bytes}
     m.put("a", step(restored))
     assert TRACES[16] == traces == 1  # the restored session is the same to jit: no retrace
@@ -322,31 +322,31 @@ def test_pinned_sessions_are_never_touched_and_pins_nest():
     assert events[0].session_id == "a"
 
 
-def test_events_of_a_failing_rebuild_and_a_wrong_spec_leave_the_session_restorable():
+def test_events_of_a_failing_recompute_and_a_wrong_spec_leave_the_session_restorable():
     m, _ = manager(byte_budget={DEVICE: ONE + 10})
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     m.release("b")
-    m.register_rebuild("cond", lambda session: session["kv"])
+    m.register_recompute("cond", lambda session: session["kv"])
     with pytest.raises(
         jss.PayloadError,
-        match=r"rebuilding 'cond' of session 'a'.*must return a resident EncodeOnceKV.*returned KVCache",
+        match=r"recomputing 'cond' of session 'a'.*must return a resident EncodeOnceKV.*returned KVCache",
     ):
         m.get("a")
-    m.register_rebuild("cond", lambda session: 1 / 0)
+    m.register_recompute("cond", lambda session: 1 / 0)
     with pytest.raises(
-        RuntimeError, match=r"rebuild function raised ZeroDivisionError.*'cond' is still evicted"
+        RuntimeError, match=r"recompute function raised ZeroDivisionError.*'cond' is still evicted"
     ):
         m.get("a")
     assert m.held()["a"].evicted == {"cond"}
-    m.register_rebuild("cond", rebuild_cond, cost=3.0)
+    m.register_recompute("cond", recompute_cond, cost=3.0)
     assert_same(m.get("a"), make_session(0))
 
 
-def test_objects_without_a_rebuild_or_a_recompute_source_are_never_evicted():
+def test_objects_without_a_recompute_or_a_recompute_source_are_never_evicted():
     m = jss.SessionStateManager(byte_budget={DEVICE: ONE + 10}, park_memory_kind=None, evict_when_full=False)
-    # no rebuild registered for cond: it may not be evicted either
-    m.register_rebuild("carry", lambda session: session["carry"])  # carry declares no source: never dropped
+    # no recompute registered for cond: it may not be evicted either
+    m.register_recompute("carry", lambda session: session["carry"])  # carry declares no source: never dropped
     m.create("a", make_session(0))
     before = frozen_state(m)
     with pytest.raises(jss.BudgetExceededError, match="'b'"):
@@ -355,14 +355,14 @@ def test_objects_without_a_rebuild_or_a_recompute_source_are_never_evicted():
     assert m.stats()["evictions"] == 0 and "b" not in m
 
 
-def test_register_rebuild_checks_its_arguments():
+def test_register_recompute_checks_its_arguments():
     m, _ = manager()
     with pytest.raises(jss.PayloadTypeError, match="fn must be callable"):
-        m.register_rebuild("cond", 3)
+        m.register_recompute("cond", 3)
     with pytest.raises(jss.PayloadTypeError, match=r"name must be an object name \(a str\); got tuple \('cond',\)\."):
-        m.register_rebuild(("cond",), rebuild_cond)
+        m.register_recompute(("cond",), recompute_cond)
     with pytest.raises(jss.PayloadError, match="name must be an object name; got the empty string"):
-        m.register_rebuild("", rebuild_cond)
+        m.register_recompute("", recompute_cond)
     for bad in (
         dict(max_sessions=0),
         dict(byte_budget={DEVICE: -1}),
@@ -376,19 +376,19 @@ def test_register_rebuild_checks_its_arguments():
 @pytest.mark.parametrize(
     ("cost", "error", "message"),
     [
-        (-1, jss.PayloadError, r"^register_rebuild\('cond'\): cost must be >= 0; got -1\.$"),
-        (float("nan"), jss.PayloadError, r"^register_rebuild\('cond'\): cost must be >= 0; got nan\.$"),
-        ("1", jss.PayloadTypeError, r"^register_rebuild\('cond'\): cost must be a number >= 0; got '1'\.$"),
-        ((1,), jss.PayloadTypeError, r"^register_rebuild\('cond'\): cost must be a number >= 0; got \(1,\)\.$"),
+        (-1, jss.PayloadError, r"^register_recompute\('cond'\): cost must be >= 0; got -1\.$"),
+        (float("nan"), jss.PayloadError, r"^register_recompute\('cond'\): cost must be >= 0; got nan\.$"),
+        ("1", jss.PayloadTypeError, r"^register_recompute\('cond'\): cost must be a number >= 0; got '1'\.$"),
+        ((1,), jss.PayloadTypeError, r"^register_recompute\('cond'\): cost must be a number >= 0; got \(1,\)\.$"),
     ],
 )
-def test_register_rebuild_tells_a_cost_of_the_wrong_type_from_a_negative_one(cost, error, message):
+def test_register_recompute_tells_a_cost_of_the_wrong_type_from_a_negative_one(cost, error, message):
     m, _ = manager()
     with pytest.raises(error, match=message) as raised:
-        m.register_rebuild("cond", rebuild_cond, cost=cost)
+        m.register_recompute("cond", recompute_cond, cost=cost)
     assert not isinstance(raised.value, TypeError if error is jss.PayloadError else ValueError)
     for cost in (None, 0, 2.5, np.float32(1.0)):  # None: the object's own recompute_cost
-        m.register_rebuild("cond", rebuild_cond, cost=cost)
+        m.register_recompute("cond", recompute_cond, cost=cost)
 
 
 def test_an_empty_manager_is_truthy_and_contains_nothing():
@@ -404,7 +404,7 @@ def test_an_empty_manager_is_truthy_and_contains_nothing():
         "preemptions": 0,
         "parks": 0,
         "restores": 0,
-        "rebuilds": 0,
+        "recomputes": 0,
         "refusals": 0,
         "bytes": {},
     }
@@ -512,17 +512,17 @@ def test_the_lock_comes_from_lock_factory():
         return made[-1]
 
     m = jss.SessionStateManager(lock_factory=factory, byte_budget={DEVICE: ONE + 10})
-    held_while_rebuilding = []
+    held_while_recomputing = []
 
-    def rebuild(session):
-        held_while_rebuilding.append(made[0]._is_owned())
-        return rebuild_cond(session)
+    def recompute(session):
+        held_while_recomputing.append(made[0]._is_owned())
+        return recompute_cond(session)
 
-    m.register_rebuild("cond", rebuild)
+    m.register_recompute("cond", recompute)
     m.create("a", make_session(0))
     m.create("b", make_session(1))
     assert_same(m.get("a"), make_session(0))
-    assert len(made) == 1 and held_while_rebuilding == [True] and not made[0]._is_owned()
+    assert len(made) == 1 and held_while_recomputing == [True] and not made[0]._is_owned()
     plain = jss.SessionStateManager(lock_factory=lambda: factory(threading.Lock))  # not reentrant: works too
     plain.create("a", make_session(0))
     plain.update("a", step)
@@ -608,21 +608,21 @@ jax.monitoring.register_event_duration_secs_listener(
 )
 
 
-@pytest.mark.parametrize("rebuild", [False, True], ids=["parked", "parked-and-rebuilt"])
-def test_parked_and_rebuilt_sessions_come_back_without_a_compile(rebuild):
+@pytest.mark.parametrize("recompute", [False, True], ids=["parked", "parked-and-recomputed"])
+def test_parked_and_recomputed_sessions_come_back_without_a_compile(recompute):
     fresh_step = jax.jit(world_step, donate_argnums=0)
     m = jss.SessionStateManager(byte_budget={DEVICE: ONE + ONE // 2})
-    if rebuild:
-        m.register_rebuild("cond", rebuild_cond)
+    if recompute:
+        m.register_recompute("cond", recompute_cond)
     m.create("a", fresh_step(make_session(0)))  # uncommitted arrays, as jnp makes them
     m.create("b", fresh_step(make_session(1)))
     compiles = []
-    for _cycle in range(21):  # the first cycle compiles what parks, restores and rebuilds
+    for _cycle in range(21):  # the first cycle compiles what parks, restores and recomputes
         compiles.append(len(BACKEND_COMPILES))
         for sid in "ab":  # each get brings one session back and parks (or evicts) the other
             m.put(sid, fresh_step(m.get(sid)))
     stats = m.stats()
-    assert stats["restores"] >= 20 and (stats["rebuilds"] >= 20) is rebuild
+    assert stats["restores"] >= 20 and (stats["recomputes"] >= 20) is recompute
     assert compiles[1] == compiles[-1] == len(BACKEND_COMPILES)  # no compile after: one executable for the step
 
 

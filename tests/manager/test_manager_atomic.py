@@ -1,4 +1,4 @@
-"""A demotion or a rebuild that fails while the manager makes room changes nothing: every action or none."""
+"""A demotion or a recompute that fails while the manager makes room changes nothing: every action or none."""
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ def demote_frames(item: jax.Array) -> jax.Array:
 
 
 def tiered_session(seed: int) -> jss.Session:
-    """Random data in a rebuildable cond, its prompt, and frames that demote through ``demote_frames``."""
+    """Random data in a recomputable cond, its prompt, and frames that demote through ``demote_frames``."""
     rng = np.random.default_rng(seed)
     prompt = jnp.asarray(rng.normal(size=(1, 4)), jnp.float32)
     cond = jss.FixedState.allocate(shapes=(1, 64), recompute_source=("prompt",)).commit(jnp.tile(prompt, 16))
@@ -34,7 +34,7 @@ def tiered_session(seed: int) -> jss.Session:
     return jss.Session(objects={"prompt": prompt_state, "cond": cond, "frames": frames})
 
 
-def rebuild_cond(session: jss.Session) -> jss.FixedState:
+def recompute_cond(session: jss.Session) -> jss.FixedState:
     return session["cond"].empty().commit(jnp.tile(session["prompt"].view(), 16))
 
 
@@ -50,7 +50,7 @@ def test_a_demotion_that_fails_leaves_every_session_as_it_was(monkeypatch):
     m = jss.SessionStateManager(
         byte_budget={DEVICE: budget}, park_memory_kind=None, evict_when_full=False, on_event=events.append
     )
-    m.register_rebuild("cond", rebuild_cond)
+    m.register_recompute("cond", recompute_cond)
     frames = np.asarray(a["frames"].view().materialize())
     m.create("a", a)
     before = frozen_state(m)
@@ -68,48 +68,48 @@ def test_a_demotion_that_fails_leaves_every_session_as_it_was(monkeypatch):
     np.testing.assert_array_equal(np.asarray(demoted.view().materialize()), frames[..., ::4])
 
 
-def test_a_rebuild_that_fails_on_a_lookup_makes_no_room_first():
+def test_a_recompute_that_fails_on_a_lookup_makes_no_room_first():
     events, calls = [], []
 
-    def rebuild(session):
+    def recompute(session):
         calls.append(1)
         if len(calls) == 1:
             raise ValueError("encoder offline")
-        return rebuild_cond(session)
+        return recompute_cond(session)
 
     a = tiered_session(0)
     m = jss.SessionStateManager(
         byte_budget={DEVICE: a.nbytes + 8}, park_memory_kind=None, on_event=events.append
     )
-    m.register_rebuild("cond", rebuild)
+    m.register_recompute("cond", recompute)
     m.create("a", a)
     m.create("b", carry(1, 64))  # as large as a's cond, which is evicted
     assert [(e.kind, e.session_id) for e in events] == [("evict", "a")]
     before = frozen_state(m, uncounted=("refusals", "lookups", "misses"))
     with pytest.raises(RuntimeError, match="encoder offline"):
-        m.get("a")  # its restore needs b preempted: not before the rebuild succeeds
+        m.get("a")  # its restore needs b preempted: not before the recompute succeeds
     assert len(events) == 1 and "b" in m
     assert_frozen(before, m, uncounted=("refusals", "lookups", "misses"))
 
-    restored = m.get("a")  # the rebuild works now: b goes, cond comes back
-    assert [(e.kind, e.session_id) for e in events[1:]] == [("preempt", "b"), ("rebuild", "a")]
+    restored = m.get("a")  # the recompute works now: b goes, cond comes back
+    assert [(e.kind, e.session_id) for e in events[1:]] == [("preempt", "b"), ("recompute", "a")]
     np.testing.assert_array_equal(np.asarray(restored["cond"].view()), np.asarray(a["cond"].view()))
     assert m.nbytes_by_device() == {DEVICE: a.nbytes}
 
 
-def test_a_rebuild_function_that_changes_the_table_gets_a_fresh_plan():
+def test_a_recompute_function_that_changes_the_table_gets_a_fresh_plan():
     events = []
     a = tiered_session(0)
     m = jss.SessionStateManager(byte_budget={DEVICE: a.nbytes + 8}, park_memory_kind=None, on_event=events.append)
 
-    def rebuild(session):  # runs under the manager's (reentrant) lock
+    def recompute(session):  # runs under the manager's (reentrant) lock
         m.release("b")
-        return rebuild_cond(session)
+        return recompute_cond(session)
 
-    m.register_rebuild("cond", rebuild)
+    m.register_recompute("cond", recompute)
     m.create("a", a)
     m.create("b", carry(1, 64))
     m.get("a")  # planned to preempt b; b was released meanwhile, so nothing need go
-    assert [(e.kind, e.session_id) for e in events] == [("evict", "a"), ("rebuild", "a")]
+    assert [(e.kind, e.session_id) for e in events] == [("evict", "a"), ("recompute", "a")]
     assert list(m.held()) == ["a"] and m.nbytes_by_device() == {DEVICE: a.nbytes}
     assert m.stats()["preemptions"] == 0

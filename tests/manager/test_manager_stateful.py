@@ -3,7 +3,7 @@
 After every step: no budgeted device is over budget; the byte totals equal a
 recount of what is held; every session the model holds is held, and each of
 its objects is resident and equal to the model, parked and equal, or dropped
-(and rebuilt equal on the next lookup); every session the manager lost was
+(and recomputed equal on the next lookup); every session the manager lost was
 reported through ``on_event`` and raises SessionStateLostError.
 """
 
@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import jax_session_state as jss
 from tests.support.devices import DEVICE, PINNED
-from tests.support.world import contents, make_session, rebuild_cond, session_bytes, step
+from tests.support.world import contents, make_session, recompute_cond, session_bytes, step
 
 IDS = st.sampled_from("abcd")
 CAPACITIES = st.sampled_from([8, 16, 32])
@@ -56,7 +56,7 @@ class ManagerMachine(RuleBasedStateMachine):
             host_budget=host_budget,
             on_event=self.events.append,
         )
-        self.manager.register_rebuild("cond", rebuild_cond)
+        self.manager.register_recompute("cond", recompute_cond)
         self.max_sessions = max_sessions
         self.model = {}  # sid -> {object name: contents}
         self.held_as = {}  # sid -> {object name: "parked" / "evicted"}, from events only
@@ -67,7 +67,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # -------------------------------------------------------------- helpers
     def absorb_events(self):
         for event in self.events[self.read :]:
-            assert event.kind in ("evict", "park", "restore", "rebuild", "preempt", "refusal")
+            assert event.kind in ("evict", "park", "restore", "recompute", "preempt", "refusal")
             sid, name = event.session_id, event.object_name
             if event.kind == "preempt":
                 assert not self.pins.get(sid), "a pinned session was preempted"
@@ -77,8 +77,8 @@ class ManagerMachine(RuleBasedStateMachine):
             elif event.kind in ("evict", "park"):
                 assert name not in self.held_as[sid] and event.bytes_by_device
                 self.held_as[sid][name] = {"evict": "evicted", "park": "parked"}[event.kind]
-            elif event.kind in ("restore", "rebuild"):
-                assert self.held_as[sid].pop(name) == {"restore": "parked", "rebuild": "evicted"}[event.kind]
+            elif event.kind in ("restore", "recompute"):
+                assert self.held_as[sid].pop(name) == {"restore": "parked", "recompute": "evicted"}[event.kind]
         self.read = len(self.events)
 
     def stored(self, sid, expected):

@@ -6,7 +6,7 @@ import threading
 
 import jax_session_state as jss
 from tests.support.devices import DEVICE, PINNED
-from tests.support.world import make_session, rebuild_cond, session_bytes, step
+from tests.support.world import make_session, recompute_cond, session_bytes, step
 
 THREADS, OPERATIONS, SESSIONS = 8, 2000, 100
 ONE = session_bytes(capacity=8)["session"]
@@ -19,7 +19,7 @@ def test_eight_threads_of_random_operations():
     manager = jss.SessionStateManager(
         max_sessions=80, byte_budget=budget, host_budget=30 * ONE, on_event=events.append
     )
-    manager.register_rebuild("cond", rebuild_cond)
+    manager.register_recompute("cond", recompute_cond)
     templates = [make_session(i, capacity=8) for i in range(4)]  # forked per use: no shared buffers
     for sid in range(60):
         manager.create(sid, templates[sid % 4].fork())
@@ -70,7 +70,7 @@ def test_eight_threads_of_random_operations():
     assert sum(outcomes.values()) == THREADS * OPERATIONS
     assert outcomes["update", "ok"] > 1000 and outcomes["get", "ok"] > 1000
     kinds = collections.Counter(event.kind for event in events)
-    assert kinds["park"] and kinds["restore"] and kinds["evict"] and kinds["rebuild"]
+    assert kinds["park"] and kinds["restore"] and kinds["evict"] and kinds["recompute"]
     assert stats["parks"] == kinds["park"] and stats["restores"] == kinds["restore"]
     assert stats["evictions"] == kinds["evict"] and stats["preemptions"] == kinds["preempt"]
     # Final bytes: the running totals equal a recount over every session held, within budget.

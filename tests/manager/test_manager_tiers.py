@@ -17,13 +17,13 @@ from examples.world_model import (
     rollout,
     start_session,
 )
-from tests.support.world import PROMPT, B, D, H, encode, rebuild_cond
+from tests.support.world import PROMPT, B, D, H, encode, recompute_cond
 
 TOKENS, CAPACITY = 12, 32
 
 
 def tier_session(seed, *, cond=False):
-    """Random rows (never zeros) in a float K/V cache that may be demoted to int8; optionally a rebuildable cond."""
+    """Random rows (never zeros) in a float K/V cache that may be demoted to int8; optionally a recomputable cond."""
     rng = np.random.default_rng(seed)
     k, v = (jnp.asarray(rng.normal(size=(B, TOKENS, H, D)), jnp.float32) for _ in range(2))
     objects = {
@@ -56,11 +56,11 @@ def sizes(cond=False):
 DEVICE = f"{jax.devices()[0].platform}:{jax.devices()[0].id}"
 
 
-def manager(budget, rebuild=True, **kw):
+def manager(budget, recompute=True, **kw):
     events = []
     m = jss.SessionStateManager(byte_budget={DEVICE: budget}, on_event=events.append, **kw)
-    if rebuild:
-        m.register_rebuild("cond", rebuild_cond)
+    if recompute:
+        m.register_recompute("cond", recompute_cond)
     return m, events
 
 
@@ -180,7 +180,7 @@ def test_world_model_frames_after_demotion_stay_within_two_percent_of_the_float_
     float_frames = np.asarray(run(session.fork(), actions[watched:])[1], np.float64)
     floats = sum(nbytes(session[name]) for name in kv_names(config))
     demoted_bytes = sum(nbytes(session[name].demote()) for name in kv_names(config))
-    m, events = manager(nbytes(session) * 2 - (floats - demoted_bytes) // 2, rebuild=False, park_memory_kind=None)
+    m, events = manager(nbytes(session) * 2 - (floats - demoted_bytes) // 2, recompute=False, park_memory_kind=None)
     m.create("old", session.fork())
     m.create("new", session.fork())
     assert {e.kind for e in events} == {"demote"} and {e.session_id for e in events} == {"old"}
@@ -224,7 +224,7 @@ def test_demotion_frees_what_the_manager_alone_holds_and_keeps_a_shared_buffer(m
         name for name in old.storage_fields() if name not in old.data_fields and getattr(old, name) is not None
     ]
     kept = {name: np.asarray(jnp.copy(getattr(old, name))) for name in bookkeeping}  # copies: `old` stays deletable
-    m, events = manager(3 * size - saved // 2, rebuild=False)
+    m, events = manager(3 * size - saved // 2, recompute=False)
     for sid in "abc":
         m.create(sid, sessions[sid])
     assert kinds(events) == [("demote", "a", "kv")] and m.stats()["demotions"] == 1
@@ -247,7 +247,7 @@ def test_demotion_frees_what_the_manager_alone_holds_and_keeps_a_shared_buffer(m
     shared = make(3)
     written = host_rows(shared["kv"])
     pointers = {name: getattr(shared["kv"], name).unsafe_buffer_pointer() for name in bookkeeping}
-    m, events = manager(3 * size - saved // 2, rebuild=False)
+    m, events = manager(3 * size - saved // 2, recompute=False)
     m.create("a", shared)
     m.create("twin", shared)
     for sid in "bc":

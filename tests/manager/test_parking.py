@@ -111,10 +111,10 @@ def test_restored_arrays_are_committed_as_they_were_so_a_step_does_not_compile_a
         assert {x.committed for x in jax.tree_util.tree_leaves(cache)} == {committed}
         assert_same(restored, cache)
         cache = step(restored)
-        rebuilt = _placement.Placement.of(cache).apply(cache.empty())  # what the manager does to a rebuilt object
+        recomputed = _placement.Placement.of(cache).apply(cache.empty())  # what the manager does to a recomputed object
         n_leaves = len(jax.tree_util.tree_leaves(cache))
-        assert [x.committed for x in jax.tree_util.tree_leaves(rebuilt)] == [committed] * n_leaves
-        step(rebuilt)
+        assert [x.committed for x in jax.tree_util.tree_leaves(recomputed)] == [committed] * n_leaves
+        step(recomputed)
     assert compiles[1] == len(BACKEND_COMPILES)  # then nothing compiles: the step runs its one executable
 
 

@@ -98,7 +98,7 @@ def simulate(sessions, result, budgets, protect=None, park=False, host_room=None
         if isinstance(action, EvictObject):
             st_, nbytes, o = objects[action.name]
             assert st_ == "resident", f"drop of {st_} object"
-            assert o.rebuildable, "drop of non-rebuildable object"
+            assert o.recomputable, "drop of non-recomputable object"
             for src in o.sources:
                 assert src in objects and objects[src][0] == "resident", (
                     f"drop of {action.name} whose source {src} is not resident"
@@ -155,7 +155,7 @@ def session_options(s, over, park):
         o.name
         for o in s.objects
         if o.state == "resident"
-        and o.rebuildable
+        and o.recomputable
         and on_over(o.bytes_by_device)
         and all(src in objects and objects[src].state == "resident" for src in o.sources)
         and not any(o.name in d.sources for d in dropped_before)
@@ -229,7 +229,7 @@ def brute_force_fits(sessions, budgets, protect=None, park=False, host_room=None
 
 
 def test_within_budget_returns_empty_plan():
-    s = sess("a", obj("x", {"cuda:0": 10}, rebuildable=True))
+    s = sess("a", obj("x", {"cuda:0": 10}, recomputable=True))
     result = plan([s], budgets={"cuda:0": 10, "cpu:0": 0})
     assert result == Plan((), {"cuda:0": 10})
 
@@ -237,9 +237,9 @@ def test_within_budget_returns_empty_plan():
 def test_drops_cheapest_recompute_per_byte_first():
     s = sess(
         "a",
-        obj("expensive", {"cuda:0": 100}, rebuildable=True, recompute_cost=50.0),
-        obj("cheap", {"cuda:0": 100}, rebuildable=True, recompute_cost=1.0),
-        obj("big_cheap_per_byte", {"cuda:0": 1000}, rebuildable=True, recompute_cost=5.0),
+        obj("expensive", {"cuda:0": 100}, recomputable=True, recompute_cost=50.0),
+        obj("cheap", {"cuda:0": 100}, recomputable=True, recompute_cost=1.0),
+        obj("big_cheap_per_byte", {"cuda:0": 1000}, recomputable=True, recompute_cost=5.0),
     )
     # per byte: big 0.005 < cheap 0.01 < expensive 0.5
     assert steps(plan([s], budgets={"cuda:0": 1150})) == [("drop", "a", "big_cheap_per_byte")]
@@ -252,28 +252,28 @@ def test_drops_cheapest_recompute_per_byte_first():
 def test_cost_per_byte_counts_only_over_budget_keys():
     s = sess(
         "a",
-        obj("mostly_cpu", {"cpu:0": 1000, "cuda:0": 10}, rebuildable=True, recompute_cost=1.0),
-        obj("gpu", {"cuda:0": 10}, rebuildable=True, recompute_cost=0.5),
+        obj("mostly_cpu", {"cpu:0": 1000, "cuda:0": 10}, recomputable=True, recompute_cost=1.0),
+        obj("gpu", {"cuda:0": 10}, recomputable=True, recompute_cost=0.5),
     )
     # Over only on cuda:0: 1/10 vs 0.5/10 -> "gpu" is cheaper per freed byte.
     assert steps(plan([s], budgets={"cuda:0": 15})) == [("drop", "a", "gpu")]
 
 
 def test_drop_ties_broken_by_name():
-    s = sess("a", obj("b", {"cuda:0": 10}, rebuildable=True), obj("a", {"cuda:0": 10}, rebuildable=True))
+    s = sess("a", obj("b", {"cuda:0": 10}, recomputable=True), obj("a", {"cuda:0": 10}, recomputable=True))
     assert steps(plan([s], budgets={"cuda:0": 15})) == [("drop", "a", "a")]
 
 
 def test_drops_least_recently_used_session_first():
-    old = sess("old", obj("x", {"cuda:0": 10}, rebuildable=True, recompute_cost=9.0), last_used=1)
-    new = sess("new", obj("x", {"cuda:0": 10}, rebuildable=True, recompute_cost=0.0), last_used=2)
+    old = sess("old", obj("x", {"cuda:0": 10}, recomputable=True, recompute_cost=9.0), last_used=1)
+    new = sess("new", obj("x", {"cuda:0": 10}, recomputable=True, recompute_cost=0.0), last_used=2)
     assert steps(plan([new, old], budgets={"cuda:0": 15})) == [("drop", "old", "x")]
     # Equal recency: input order decides.
-    tie = sess("tie", obj("x", {"cuda:0": 10}, rebuildable=True), last_used=1)
+    tie = sess("tie", obj("x", {"cuda:0": 10}, recomputable=True), last_used=1)
     assert steps(plan([tie, old], budgets={"cuda:0": 15})) == [("drop", "tie", "x")]
 
 
-def test_non_rebuildable_objects_are_never_dropped():
+def test_non_recomputable_objects_are_never_dropped():
     s = sess("a", obj("kv", {"cuda:0": 100}))
     result = plan([s], budgets={"cuda:0": 50})
     assert isinstance(result, Refusal) and result.proven
@@ -282,9 +282,9 @@ def test_non_rebuildable_objects_are_never_dropped():
 def _prompt_chain(prompt_cost=500.0, state="resident"):
     return sess(
         "s",
-        obj("prompt", {"cuda:0": 1000}, rebuildable=True, recompute_cost=prompt_cost),
+        obj("prompt", {"cuda:0": 1000}, recomputable=True, recompute_cost=prompt_cost),
         obj(
-            "cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True, recompute_cost=1.0, state=state
+            "cond_kv", {"cuda:0": 10}, sources=("prompt",), recomputable=True, recompute_cost=1.0, state=state
         ),
     )
 
@@ -316,8 +316,8 @@ def test_source_of_dropped_dependent_is_never_dropped():
 def test_object_with_non_resident_source_is_not_dropped():
     s = sess(
         "s",
-        obj("prompt", {"cpu:0/pinned_host": 1000}, state="parked", rebuildable=True),
-        obj("cond_kv", {"cuda:0": 10}, sources=("prompt",), rebuildable=True),
+        obj("prompt", {"cpu:0/pinned_host": 1000}, state="parked", recomputable=True),
+        obj("cond_kv", {"cuda:0": 10}, sources=("prompt",), recomputable=True),
     )
     result = plan([s], budgets={"cuda:0": 5})
     assert isinstance(result, Refusal)
@@ -333,7 +333,7 @@ def test_parks_move_bytes_to_pinned_host_largest_first():
 
 def test_drops_come_before_parks():
     s = sess(
-        "a", obj("kv", {"cuda:0": 50}), obj("frames", {"cuda:0": 20}, rebuildable=True, recompute_cost=100.0)
+        "a", obj("kv", {"cuda:0": 50}), obj("frames", {"cuda:0": 20}, recomputable=True, recompute_cost=100.0)
     )
     assert steps(plan([s], budgets={"cuda:0": 55}, park=True)) == [("drop", "a", "frames")]
 
@@ -384,8 +384,8 @@ def test_replayed_drop_makes_room_for_a_park():
     # room for the park, and the replay keeps r2 for that reason.
     s = sess(
         "s",
-        obj("r1", {"cuda:0/pinned_host": 5}, rebuildable=True),
-        obj("r2", {"cuda:0/pinned_host": 5}, rebuildable=True),
+        obj("r1", {"cuda:0/pinned_host": 5}, recomputable=True),
+        obj("r2", {"cuda:0/pinned_host": 5}, recomputable=True),
         obj("p", {"cuda:0": 8}),
     )
     budgets = {"cuda:0": 3, "cuda:0/pinned_host": 8}
@@ -424,7 +424,7 @@ def test_preemption_frees_parked_bytes_and_supersedes_earlier_actions():
         "a",
         obj("kv", {"cuda:0": 10}),
         obj("old", {"cuda:0/pinned_host": 4}, state="parked"),
-        obj("frames", {"cuda:0": 5}, rebuildable=True),
+        obj("frames", {"cuda:0": 5}, recomputable=True),
         last_used=1,
         attrs_bytes_by_device={"cuda:0": 1},
     )
@@ -446,9 +446,9 @@ def test_refusal_names_keys_and_shortfalls():
 
 
 def test_pinned_and_protected_sessions_are_untouched():
-    pinned = sess("p", obj("x", {"cuda:0": 50}, rebuildable=True), pinned=True, last_used=0)
-    protected = sess("q", obj("x", {"cuda:0": 50}, rebuildable=True), last_used=1)
-    free = sess("f", obj("x", {"cuda:0": 5}, rebuildable=True), last_used=9)
+    pinned = sess("p", obj("x", {"cuda:0": 50}, recomputable=True), pinned=True, last_used=0)
+    protected = sess("q", obj("x", {"cuda:0": 50}, recomputable=True), last_used=1)
+    free = sess("f", obj("x", {"cuda:0": 5}, recomputable=True), last_used=9)
     result = plan(
         [pinned, protected, free], budgets={"cuda:0": 100}, protect="q", park=True, allow_preempt=True
     )
@@ -462,12 +462,12 @@ def test_pinned_and_protected_sessions_are_untouched():
 def test_no_needless_actions():
     a = sess(
         "a",
-        obj("cpu_only", {"cpu:0": 100}, rebuildable=True),
-        obj("gpu", {"cuda:0": 10}, rebuildable=True),
-        obj("gpu2", {"cuda:0": 10}, rebuildable=True),
+        obj("cpu_only", {"cpu:0": 100}, recomputable=True),
+        obj("gpu", {"cuda:0": 10}, recomputable=True),
+        obj("gpu2", {"cuda:0": 10}, recomputable=True),
         last_used=0,
     )
-    b = sess("b", obj("gpu", {"cuda:0": 10}, rebuildable=True), last_used=1)
+    b = sess("b", obj("gpu", {"cuda:0": 10}, recomputable=True), last_used=1)
     result = plan([a, b], budgets={"cuda:0": 25, "cpu:0": 1000}, park=True, allow_preempt=True)
     assert steps(result) == [("drop", "a", "gpu")]
 
@@ -615,7 +615,7 @@ def scenarios(draw, max_sessions=3, max_objects=3):
                     state=state,
                     sources=tuple(sources),
                     recompute_cost=draw(st.sampled_from([0.0, 1.0, 3.0, 20.0])),
-                    rebuildable=draw(st.sampled_from([True, True, False])),
+                    recomputable=draw(st.sampled_from([True, True, False])),
                 )
             )
         sessions.append(
@@ -671,7 +671,7 @@ def conflict_scenarios(draw):
                 if i
                 else (),
                 recompute_cost=draw(st.sampled_from([0.5, 1.0, 4.0, 30.0])),
-                rebuildable=draw(st.sampled_from([True, True, True, False])),
+                recomputable=draw(st.sampled_from([True, True, True, False])),
             )
             for i, name in enumerate(names)
         ]
@@ -755,7 +755,7 @@ def tiered(name, nbytes, demoted, **kw):
 def test_demotion_comes_after_eviction_and_before_parking():
     sessions = [
         sess(
-            "a", tiered("kv", 1000, 270), obj("cond", {"d": 100}, rebuildable=True), obj("x", {"d": 500}), last_used=0
+            "a", tiered("kv", 1000, 270), obj("cond", {"d": 100}, recomputable=True), obj("x", {"d": 500}), last_used=0
         ),
         sess("b", tiered("kv", 1000, 270), last_used=1),
     ]

@@ -29,7 +29,7 @@ def test_session_ids_are_unique():
 
 def searched_case():
     """Only evicting E, demoting D (which frees host room) and parking P fit; the greedy pass parks nothing."""
-    evictable = ObjectUsage("E", {"cpu:0": 600}, rebuildable=True)
+    evictable = ObjectUsage("E", {"cpu:0": 600}, recomputable=True)
     demotable = ObjectUsage(
         "D", {"cpu:0": 600, "cpu:1/pinned_host": 600}, demoted_bytes_by_device={"cpu:0": 100, "cpu:1/pinned_host": 100}
     )

@@ -71,14 +71,14 @@ def test_32_slots_sharing_a_3k_prefix_hold_it_once_and_attend_as_unshared():
 
 def test_mapping_refuses_an_occupied_slot_and_unheld_pages():
     cache = jss.PagedKVCache.allocate(max_slots=2, kv_heads=H, head_dim=D, page_size=2, num_pages=4)
-    from jax_session_state.objects import _prefix
+    from jax_session_state.objects import _page_sharing
 
     with pytest.raises(jss.PayloadError, match="held"):
-        _prefix.map_pages(cache, 0, jnp.asarray([0, -1, -1, -1]), 1)
+        _page_sharing.map_pages(cache, 0, jnp.asarray([0, -1, -1, -1]), 1)
     cache = write(cache, {0: np.arange(4)}, {0: 0})
     with pytest.raises(jss.PayloadError, match="free slot"):
-        _prefix.map_pages(cache, 0, jnp.asarray([0, -1, -1, -1]), 1)
-    jitted = jax.jit(_prefix.map_pages, donate_argnums=0)(cache, 0, jnp.asarray([0, -1, -1, -1]), 1)
+        _page_sharing.map_pages(cache, 0, jnp.asarray([0, -1, -1, -1]), 1)
+    jitted = jax.jit(_page_sharing.map_pages, donate_argnums=0)(cache, 0, jnp.asarray([0, -1, -1, -1]), 1)
     assert bool(jitted.overflowed)
 
 

@@ -1,8 +1,8 @@
 """A small world-model session for the manager's tests.
 
-Objects: ``prompt`` (a FixedState prompt embedding, not rebuildable),
-``cond`` (conditioning K/V rebuilt from the prompt), ``carry`` (a FixedState
-recurrent carry, not rebuildable) and ``kv`` (a growing KVCache); attrs hold a
+Objects: ``prompt`` (a FixedState prompt embedding, not recomputable),
+``cond`` (conditioning K/V recomputed from the prompt), ``carry`` (a FixedState
+recurrent carry, not recomputable) and ``kv`` (a growing KVCache); attrs hold a
 step counter.  ``step`` is a jitted, donating rollout step.
 """
 
@@ -32,8 +32,8 @@ def _encoded(spec: jss.EncodeOnceKV, prompt: jax.Array) -> jss.EncodeOnceKV:
     return spec.empty().commit(encode(prompt))
 
 
-def rebuild_cond(session: jss.Session) -> jss.EncodeOnceKV:
-    """Rebuilds ``cond`` from the resident prompt (what ``register_rebuild`` takes)."""
+def recompute_cond(session: jss.Session) -> jss.EncodeOnceKV:
+    """Recomputes ``cond`` from the resident prompt (what ``register_recompute`` takes)."""
     return _encoded(session["cond"], session["prompt"].view())
 
 
@@ -66,7 +66,7 @@ def _visible_mean(view: jss.KVView) -> tuple[jax.Array, jax.Array]:
 
 
 def _step(session: jss.Session) -> jss.Session:
-    # Every head and dim gets its own value, and V is not K, so a write, park, restore or rebuild
+    # Every head and dim gets its own value, and V is not K, so a write, park, restore or recompute
     # that permutes heads or dims or swaps K and V changes what the rollout computes.
     TRACES[session["kv"].capacity] += 1
     cond_k, cond_v = _visible_mean(session["cond"].view())

@@ -19,16 +19,16 @@ import numpy as np
 
 from jax_session_state._core._validation import is_integer_scalar
 from jax_session_state.errors import PayloadError, PayloadTypeError
-from jax_session_state.objects import _prefix
+from jax_session_state.objects import _page_sharing
 from jax_session_state.objects.paged import PagedKVCache
 from jax_session_state.reuse._keys import page_keys
 
 __all__ = ["PrefixIndex"]
 
 # Compiled once per cache spec (page lists are padded to num_pages with -1); the cache is donated.
-_map_pages = jax.jit(_prefix.map_pages, donate_argnums=0)
-_hold = jax.jit(_prefix.hold, donate_argnums=0)
-_drop = jax.jit(_prefix.drop, donate_argnums=0)
+_map_pages = jax.jit(_page_sharing.map_pages, donate_argnums=0)
+_hold = jax.jit(_page_sharing.hold, donate_argnums=0)
+_drop = jax.jit(_page_sharing.drop, donate_argnums=0)
 
 
 def _padded(cache: PagedKVCache, pages: list[int]) -> jax.Array:

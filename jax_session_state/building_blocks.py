@@ -44,10 +44,10 @@ class ManagedOptions(TypedDict, total=False):
     """The keywords every ``allocate`` takes besides its sizes: how the object is managed.
 
     Attributes:
-      recompute_source: the sibling object(s) this object can be rebuilt
+      recompute_source: the sibling object(s) this object can be recomputed
         from (a name or names); without one, a kind that cannot be dropped
         is never evictable.
-      recompute_cost: estimated work to rebuild it (any unit, compared
+      recompute_cost: estimated work to recompute it (any unit, compared
         across objects by the eviction planner).
       sharding: where the storage lives on a mesh
         (:class:`~jax_session_state.ShardingRules` over the logical axes of
@@ -98,7 +98,7 @@ def allocator() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     ``**options``.  Use it under ``@classmethod``.
 
     Example:
-      >>> from jax_session_state.kinds import allocator
+      >>> from jax_session_state.building_blocks import allocator
       >>> class Carry:
       ...     @classmethod
       ...     @allocator()
@@ -142,7 +142,7 @@ def overwrite(old: Any, new: Any) -> Any:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jax_session_state.kinds import overwrite
+      >>> from jax_session_state.building_blocks import overwrite
       >>> overwrite({"flag": jnp.zeros(2, jnp.int32)}, {"flag": jnp.ones(2)})  # keeps old's dtype
       {'flag': Array([1, 1], dtype=int32)}
     """
@@ -164,7 +164,7 @@ def refuse_now_if(refused: Any, error: Callable[[], Exception]) -> None:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jax_session_state.kinds import refuse_now_if
+      >>> from jax_session_state.building_blocks import refuse_now_if
       >>> try:
       ...     refuse_now_if(jnp.array(5) > 4, lambda: ValueError("5 rows do not fit 4"))
       ... except ValueError as error:
@@ -185,7 +185,7 @@ def check_same_spec(obj: Any, name: str, old: Any, new: Any) -> None:
 
     Example:
       >>> import jax_session_state as jss
-      >>> from jax_session_state.kinds import check_same_spec
+      >>> from jax_session_state.building_blocks import check_same_spec
       >>> kv = jss.KVCache.allocate(batch=1, kv_heads=1, head_dim=2, capacity=8)
       >>> check_same_spec(kv, "k", kv.k, kv.k + 1)  # same shape and dtype: nothing to say
       >>> try:
@@ -228,7 +228,7 @@ def update_slice_or_keep(buffer: jax.Array, update: jax.Array, start: Any, *, ax
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jax_session_state.kinds import update_slice_or_keep
+      >>> from jax_session_state.building_blocks import update_slice_or_keep
       >>> lands = jnp.array([True, True, False])  # the third row of the chunk is past its end
       >>> update_slice_or_keep(jnp.zeros(6), jnp.ones(3), 2, axis=0, lands=lands)
       Array([0., 0., 1., 1., 0., 0.], dtype=float32)

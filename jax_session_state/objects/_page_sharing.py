@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from jax_session_state.building_blocks import refuse_now_if
 from jax_session_state.errors import PayloadError
-from jax_session_state.kinds import refuse_now_if
 from jax_session_state.objects import _pages
 
 if TYPE_CHECKING:
