@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
 import pkgutil
 import re
+import tokenize
 from pathlib import Path
 
 import jax_session_state
@@ -231,3 +233,42 @@ def test_the_retired_word_check_names_file_and_line(tmp_path: Path):
         "README.md:1: 'slot_rows' (say capacity)",
     ]
 
+
+FIGURE = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?[x\u00d7](?!\w)"  # a ratio: 3x, 1.18x
+    r"|(?<![\w.])\d+(?:\.\d+)? ?(?:[GMKT]i?B/s|ms|µs|us|ns|[GT]FLOP/?s?)(?!\w)"  # a rate or a time
+    r"|\bon an? (?:H100|H200|A100|EPYC|Xeon)\b"  # the machine a figure was taken on
+)
+"""A measured figure: those go in BENCHMARKS.md, where a rerun updates them, never in the code."""
+
+
+def _figures(path: Path, root: Path) -> list[str]:
+    """``file:line: figure`` for each measured figure in a docstring or comment of ``path`` (doctest input aside)."""
+    source = path.read_text()
+    texts = [(node.lineno + i, line)
+             for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+             and isinstance(node.value.value, str)
+             for i, line in enumerate(node.value.value.splitlines())]
+    texts += [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+              if token.type == tokenize.COMMENT]
+    return [f"{path.relative_to(root)}:{number}: {match.group(0)!r}"
+            for number, line in sorted(texts) if not line.lstrip().startswith((">>>", "..."))
+            for match in FIGURE.finditer(line)]
+
+
+def test_docstrings_and_comments_quote_no_measured_figures():
+    """Timings, ratios and rates go stale in code: docstrings link BENCHMARKS.md instead."""
+    found = [f for path in sorted(PACKAGE.rglob("*.py")) for f in _figures(path, PACKAGE.parent)]
+    assert found == []
+
+
+def test_the_figure_check_finds_figures_and_leaves_sizes(tmp_path: Path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""Reads 12 GB/s, 3x faster.\n\nA [batch, 4 x 8] array of 2 MiB; 0x1f; (2, 2)x.\n"""\n\n'
+        "x = 1  # 84 ms against 0.2 ms on an H200\n"
+        'def f():\n    """Example:\n      >>> f()  # 2x\n    """\n'
+    )
+    assert _figures(module, tmp_path) == [
+        "m.py:1: '12 GB/s'", "m.py:1: '3x'", "m.py:6: '84 ms'", "m.py:6: '0.2 ms'", "m.py:6: 'on an H200'"]

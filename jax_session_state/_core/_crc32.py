@@ -1,10 +1,9 @@
 """CRC-32 exactly as ``zlib.crc32`` computes it, several times faster where the CPU multiplies carry-less.
 
 A verified restore checks every byte it reads against CRC-32s
-(:mod:`jax_session_state.checkpoint._digest`).  zlib's table-driven CRC
-reads 3-4 GB/s on one core; the native library's (``csrc/crc32.cc``) folds
-64 bytes at a time with PCLMULQDQ and reads about 12 GB/s on an AMD EPYC
-(Zen 4), with the same values.  It is used where the library is loaded on
+(:mod:`jax_session_state.checkpoint._digest`).  zlib's CRC is
+table-driven; the native library's (``csrc/crc32.cc``) folds 64 bytes at a
+time with PCLMULQDQ, with the same values (BENCHMARKS.md, the digest rows).  It is used where the library is loaded on
 any instruction-set path but ``baseline`` (plain x86-64 has no carry-less
 multiply) and the CPU has PCLMULQDQ and SSE4.1; elsewhere, and under
 ``JSS_NATIVE_ISA=baseline`` or ``JSS_NATIVE_ATTENTION=0``, zlib computes it.

@@ -182,6 +182,6 @@ def owned_copy(x: Array) -> Array:
     asks Linux to back its whole 2 MiB pages by huge pages before writing it:
     XLA:CPU's fresh buffers otherwise fault in 4 KiB pages as they are first
     written (``csrc/owned_copy.cc``), which made a copy from the host into
-    one four times slower.  Needs :data:`AVAILABLE`.
+    one several times slower.  Needs :data:`AVAILABLE`.
     """
     return jax.ffi.ffi_call(OWNED_COPY_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)

@@ -2,8 +2,8 @@
 
 XLA:CPU computes bfloat16 and float8 arrays in float32: it rewrites every
 op on them, a ``dynamic_update_slice`` or a scatter included, to convert the
-whole operand to float32 and back.  A donated 16-row append into a bfloat16
-cache of 32k rows then costs 10-35 ms, where float32 costs 13 us, and the
+whole operand to float32 and back: a donated append into a bfloat16 cache
+costs what the whole cache holds (the append rows of BENCHMARKS.md), and the
 contract (a write costs what it writes) breaks.  There, :func:`write_rows`
 moves the rows' bytes with the native kernel's ``JssWriteRows``
 (``csrc/write_rows.cc``), aliased to its buffer, so a donated write stays in

@@ -60,9 +60,9 @@ opt-in until measured there); :data:`IMPLEMENTATIONS` lists them.
 view, :data:`PAGED_BLOCK_SIZE` over a paged one (whole pages),
 :data:`SMALLEST_BUCKET` the smallest prefix ``"bucketed"`` compiles a pass
 for.  Off CPU the loop, a dozen small kernels per block of 64 keys, is
-latency-bound by construction.  On an H200 the Pallas kernel read faster
-than buckets in every row of ``benchmarks/device.py`` (batch 1 to 32, 4k to
-128k valid, T = 1 and 16; BENCHMARKS.md), so ``"auto"`` reads it on CUDA
+latency-bound by construction.  On a GPU the Pallas kernel read faster
+than buckets in every case ``benchmarks/device.py`` measures (the device
+rows of BENCHMARKS.md), so ``"auto"`` reads it on CUDA
 where this process has a GPU; a CUDA lowering made without one
 (``jax.export`` on a CPU host: compiling the kernel takes the GPU's
 plugin), TPU and ROCm read buckets.

@@ -39,7 +39,7 @@ _F32 = jnp.float32
 _SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # The kernel's settings below are the fastest of ``python -m benchmarks.device --sweep`` at the bars' case
-# (batch 8, 32k valid bfloat16 keys, T = 1 and 16) on an H200; see BENCHMARKS.md.
+# on a GPU; the device rows of BENCHMARKS.md give the case and the figures.
 
 BLOCK_KEYS = 128
 """The most keys a program reads per step: from a 16-bit cache into a tile of up to 32 query rows (fewer where

@@ -8,11 +8,11 @@ Zarr's ``crc32c`` codec), then the dtype, shape and every chunk's checksum,
 in order, by BLAKE2b.  CRC-32 finds every change of up to 32 consecutive
 bits in a chunk (so every flipped byte and every changed value) and any
 other damage, a swap or a shift included, but for one chance in 2**32; it
-reads about 12 GB/s on one core by carry-less multiplication
-(:mod:`jax_session_state._core._crc32`, zlib's 3-4 GB/s where the CPU has
-none) where BLAKE2b reads under one, which keeps a verified restore close to
-an unverified one.  The chunks of all arrays are checked on every core at
-once: the CRC releases the GIL.
+reads several times faster than BLAKE2b by carry-less multiplication
+(:mod:`jax_session_state._core._crc32`, zlib's where the CPU has none),
+which keeps a verified restore close to an unverified one (BENCHMARKS.md).
+The chunks of all arrays are checked on every core at once: the CRC
+releases the GIL.
 
 A manifest's digest is BLAKE2b over its JSON text in one canonical form
 (keys in the order they were written, no whitespace), so a manifest that

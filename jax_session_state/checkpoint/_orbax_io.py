@@ -50,7 +50,7 @@ time, and plain zarr files saved faster than OCDBT's single data file."""
 
 _CHUNK_BYTES = 16 << 20
 """The largest zarr chunk written, also chosen by measurement: 16 MiB chunks saved and
-restored about 1.2x to 1.4x faster than Orbax's default chunking."""
+restored faster than Orbax's default chunking (BENCHMARKS.md)."""
 
 
 class _WithoutOcdbtMergeWarning(logging.Filter):
