@@ -79,7 +79,7 @@ def main() -> None:
     jss.check(session)  # raises CapacityError if any jitted write had overflowed
 
     kv = session.view()["kv"]
-    print(f"kv: {int(kv.committed[0])} tokens written, {int((kv.positions[0] >= 0).sum())} slots visible "
+    print(f"kv: {int(kv.lengths[0])} tokens written, {int((kv.positions[0] >= 0).sum())} slots visible "
           f"(sink 4 + window 64), {staged_len} with the discarded guess")
     print(f"frames: {int(session.view()['frames'].count)} visible of {session['frames'].capacity}")
     print(f"cond written once: {bool(session['cond'].written)}; recomputable from prompt: "
