@@ -97,19 +97,25 @@ as they stand; forward-mode ``jax.jvp`` of them does not, nor do quantized
 views have gradients.  Measurements and what was tried are in
 ``benchmarks/NOTES.md``.
 
-Layout: ``_attend`` checks the operands and dispatches by view; one private
-module per reader: ``_blocks`` (the pieces every reader shares, the loop
-over key blocks with an online softmax, and the choice between readers by
-platform), ``_paged`` (page by page through the page table, and its VJP),
-``_bucketed`` (one fused pass over a power-of-two bucket of the valid
-prefix), ``_dense`` (the append-mode loop and kernels with their VJPs),
-``_ring`` (a ring's runs, read where they lie, and their VJP),
-``_pooled`` (batching rules under ``jax.vmap`` over pool slots),
-``_pallas`` (the split-K Pallas kernel for GPUs), ``_pallas_tpu`` (the
-Pallas TPU kernel) and ``_native`` (the
-binding of the native CPU kernel). It may import ``errors``, ``objects``
-(the views it reads) and ``_core`` (the native library); sessions, pools and
-the manager import it, never the reverse.
+Layout: ``_attend`` checks the operands and dispatches by view to one
+module per view layout: ``_append`` (an append-mode view: the native
+kernel, the block loop and its flash VJP), ``_ring`` (a ring's runs, read
+where they lie, and their VJP), ``_paged`` (page by page through the page
+table, and its VJP) and ``_branch`` (a lane's own rows; its prefix is read
+by its own layout and merged).  ``_choice`` is the one place that turns
+``implementation=`` and the platform into a reader: a layout offers its
+readers and ``_choice.by_platform`` runs the one picked, so a new reader
+is one module and one more reader offered to it.  Modules of one concern
+each serve the layouts: ``_softmax`` (query rows and the online softmax),
+``_key_blocks`` (blocks of keys sliced where they lie), ``_operands``
+(operand checks and query positions), ``_backward`` (the flash backward
+pass), ``_bucketed`` (one fused pass over a power-of-two bucket of the
+valid prefix), ``_pooled`` (batching rules under ``jax.vmap`` over pool
+slots), and the kernels: ``_native`` (the binding of the native CPU
+kernel), ``_pallas`` (the split-K Pallas kernel for GPUs) and
+``_pallas_tpu`` (the Pallas TPU kernel).  It may import ``errors``,
+``objects`` (the views it reads) and ``_core`` (the native library);
+sessions, pools and the manager import it, never the reverse.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -129,8 +135,8 @@ from jax_session_state.attention._attend import (
     merge_attention,
     native_status,
 )
-from jax_session_state.attention._blocks import BLOCK_SIZE
 from jax_session_state.attention._bucketed import BUCKET_SCORE_BYTES, SMALLEST_BUCKET
+from jax_session_state.attention._key_blocks import BLOCK_SIZE
 from jax_session_state.attention._paged import PAGED_BLOCK_SIZE
 
 __all__ = [

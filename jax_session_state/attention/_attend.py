@@ -5,7 +5,6 @@ What each view is read by is told in the package docstring (:mod:`jax_session_st
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Any
@@ -15,32 +14,8 @@ import jax.numpy as jnp
 from jax import Array
 
 from jax_session_state._core import _library
-from jax_session_state.attention import _native
-from jax_session_state.attention._blocks import (
-    _absolute,
-    _by_platform,
-    _checked,
-    _checked_scale,
-    _empty_state,
-    _finish,
-    _grouped,
-    _online_update,
-    _pallas_append,
-    _pallas_paged,
-    _pallas_wanted,
-    _relative_offsets,
-    _scores,
-)
-from jax_session_state.attention._bucketed import _bucketed_append
-from jax_session_state.attention._dense import (
-    _blockwise,
-    _default_positions,
-    _float_append,
-    _pallas_or_bucketed,
-    _quantized_native_or_blockwise,
-)
-from jax_session_state.attention._paged import _bucketed_paged, _paged_attention, _paged_blockwise
-from jax_session_state.attention._ring import ring_with_lse
+from jax_session_state.attention import _append, _branch, _paged, _ring
+from jax_session_state.attention._operands import checked, checked_scale, default_positions
 from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.objects.kv import BranchKVView, KVView
 from jax_session_state.objects.paged import PagedView
@@ -250,15 +225,22 @@ def _attend(q: Array, view: KVView | BranchKVView | PagedView, q_positions: Arra
         return _no_query_rows(q, view, q_positions)
     if frame is not None:
         lengths = view.window.lengths if isinstance(view, BranchKVView) else view.lengths
-        q_positions = _frame_last(_default_positions(q, lengths, q_positions), frame)
+        q_positions = _frame_last(default_positions(q, lengths, q_positions), frame)
     if isinstance(view, BranchKVView):
-        q_positions = _default_positions(q, view.window.lengths, q_positions)
+        q_positions = default_positions(q, view.window.lengths, q_positions)
         prefix = _kv_with_lse(q, view.prefix, causal, scale, q_positions, implementation)
-        lane = _dense_with_lse(q, view.window, causal, scale, q_positions)
+        lane = _branch.read_lane(q, view.window, causal, scale, q_positions)
         return merge_attention(*prefix, *lane)
     if isinstance(view, PagedView):
-        return _paged_with_lse(q, view, causal, scale, q_positions, implementation)
+        return _paged.read(q, view, causal, scale, q_positions, implementation)
     return _kv_with_lse(q, view, causal, scale, q_positions, implementation)
+
+
+def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
+                 implementation: str) -> tuple[Array, Array]:
+    """A :class:`KVView` read by its layout: a ring (``window=``) where it lies, else append-mode."""
+    read = _ring.read if view.window is not None else _append.read
+    return read(q, view, causal, scale, q_positions, implementation)
 
 
 def _frame_last(positions: Array, frame: int) -> Array:
@@ -283,13 +265,13 @@ def _no_query_rows(q: Array, view: KVView | BranchKVView | PagedView, q_position
     """What a call without query rows (batch, ``T`` or ``q_heads`` 0) returns, its operands checked as any call
     checks them: an empty output and log-sum-exp.  No reader runs: there is nothing to read for."""
     if isinstance(view, PagedView):
-        _checked(q, view.page_table.shape[0], view.k_pages.shape[2], view.k_pages.shape[3], None)
+        checked(q, view.page_table.shape[0], view.k_pages.shape[2], view.k_pages.shape[3], None)
         lengths = view.lengths
     else:
         cache = view.prefix if isinstance(view, BranchKVView) else view
-        _checked_scale(q, cache.k, None)
+        checked_scale(q, cache.k, None)
         lengths = cache.lengths
-    _default_positions(q, lengths, q_positions)
+    default_positions(q, lengths, q_positions)
     return jnp.zeros(q.shape, q.dtype), jnp.full(q.shape[:3], -jnp.inf, _F32)
 
 
@@ -343,126 +325,3 @@ def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> t
     total = jnp.where(seen, total, 1.0)
     out = (weight_a[..., None] * out_a.astype(_F32) + weight_b[..., None] * out_b.astype(_F32)) / total[..., None]
     return out.astype(out_a.dtype), jnp.where(seen, top + jnp.log(total), -jnp.inf)
-
-
-# ---------------------------------------------------------------- internals
-def _kv_with_lse(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
-                 implementation: str) -> tuple[Array, Array]:
-    _, scale = _checked_scale(q, view.k, scale)
-    native = _use_native(q, view.k, view.v, implementation, quantized=view.quantized)
-    if view.window is not None:
-        return ring_with_lse(q, view, causal, float(scale), q_positions, "native" if native else implementation)
-    if view.quantized:  # row scales applied to scores and weights
-        if native:
-            return _quantized_native_or_blockwise(q, view, causal, float(scale), q_positions)
-        return _quantized_pure(q, view, causal, scale, _default_positions(q, view.lengths, q_positions),
-                               implementation)
-    # The last T positions, as offsets from each row's length: a constant, so a native step computes no
-    # positions (the kernel adds the lengths).
-    relative = native and q_positions is None
-    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
-    if not native and _pallas_wanted(implementation, view.k, view.k.shape[2]):
-        return _pallas_or_bucketed(q, view.k, view.v, view.lengths, positions, causal, float(scale), implementation)
-    return _float_append(q, view.k, view.v, view.lengths, positions, causal, float(scale), relative,
-                         "native" if native else implementation)
-
-
-def _quantized_pure(q: Array, view: KVView, causal: bool, scale: float, positions: Array,
-                    implementation: str) -> tuple[Array, Array]:
-    """A quantized append-mode view read by ``implementation`` in pure JAX (or the Pallas kernel): its row
-    scales go to its scores and weights, block by block or bucket by bucket."""
-    scales = {"k_scale": view.k_scale, "v_scale": view.v_scale}
-
-    def loop(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict) -> tuple[Array, Array]:
-        return _blockwise(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
-
-    def bucketed(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict) -> tuple[Array, Array]:
-        return _bucketed_append(q, k, v, lengths, positions, causal=causal, scale=scale, **scales)
-
-    def pallas(q: Array, k: Array, v: Array, lengths: Array, positions: Array, scales: dict, *,
-               interpret: bool) -> tuple[Array, Array]:
-        return _pallas_append(q, k, v, lengths, positions, causal=causal, scale=scale, interpret=interpret, **scales)
-
-    takes = _pallas_wanted(implementation, view.k, view.k.shape[2])
-    return _by_platform(implementation, loop, bucketed, q, view.k, view.v, view.lengths, positions, scales,
-                        pallas=pallas if takes else None)
-
-
-def _use_native(q: Array, k: Array, v: Array, implementation: str, kv_heads: int | None = None,
-                quantized: bool = False) -> bool:
-    """Whether this call runs the native kernel ("auto" where it takes the operands, or "native")."""
-    if implementation not in ("auto", "native"):
-        return False
-    takes = _library.enabled() and _native.supports(q, k, v, kv_heads=kv_heads, quantized=quantized)
-    if implementation == "native" and not takes:
-        raise PayloadError(f"attend(implementation='native'): the kernel on its {_library.ISA} path does not take a "
-                         f"{k.dtype} cache with q of shape {list(q.shape)} (see _native.supports).")
-    return takes
-
-
-def _paged_with_lse(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
-                    implementation: str) -> tuple[Array, Array]:
-    """A paged view, read page by page where the pages lie: never the whole pool, nor a dense copy."""
-    _, size, kv_heads, dim = view.k_pages.shape
-    slots = view.page_table.shape[0]
-    _, scale = _checked(q, slots, kv_heads, dim, scale)
-    if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
-        if _use_native(q, view.k_pages, view.v_pages, implementation, kv_heads=kv_heads, quantized=True):
-            return _quantized_paged_native(q, view, causal, float(scale), q_positions)
-        takes = _pallas_wanted(implementation, view.k_pages, view.page_size)
-        return _by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
-                            functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
-                            _default_positions(q, view.lengths, q_positions),
-                            pallas=functools.partial(_pallas_paged, causal=causal, scale=scale) if takes else None)
-    native = _use_native(q, view.k_pages, view.v_pages, implementation, kv_heads=kv_heads)
-    relative = native and q_positions is None
-    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
-    return _paged_attention(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions, causal,
-                            float(scale), relative, size, "native" if native else implementation)
-
-
-def _quantized_paged_native(q: Array, view: PagedView, causal: bool, scale: float,
-                            q_positions: Array | None) -> tuple[Array, Array]:
-    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), the Pallas
-    kernel on CUDA where a GPU is attached (:func:`_pallas_wanted`), one bucketed pass elsewhere."""
-    relative = q_positions is None
-    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
-
-    def kernel(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
-        return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
-                                    relative=relative, k_scale_pages=k_scale, v_scale_pages=v_scale)
-
-    def bucketed(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
-        paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
-        return _bucketed_paged(q, paged, _absolute(lengths, positions, relative), causal, scale)
-
-    def pallas(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions, *, interpret):
-        paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
-        return _pallas_paged(q, paged, _absolute(lengths, positions, relative), causal=causal, scale=scale,
-                             interpret=interpret)
-
-    wanted = _pallas_wanted("auto", view.k_pages, view.page_size)
-    return _by_platform("auto", None, bucketed, q, view.k_pages, view.v_pages, view.k_scale, view.v_scale,
-                        view.page_table, view.lengths, positions, native=kernel, pallas=pallas if wanted else None)
-
-
-def _dense_with_lse(
-    q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array
-) -> tuple[Array, Array]:
-    """One masked pass over every slot of a small view, using ``positions``."""
-    qh, groups, scale = _grouped(q, view.k, scale)
-    key_position = view.positions[:, None, None, :]  # [B, 1, 1, C]
-    query_position = jnp.repeat(q_positions, groups, axis=1)[:, None, :, None]  # [B, 1, M, 1]
-    visible = (key_position >= 0) & (key_position < view.lengths[:, None, None, None])
-    if causal:
-        visible &= key_position <= query_position
-    if view.window is not None:
-        visible &= (key_position < view.sink) | (query_position - key_position < view.window)
-    keys = _dequantize(view.k, view.k_scale, view.k.shape[2])
-    values = _dequantize(view.v, view.v_scale, view.v.shape[2])
-    return _finish(q, _online_update(_empty_state(qh), _scores(keys * scale, qh), visible, values))
-
-
-def _dequantize(values: Array, scale: Array | None, n: int) -> Array:
-    """The first ``n`` slots' values as float32, times their row scales where quantized (fused into the reader)."""
-    return values.astype(_F32) if scale is None else values.astype(_F32) * scale[:, :, :n]

@@ -1,6 +1,6 @@
-"""The paged readers: page by page through the page table where the pages lie, and their gradients.
+"""A paged view (``PagedKVCache``) read page by page through the page table where the pages lie, and its gradients.
 
-The page loop (:func:`_paged_blockwise`), the native paged kernel on CPU,
+:func:`read` is the entry.  The page loop (:func:`_paged_blockwise`), the native paged kernel on CPU,
 the bucketed pass over gathered buckets (:func:`_bucketed_paged`) and the
 Pallas kernel, behind one ``jax.custom_vjp`` (:func:`_paged_attention`)
 whose backward scatter-adds into the pools.
@@ -15,30 +15,89 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state.attention import _native
-from jax_session_state.attention._blocks import (
-    BLOCK_SIZE,
-    QUANTIZED_BLOCK_SIZE,
-    _absolute,
-    _backward_rows,
-    _by_platform,
-    _empty_state,
-    _finish,
-    _flash_block_grads,
-    _flash_loop,
-    _last_visible,
-    _online_update,
-    _pallas_paged,
-    _pallas_wanted,
-    _row_blocks,
-    _scores,
-    _to_rows,
-)
-from jax_session_state.attention._bucketed import _bucketed
+from jax_session_state.attention import _native, _pallas, _pallas_tpu
+from jax_session_state.attention._backward import backward_rows, flash_block_grads, flash_loop
+from jax_session_state.attention._bucketed import read_buckets
+from jax_session_state.attention._choice import by_platform, pallas_wanted, tpu_kernel, use_native
+from jax_session_state.attention._key_blocks import BLOCK_SIZE, QUANTIZED_BLOCK_SIZE, row_blocks
+from jax_session_state.attention._operands import absolute, checked, default_positions, query_positions
 from jax_session_state.attention._pooled import fold_rows, fold_slots
+from jax_session_state.attention._softmax import (
+    F32,
+    empty_state,
+    finish,
+    last_rows,
+    last_visible,
+    online_update,
+    scores,
+    to_rows,
+)
 from jax_session_state.objects.paged import PagedView
 
-_F32 = jnp.float32
+
+def read(q: Array, view: PagedView, causal: bool, scale: float | None, q_positions: Array | None,
+         implementation: str) -> tuple[Array, Array]:
+    """A paged view read page by page where the pages lie, by the reader ``implementation`` picks here
+    (``_choice``): never the whole pool, nor a dense copy.  ``(out, lse)`` as ``attend_with_lse``."""
+    _, size, kv_heads, dim = view.k_pages.shape
+    slots = view.page_table.shape[0]
+    _, scale = checked(q, slots, kv_heads, dim, scale)
+    if view.quantized:  # row scales on scores and weights: in the native paged kernel, or block by block
+        if use_native(q, view.k_pages, view.v_pages, implementation, kv_heads=kv_heads, quantized=True):
+            return _quantized_native(q, view, causal, float(scale), q_positions)
+        takes = pallas_wanted(implementation, view.k_pages, view.page_size)
+        return by_platform(implementation, functools.partial(_paged_blockwise, causal=causal, scale=scale),
+                           functools.partial(_bucketed_paged, causal=causal, scale=scale), q, view,
+                           default_positions(q, view.lengths, q_positions),
+                           pallas=functools.partial(pallas_read, causal=causal, scale=scale) if takes else None)
+    native = use_native(q, view.k_pages, view.v_pages, implementation, kv_heads=kv_heads)
+    relative = native and q_positions is None
+    positions = query_positions(q, view.lengths, q_positions, relative)
+    return _paged_attention(q, view.k_pages, view.v_pages, view.page_table, view.lengths, positions, causal,
+                            float(scale), relative, size, "native" if native else implementation)
+
+
+def _quantized_native(q: Array, view: PagedView, causal: bool, scale: float,
+                      q_positions: Array | None) -> tuple[Array, Array]:
+    """A quantized paged view: the native paged kernel on CPU (pages and scale pages read in place), the Pallas
+    kernel on CUDA where a GPU is attached (:func:`pallas_wanted`), one bucketed pass elsewhere."""
+    relative = q_positions is None
+    positions = query_positions(q, view.lengths, q_positions, relative)
+
+    def kernel(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+        return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
+                                    relative=relative, k_scale_pages=k_scale, v_scale_pages=v_scale)
+
+    def bucketed(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions):
+        paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
+        return _bucketed_paged(q, paged, absolute(lengths, positions, relative), causal, scale)
+
+    def pallas(q, k_pages, v_pages, k_scale, v_scale, table, lengths, positions, *, interpret):
+        paged = PagedView(k_pages, v_pages, table, lengths, view.page_size, k_scale, v_scale)
+        return pallas_read(q, paged, absolute(lengths, positions, relative), causal=causal, scale=scale,
+                           interpret=interpret)
+
+    wanted = pallas_wanted("auto", view.k_pages, view.page_size)
+    return by_platform("auto", None, bucketed, q, view.k_pages, view.v_pages, view.k_scale, view.v_scale,
+                       view.page_table, view.lengths, positions, native=kernel, pallas=pallas if wanted else None)
+
+
+def pallas_read(q: Array, view: PagedView, q_positions: Array, *, causal: bool, scale: float,
+                interpret: Any) -> tuple[Array, Array]:
+    """A paged view (float, or quantized with its scale pages) read through its page table by the Pallas
+    split-K kernel, or on TPU by ``_pallas_tpu``'s (raising ``Untileable`` where its tiling does not take the
+    pages)."""
+    kv_heads = view.k_pages.shape[2]
+    reader = _pallas
+    if tpu_kernel(interpret):
+        if interpret is _pallas_tpu.TPU and not _pallas_tpu.fits_tpu(view.k_pages, view.page_size):
+            raise _pallas_tpu.Untileable(f"pages of {view.page_size} rows of {view.k_pages.dtype}")
+        reader = _pallas_tpu
+    last = last_rows(q, view.lengths, q_positions, causal, kv_heads, view.page_table.shape[1] * view.page_size)
+    state = reader.paged_state(to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
+                               view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret,
+                               k_scale_pages=view.k_scale, v_scale_pages=view.v_scale)
+    return finish(q, state)
 
 
 def _gather_pages(view: PagedView, first: Any, count: int, pools: tuple[str, ...] = ("k_pages", "v_pages")
@@ -62,7 +121,7 @@ def _gather_pages(view: PagedView, first: Any, count: int, pools: tuple[str, ...
 
 def _gather_dequantized(view: PagedView, first: Any, count: int) -> tuple[Array, Array]:
     """:func:`_gather_pages` of keys and values as float32, times their row scales where quantized."""
-    keys, values = (x.astype(_F32) for x in _gather_pages(view, first, count))
+    keys, values = (x.astype(F32) for x in _gather_pages(view, first, count))
     if not view.quantized:
         return keys, values
     k_scale, v_scale = _gather_pages(view, first, count, ("k_scale", "v_scale"))
@@ -129,7 +188,7 @@ def _paged_slots(q: Array, view: PagedView, q_positions: Array, read: Any, block
                     q_positions)
 
     def blocks(cache: dict[str, Array]) -> Array:
-        return _row_blocks(cache["lengths"], cache["page_table"].shape[1] * view.page_size, block_keys)
+        return row_blocks(cache["lengths"], cache["page_table"].shape[1] * view.page_size, block_keys)
 
     return fold_slots(rows, blocks, fold=_fold_paged)(q, q_positions, cache)
 
@@ -151,21 +210,21 @@ def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, sca
     columns = view.page_table.shape[1]
     view = _padded_table(view, pages)
     n = pages * size
-    qh = _to_rows(q, kv_heads)
-    last = _last_visible(view.lengths, q_positions, causal, groups)
+    qh = to_rows(q, kv_heads)
+    last = last_visible(view.lengths, q_positions, causal, groups)
 
     def body(i: Array, state: Any) -> Any:
         keys, values = _gather_pages(view, i * pages, pages)
         key_position = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
         visible = key_position <= last
-        scores = _scores(keys.astype(_F32) * scale, qh)
+        block_scores = scores(keys.astype(F32) * scale, qh)
         if not view.quantized:
-            return _online_update(state, scores, visible, values.astype(_F32))
+            return online_update(state, block_scores, visible, values.astype(F32))
         scales = _gather_pages(view, i * pages, pages, ("k_scale", "v_scale"))
         k_scale, v_scale = (jnp.swapaxes(x, 2, 3) for x in scales)
-        return _online_update(state, scores * k_scale, visible, values.astype(_F32), v_scale)
+        return online_update(state, block_scores * k_scale, visible, values.astype(F32), v_scale)
 
-    return _finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, _empty_state(qh)))
+    return finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, empty_state(qh)))
 
 
 def _paged_blocks(view: PagedView, columns: int, n: int) -> Array:
@@ -177,7 +236,7 @@ def _paged_bucketed(q: Array, k_pages: Array, v_pages: Array, table: Array, leng
                     causal: bool, scale: float, relative: bool, page_size: int) -> tuple[Array, Array]:
     """:func:`_bucketed_paged` over float pages, taking :func:`_paged_attention`'s operands."""
     view = PagedView(k_pages, v_pages, table, lengths, page_size)
-    return _bucketed_paged(q, view, _absolute(lengths, positions, relative), causal, scale)
+    return _bucketed_paged(q, view, absolute(lengths, positions, relative), causal, scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
@@ -194,7 +253,7 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
 
     def loop(q, k_pages, v_pages, table, lengths, positions):
         paged = PagedView(k_pages, v_pages, table, lengths, page_size)
-        return _paged_blockwise(q, paged, _absolute(lengths, positions, relative), causal, scale)
+        return _paged_blockwise(q, paged, absolute(lengths, positions, relative), causal, scale)
 
     def kernel(q, k_pages, v_pages, table, lengths, positions):
         return _native.paged_kernel(k_pages, v_pages, table, q, lengths, positions, causal=causal, scale=scale,
@@ -202,12 +261,12 @@ def _paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array
 
     def pallas(q, k_pages, v_pages, table, lengths, positions, *, interpret: bool):
         paged = PagedView(k_pages, v_pages, table, lengths, page_size)
-        return _pallas_paged(q, paged, _absolute(lengths, positions, relative), causal=causal, scale=scale,
+        return pallas_read(q, paged, absolute(lengths, positions, relative), causal=causal, scale=scale,
                              interpret=interpret)
 
     bucketed = functools.partial(_paged_bucketed, causal=causal, scale=scale, relative=relative, page_size=page_size)
-    takes = _pallas_wanted(reader, k_pages, page_size)
-    return _by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
+    takes = pallas_wanted(reader, k_pages, page_size)
+    return by_platform(reader, loop, bucketed, q, k_pages, v_pages, page_table, lengths, q_positions,
                         native=kernel if reader == "native" else None, pallas=pallas if takes else None)
 
 
@@ -238,7 +297,7 @@ def _paged_attention_bwd(causal: bool, scale: float, relative: bool, page_size: 
 
 def _paged_flash_bwd(causal: bool, scale: float, relative: bool, page_size: int, residuals: Any,
                      cotangents: Any) -> tuple:
-    """The flash-attention backward of ``_dense._flash_bwd``, page block by page block: ``(dq, dk, dv)``.
+    """The flash-attention backward of ``_append._flash_bwd``, page block by page block: ``(dq, dk, dv)``.
 
     Each block's key and value gradients are scatter-added into the pools
     at the block's page ids, so a page shared by forked slots sums the
@@ -250,11 +309,11 @@ def _paged_flash_bwd(causal: bool, scale: float, relative: bool, page_size: int,
     view = PagedView(k_pages, v_pages, page_table, lengths, page_size)
     pages, columns = _paged_block_pages(view), page_table.shape[1]
     view, n, slots = _padded_table(view, pages), pages * page_size, page_table.shape[0]
-    qh, d_rows, lse_rows, delta = _backward_rows(q, kv_heads, d_out, d_lse, out, lse)
-    last = _last_visible(lengths, _absolute(lengths, q_positions, relative), causal, q.shape[2] // kv_heads)
+    qh, d_rows, lse_rows, delta = backward_rows(q, kv_heads, d_out, d_lse, out, lse)
+    last = last_visible(lengths, absolute(lengths, q_positions, relative), causal, q.shape[2] // kv_heads)
 
     def body(i: Array, grads: Any) -> Any:
-        keys, values = (x.astype(_F32) for x in _gather_pages(view, i * pages, pages))
+        keys, values = (x.astype(F32) for x in _gather_pages(view, i * pages, pages))
         visible = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
         ids = lax.dynamic_slice_in_dim(view.page_table, i * pages, pages, axis=1)
         ids = jnp.where(ids >= 0, ids, num_pages)  # out of range: dropped
@@ -263,16 +322,16 @@ def _paged_flash_bwd(causal: bool, scale: float, relative: bool, page_size: int,
             rows = block.transpose(0, 2, 1, 3).reshape(slots, pages, page_size, kv_heads, dim)
             return grad.at[ids].add(rows, mode="drop")
 
-        return _flash_block_grads(grads, keys, values, visible, qh, (d_rows, lse_rows, delta), scale, add)
+        return flash_block_grads(grads, keys, values, visible, qh, (d_rows, lse_rows, delta), scale, add)
 
-    return _flash_loop(q, qh, k_pages, v_pages, _paged_blocks(view, columns, n), body)
+    return flash_loop(q, qh, k_pages, v_pages, _paged_blocks(view, columns, n), body)
 
 
 _paged_attention.defvjp(_paged_attention_fwd, _paged_attention_bwd)
 
 
 def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool, scale: float) -> tuple[Array, Array]:
-    """:func:`_bucketed` over a paged view: each bucket's (or chunk's) pages gathered, never the pool.
+    """:func:`read_buckets` over a paged view: each bucket's (or chunk's) pages gathered, never the pool.
 
     Float pages are gathered as stored, quantized ones dequantized.  Under
     ``jax.vmap`` over independent paged caches the pools fold into one, as
@@ -281,7 +340,8 @@ def _bucketed_paged(q: Array, view: PagedView, q_positions: Array, causal: bool,
     gather = _gather_dequantized if view.quantized else _gather_pages
 
     def read(q: Array, paged: PagedView, q_positions: Array) -> tuple[Array, Array]:
-        return _bucketed(q, paged.lengths, q_positions, causal, scale, lambda first, count: gather(paged, first, count),
-                         kv_heads=view.k_pages.shape[2], units=view.page_table.shape[1], unit=view.page_size)
+        return read_buckets(q, paged.lengths, q_positions, causal, scale,
+                            lambda first, count: gather(paged, first, count), kv_heads=view.k_pages.shape[2],
+                            units=view.page_table.shape[1], unit=view.page_size)
 
     return _paged_slots(q, view, q_positions, read, BLOCK_SIZE)

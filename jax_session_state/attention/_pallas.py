@@ -35,8 +35,9 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_session_state.attention._softmax import SIXTEEN_BIT
+
 _F32 = jnp.float32
-_SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # The kernel's settings below are the fastest of ``python -m benchmarks.device --sweep`` at the bars' case
 # on a GPU; the device rows of BENCHMARKS.md give the case and the figures.
@@ -214,7 +215,7 @@ def _kernel(q_ref: Any, last_ref: Any, *refs: Any, block: int, splits: int, tile
         position = start + offsets
         k, v, *row_scales = load(inputs, row, head, start, position < keys)
         k, v = _widen(k), _widen(v)
-        sixteen = k.dtype in _SIXTEEN_BIT
+        sixteen = k.dtype in SIXTEEN_BIT
         product = _split_product if sixteen and wide_queries else functools.partial(_product,
                                                                                       float32_dots=float32_dots)
         scores = product(queries.astype(k.dtype) if not wide_queries else queries, k, 1) * scale
@@ -279,7 +280,7 @@ def _decode(qh: Array, q_dtype: Any, last: Array, caches: tuple[Array, ...], cac
     tiles = -(-M // tile)
     padded = tiles * tile
     dtype = _read_dtype(cache_dtype)
-    wide_queries = not (dtype in _SIXTEEN_BIT and jnp.dtype(q_dtype) == dtype)
+    wide_queries = not (dtype in SIXTEEN_BIT and jnp.dtype(q_dtype) == dtype)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, padded - M), (0, 0)))
     last = jnp.pad(last, ((0, 0), (0, padded - M)), constant_values=-1)  # padding rows see nothing
     splits = min(_power_of_two_at_least(-(-PROGRAMS // (B * kv_heads * tiles))), -(-extent // block))

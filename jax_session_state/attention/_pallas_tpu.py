@@ -10,7 +10,7 @@ skips a block whose index does not change) and compute nothing: the work
 and the reads follow the valid length, never the capacity.  A program holds
 all query rows of one kv head (``T * G``: the GQA group) and carries an
 online softmax in VMEM scratch (``pltpu.VMEM``), summed in float32; the
-state goes out at the last step and ``_blocks._finish`` normalises it as
+state goes out at the last step and ``_softmax.finish`` normalises it as
 for the GPU kernel (zeros and ``lse = -inf`` where a query sees nothing).
 A paged view is read one page per step through the page table, all kv heads
 of a page at once (a page's ``[page_size, kv_heads, D]`` is one tile-aligned
@@ -38,7 +38,8 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_session_state.attention._pallas import _SIXTEEN_BIT, _product, _split_product
+from jax_session_state.attention._pallas import _product, _split_product
+from jax_session_state.attention._softmax import SIXTEEN_BIT
 
 _F32 = jnp.float32
 
@@ -51,7 +52,7 @@ _LANES = 128  # a vreg's lanes: a compiled kernel's head dim is a multiple of it
 _ROWS = 8  # query rows are padded to a multiple of a float32 sublane tile
 
 TPU = "tpu"
-"""The ``interpret=`` value the platform dispatch (``_blocks._by_platform``) gives a Pallas reader on TPU: this
+"""The ``interpret=`` value the platform dispatch (``_choice.by_platform``) gives a Pallas reader on TPU: this
 kernel, compiled by Mosaic (``True`` and ``False`` stay the GPU kernel's interpreted and compiled modes)."""
 
 ON_CPU = False
@@ -108,7 +109,7 @@ def _widen(block: Array, scales: Array | None) -> Array:
 def _dot(a: Array, b: Array, contract_b: int) -> Array:
     """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``1``) of float32 ``a``, summed in float32: a 16-bit ``b`` read
     as stored (``a`` as two parts of its dtype, every product exact), a float32 ``b`` at full precision."""
-    if b.dtype in _SIXTEEN_BIT:
+    if b.dtype in SIXTEEN_BIT:
         return _split_product(a, b, contract_b)
     return _product(a, b.astype(_F32), contract_b, lax.Precision.HIGHEST)
 

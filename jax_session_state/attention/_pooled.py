@@ -11,9 +11,7 @@ batched:
   stays one scalar and every block read is one slice of the stacked cache;
 - when their lengths are so ragged that running every slot to the longest
   costs more than it saves, the slots are read one after another, each to
-  its own block count, straight from the stacked cache (no copy of a slot);
-- a small cache that has a dense reader (a ring) is read in one dense pass
-  over every slot where it is full enough that the loop saves nothing.
+  its own block count, straight from the stacked cache (no copy of a slot).
 
 :func:`cheapest_reading` picks one at run time (``lax.switch``) from the
 slots' block counts, so one compiled step serves every mix of lengths.
@@ -28,7 +26,7 @@ Derivatives are the reader's own (``jax.custom_jvp``: forward mode is
 ``jax.jvp`` of the reader, reverse mode transposes it), so ``jax.grad``
 works wherever it works through the reader itself.  The readers of a float
 append-mode cache are wrapped in a ``jax.custom_vjp`` outside this rule
-(``_dense._float_append``): the loop's traced trip count, and buckets
+(``_append._float_append``): the loop's traced trip count, and buckets
 switched by a batched index, do not transpose.
 """
 
@@ -43,8 +41,6 @@ from jax import Array, lax
 
 __all__ = [
     "APART",
-    "DENSE",
-    "DENSE_BLOCK_COST",
     "LOOP_OVERHEAD",
     "TOGETHER",
     "cheapest_reading",
@@ -65,30 +61,20 @@ of one slot's block of work (measured on XLA:CPU with 16 slots of the
 example world model's heads: about 0.17 and 0.13; a slot's block costs
 nearly the same folded or alone, so folding pays only for even lengths)."""
 
-DENSE_BLOCK_COST = 0.8
-"""One slot's block of work in one dense pass over every slot of a small
-cache (a ring), against the same block in a loop (measured on XLA:CPU: the
-world model's full rings read densely take about 0.85 of the folded loop)."""
-
-TOGETHER, APART, DENSE = 0, 1, 2
-"""How :func:`fold_slots` reads stacked caches: one loop over the folded
-slots, slot by slot, or one dense pass over every slot of every cache."""
+TOGETHER, APART = 0, 1
+"""How :func:`fold_slots` reads stacked caches: one loop over the folded slots, or slot by slot."""
 
 
-def cheapest_reading(per_slot_blocks: Array, dense_blocks: int | None = None) -> Array:
-    """Which reading of stacked caches costs least: :data:`TOGETHER`, :data:`APART` or :data:`DENSE`.
+def cheapest_reading(per_slot_blocks: Array) -> Array:
+    """Which reading of stacked caches costs least: :data:`TOGETHER` or :data:`APART`.
 
     A folded loop of ``max`` iterations reads ``S`` slots' blocks each time;
     slot by slot costs ``sum`` iterations of one slot's block, plus one loop
-    per slot; each iteration also pays :data:`LOOP_OVERHEAD`.  Where a
-    dense pass exists (``dense_blocks``: the blocks of a whole cache), it
-    reads every block of every slot at :data:`DENSE_BLOCK_COST`.
+    per slot; each iteration also pays :data:`LOOP_OVERHEAD`.
     """
     slots = per_slot_blocks.shape[0]
     blocks = per_slot_blocks.astype(jnp.float32)
     costs = [jnp.max(blocks) * (slots + LOOP_OVERHEAD), jnp.sum(blocks) * (1 + LOOP_OVERHEAD) + slots * LOOP_OVERHEAD]
-    if dense_blocks is not None:
-        costs.append(jnp.asarray(slots * dense_blocks * DENSE_BLOCK_COST, jnp.float32))
     return jnp.argmin(jnp.stack(costs)).astype(jnp.int32)
 
 
@@ -102,7 +88,6 @@ def fold_slots(
     blocks: Callable[[Cache], Array],
     *,
     fold: Callable[[Cache, int], Cache] | None = None,
-    dense: tuple[Reader, int] | None = None,
 ) -> Callable[[Array, Array, Cache], tuple[Array, Array]]:
     """``reader`` as ``f(q, q_positions, cache) -> (out, lse)`` with the batching rule above.
 
@@ -112,16 +97,12 @@ def fold_slots(
         cache needs.
       fold: stacked cache operands and the number of slots -> one cache of
         ``slots * batch`` rows; default: merge the two leading axes of each.
-      dense: a reader that reads every slot of a small cache in one pass,
-        and the blocks that costs: it runs outside ``vmap``, and under it
-        where it is the cheapest reading (a ring that is full).
     """
     fold = fold or (lambda cache, slots: jax.tree_util.tree_map(fold_rows, cache))
-    outside = reader if dense is None else dense[0]
 
     @jax.custom_batching.custom_vmap
     def primal(q: Array, q_positions: Array, cache: Cache) -> tuple[Array, Array]:
-        return outside(q, q_positions, cache, None)
+        return reader(q, q_positions, cache, None)
 
     @primal.def_vmap
     def rule(slots: int, batched: Any, q: Array, q_positions: Array, cache: Cache) -> Any:
@@ -141,7 +122,7 @@ def fold_slots(
             return (lanes_back(out), lanes_back(lse)), (True, True)
         if not all(jax.tree_util.tree_leaves(cache_batched)):
             axes = jax.tree_util.tree_map(lambda b: 0 if b else None, cache_batched)
-            return jax.vmap(lambda q, p, c: outside(q, p, c, None), in_axes=(0, 0, axes))(q, q_positions, cache), \
+            return jax.vmap(lambda q, p, c: reader(q, p, c, None), in_axes=(0, 0, axes))(q, q_positions, cache), \
                 (True, True)
         stacked = fold(cache, slots)
         per_slot = jnp.max(blocks(stacked).reshape(slots, batch), axis=1)
@@ -160,13 +141,10 @@ def fold_slots(
 
             return lax.map(one, (q, q_positions, jnp.arange(slots, dtype=jnp.int32)))
 
-        # The folded readers keep a batching rule, for a vmap outside this one.
-        together = folded(primal if dense is None else fold_slots(reader, blocks, fold=fold))
-        readings = [together, apart] if dense is None else [together, apart, folded(primal)]
+        together = folded(primal)  # the folded reader keeps a batching rule, for a vmap outside this one
         if slots == 1:
             return together(), (True, True)
-        which = cheapest_reading(per_slot, None if dense is None else dense[1])
-        return lax.switch(which, readings), (True, True)
+        return lax.switch(cheapest_reading(per_slot), [together, apart]), (True, True)
 
     @jax.custom_jvp
     def attend(q: Array, q_positions: Array, cache: Cache) -> tuple[Array, Array]:
@@ -174,6 +152,6 @@ def fold_slots(
 
     @attend.defjvp
     def attend_jvp(primals: tuple, tangents: tuple) -> tuple:
-        return jax.jvp(lambda q, p, c: outside(q, p, c, None), primals, tangents)
+        return jax.jvp(lambda q, p, c: reader(q, p, c, None), primals, tangents)
 
     return attend

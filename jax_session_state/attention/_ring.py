@@ -37,39 +37,31 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from jax_session_state.attention import _native
-from jax_session_state.attention._blocks import (
-    _append_block,
-    _block_f32,
-    _block_scales,
-    _by_platform,
-    _empty_state,
-    _finish,
-    _online_update,
-    _relative_offsets,
-    _scores,
-    _to_rows,
-)
-from jax_session_state.attention._bucketed import _buckets, _chunk_units
-from jax_session_state.attention._dense import _default_positions
+from jax_session_state.attention._bucketed import buckets, chunk_units
+from jax_session_state.attention._choice import by_platform, native_or
+from jax_session_state.attention._key_blocks import append_block, block_f32, block_scales
+from jax_session_state.attention._operands import checked_scale, query_positions
+from jax_session_state.attention._softmax import F32, empty_state, finish, online_update, scores, to_rows
 from jax_session_state.objects.kv import KVView
-
-_F32 = jnp.float32
 
 Run = tuple[Array, Array, Array, bool]
 """``(first slot, first position, keys, windowed)``, each ``Int[Array, "batch"]``: keys of a run lie in order
 from its first slot; ``windowed``: the window's mask applies (not the sinks')."""
 
 
-def ring_with_lse(q: Array, view: KVView, causal: bool, scale: float, q_positions: Array | None,
-                  implementation: str) -> tuple[Array, Array]:
-    """A ring view read where it lies by ``implementation`` (``"native"`` where the caller chose the kernel).
+def read(q: Array, view: KVView, causal: bool, scale: float | None, q_positions: Array | None,
+         implementation: str) -> tuple[Array, Array]:
+    """A ring view read where it lies by the reader ``implementation`` picks here (``_choice``).
 
-    ``scale`` is checked; ``q_positions`` None means the last ``T``
-    positions.  Returns ``(out, lse)`` as ``attend_with_lse``.
+    ``q_positions`` None means the last ``T`` positions.  Returns
+    ``(out, lse)`` as ``attend_with_lse``.
     """
+    _, scale = checked_scale(q, view.k, scale)
+    scale = float(scale)
+    implementation = native_or(q, view.k, view.v, implementation, quantized=view.quantized)
     starts = window_start(view)
     relative = implementation == "native" and q_positions is None
-    positions = _relative_offsets(q) if relative else _default_positions(q, view.lengths, q_positions)
+    positions = query_positions(q, view.lengths, q_positions, relative)
     ring = {"k": view.k, "v": view.v, "lengths": view.lengths, "starts": starts}
     if view.quantized:
         ring.update(k_scale=view.k_scale, v_scale=view.v_scale)
@@ -89,8 +81,8 @@ def ring_with_lse(q: Array, view: KVView, causal: bool, scale: float, q_position
         return _read_runs(q, absolute(positions, ring), ring, **options, bucketed=True)
 
     def forward(q: Array, positions: Array, ring: dict[str, Array]) -> tuple[Array, Array]:
-        return _by_platform(implementation, loop, bucketed, q, positions, ring,
-                            native=native if implementation == "native" else None)
+        return by_platform(implementation, loop, bucketed, q, positions, ring,
+                           native=native if implementation == "native" else None)
 
     if view.quantized:
         return forward(q, positions, ring)
@@ -124,9 +116,9 @@ def _read_runs(q: Array, q_positions: Array, ring: dict[str, Array], *, causal: 
     """The runs of a ring read block by block (``bucketed``: in one static bucket each), one online softmax."""
     k, v = ring["k"], ring["v"]
     kv_heads, slots = k.shape[1], k.shape[2]
-    qh = _to_rows(q, kv_heads)
+    qh = to_rows(q, kv_heads)
     query_position = jnp.repeat(q_positions, q.shape[2] // kv_heads, axis=1)[:, None, :, None]  # [B, 1, M, 1]
-    one = lax.optimization_barrier(jnp.ones((), _F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
+    one = lax.optimization_barrier(jnp.ones((), F32))  # fuses V's copy into a vectorised multiply (NOTES.md)
 
     def read(state: Any, run: Run, i: Array | int, n: int) -> Any:
         """Keys ``[i * n, (i + 1) * n)`` of ``run`` (the block moved back to end inside the storage; the keys it
@@ -141,29 +133,30 @@ def _read_runs(q: Array, q_positions: Array, ring: dict[str, Array], *, causal: 
             visible &= key_position <= query_position
         if windowed:
             visible &= query_position - key_position < window
-        scores = _scores(_rows_from(k, start, n, _block_f32) * scale, qh)
-        values = _rows_from(v, start, n, _block_f32) * one
+        block_scores = scores(_rows_from(k, start, n, block_f32) * scale, qh)
+        values = _rows_from(v, start, n, block_f32) * one
         if "k_scale" not in ring:
-            return _online_update(state, scores, visible, values)
-        scores = scores * _rows_from(ring["k_scale"], start, n, _block_scales)
-        return _online_update(state, scores, visible, values, _rows_from(ring["v_scale"], start, n, _block_scales))
+            return online_update(state, block_scores, visible, values)
+        block_scores = block_scores * _rows_from(ring["k_scale"], start, n, block_scales)
+        return online_update(state, block_scores, visible, values,
+                             _rows_from(ring["v_scale"], start, n, block_scales))
 
-    state = _empty_state(qh)
-    n = _append_block(k, ring.get("k_scale"))
+    state = empty_state(qh)
+    n = append_block(k, ring.get("k_scale"))
     for run in _runs(ring["lengths"], ring["starts"], sink=sink, slots=slots):
         if bucketed:
             state = _bucket(state, run, read, slots=slots, score_rows=qh.shape[0] * qh.shape[1] * qh.shape[2])
         else:
             state = lax.fori_loop(0, jnp.max(-(-run[2] // n)), lambda i, state, run=run: read(state, run, i, n),
                                   state)
-    return _finish(q, state)
+    return finish(q, state)
 
 
 def _bucket(state: Any, run: Run, read: Callable[..., Any], *, slots: int, score_rows: int) -> Any:
     """``run`` read in one pass over the smallest static bucket of slots holding every row's keys (``lax.switch``),
     in chunks of a static loop where its scores would pass ``BUCKET_SCORE_BYTES``."""
-    sizes = _buckets(slots)
-    chunk = _chunk_units(score_rows, 1)
+    sizes = buckets(slots)
+    chunk = chunk_units(score_rows, 1)
 
     def branch(n: int) -> Callable[[Any], Any]:
         if n <= chunk:

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_session_state as jss
 from jax_session_state._core import _library
-from jax_session_state.attention import _blocks, _bucketed
+from jax_session_state.attention import _bucketed, _key_blocks
 from tests.support.attention_reference import append_view, assert_close, randn, reference
 
 EXAMPLES = settings(max_examples=25)
@@ -237,7 +237,7 @@ def test_bucketed_implementation_is_a_switch_over_static_prefixes_and_compiles_o
         return jss.attend(q, view, implementation="bucketed")
 
     capacity = 2000
-    assert _bucketed._buckets(capacity) == [256, 512, 1024, capacity]
+    assert _bucketed.buckets(capacity) == [256, 512, 1024, capacity]
     rng = np.random.default_rng(9)
     q, k, v = randn(rng, 1, 1, 2, 8), randn(rng, 1, 2, capacity, 8), randn(rng, 1, 2, capacity, 8)
     hlo = f.lower(q, append_view(k, v, [5])).compile().as_text()
@@ -276,7 +276,7 @@ def test_bucketed_implementation_does_not_widen_a_16_bit_cache(paged):
     rng = np.random.default_rng(13)
     paged_cache, dense = _paged_and_dense(rng, page_size=16, num_pages=40, steps=40, dtype=jnp.bfloat16)
     view = paged_cache.view() if paged else dense.view()
-    sizes = _bucketed._buckets(view.page_table.shape[1] * view.page_size if paged else view.k.shape[2])
+    sizes = _bucketed.buckets(view.page_table.shape[1] * view.page_size if paged else view.k.shape[2])
     assert len(sizes) > 1
     for q_dtype, widened in ((jnp.bfloat16, 0), (jnp.float32, len(sizes))):
         q = jnp.asarray(randn(rng, 3, 1, 4, 8), q_dtype)
@@ -417,8 +417,8 @@ def test_quantized_cache_matches_float64_attention_over_its_dequantized_rows(qua
     """
     rng = np.random.default_rng(7)
     B, kv_heads, groups, D, T = 2, 2, 2, 16, 3
-    capacity = 2 * _blocks.QUANTIZED_BLOCK_SIZE + 37
-    lengths = np.array([capacity, _blocks.QUANTIZED_BLOCK_SIZE + 5], np.int32)
+    capacity = 2 * _key_blocks.QUANTIZED_BLOCK_SIZE + 37
+    lengths = np.array([capacity, _key_blocks.QUANTIZED_BLOCK_SIZE + 5], np.int32)
     k, v = randn(rng, B, capacity, kv_heads, D) * 3, randn(rng, B, capacity, kv_heads, D)
     cache = jss.KVCache.allocate(batch=B, kv_heads=kv_heads, head_dim=D, capacity=capacity, quantize=quantize)
     cache = cache.append(jss.KVChunk(jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths)))

@@ -245,7 +245,7 @@ def test_accelerator_backward_is_the_vjp_of_buckets_and_matches_the_flash_backwa
         positions = kv_view.lengths[:, None] - 2 + jnp.arange(2)
         if paged:
             return loss(*_paged._bucketed_paged(q, kv_view, positions, True, 8**-0.5))
-        return loss(*_bucketed._bucketed_append(q, kv_view.k, kv_view.v, kv_view.lengths, positions,
+        return loss(*_bucketed.bucketed_append(q, kv_view.k, kv_view.v, kv_view.lengths, positions,
                                                         causal=True, scale=8**-0.5))
 
     shrink_score_budget(monkeypatch, q, kv_heads=2)

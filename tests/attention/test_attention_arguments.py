@@ -12,7 +12,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state._core import _library
-from jax_session_state.attention import _dense
+from jax_session_state.attention import _append
 from tests.support.attention_reference import assert_close, randn, reference
 
 needs_native = pytest.mark.skipif(not _library.AVAILABLE, reason=f"the native kernel is not here: {_library.STATUS}")
@@ -76,8 +76,8 @@ def test_a_scale_that_is_not_a_scalar_is_named():
 @needs_native
 def test_an_eager_call_after_the_kernels_are_switched_off_runs_the_pure_loop(monkeypatch):
     """Eager calls share one compiled program per signature: the switch is part of the signature."""
-    read, traced = _dense._read_blocks, []  # what the loop traces to read the keys
-    monkeypatch.setattr(_dense, "_read_blocks", lambda *args, **kwargs: traced.append(1) or read(*args, **kwargs))
+    read, traced = _append.read_blocks, []  # what the loop traces to read the keys
+    monkeypatch.setattr(_append, "read_blocks", lambda *args, **kwargs: traced.append(1) or read(*args, **kwargs))
     rng = np.random.default_rng(6)
     q, k, v = randn(rng, 1, 2, 3, 24), randn(rng, 1, 3, 37, 24), randn(rng, 1, 3, 37, 24)  # shapes of its own
     view = jss.KVView(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([29], jnp.int32), positions=None)

@@ -3,7 +3,7 @@ jax.vmap over independent caches (a pool's slots), against float64 central diffe
 
 The pure loop's trip count is traced under ``jit`` and buckets switch on a
 batched index under ``vmap``: neither transposes, so every reader takes the
-flash-attention VJP of ``_dense._float_append``.  ``"auto"`` runs the pure
+flash-attention VJP of ``_append._float_append``.  ``"auto"`` runs the pure
 loop where the native kernel is switched off (or declines the step).
 """
 

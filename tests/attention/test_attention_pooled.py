@@ -3,8 +3,8 @@
 Each slot has its own cache and its own valid length.  The pure loop folds
 the slots into its batch (one loop, one slice per block read, no gather) or
 reads them one by one, each to its own block count, when the lengths are
-ragged enough; ring views may also be read in one dense pass when full
-(``_attention_pooled.cheapest_reading``); paged views fold their pools.
+ragged enough (``_attention_pooled.cheapest_reading``); ring views are read
+by their runs under plain ``vmap``; paged views fold their pools.
 Every choice runs in one compiled function, picked at run time.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state._core import _library
-from jax_session_state.attention import _blocks as _attention_blocks, _dense, _pooled as _attention_pooled
+from jax_session_state.attention import _append, _operands, _pooled as _attention_pooled
 from tests.support.attention_reference import assert_close, assert_directional_derivatives, randn, reference
 
 SLOTS, BATCH, KV_HEADS, GROUPS, DIM, T = 6, 2, 2, 2, 8, 3
@@ -51,10 +51,9 @@ RAGGED = np.array([[CAPACITY, 3], [5, 0], [64, 1], [0, 0], [17, 40], [2, 9]], np
 EVEN = np.array([[700, 650], [690, 1], [640, 700], [700, 0], [660, 700], [700, 700]], np.int32)
 RING = (4, 150, 200)  # sink, window, slots
 RING_LENGTHS = {  # some rings wrapped, some filling up, some empty
-    "one by one": (np.minimum(RAGGED, 400), _attention_pooled.APART),
-    "folded": (np.array([[100, 128], [120, 70], [99, 0], [128, 128], [65, 128], [100, 110]], np.int32),
-               _attention_pooled.TOGETHER),
-    "dense": (np.minimum(EVEN, 400), _attention_pooled.DENSE),
+    "ragged": np.minimum(RAGGED, 400),
+    "filling up": np.array([[100, 128], [120, 70], [99, 0], [128, 128], [65, 128], [100, 110]], np.int32),
+    "even": np.minimum(EVEN, 400),
 }
 
 
@@ -71,14 +70,12 @@ def dirty(k, lengths):
     return np.where(past, 1e4, k).astype(np.float32)
 
 
-def test_the_cost_model_reads_ragged_slots_one_by_one_even_ones_together_and_full_rings_densely():
+def test_the_cost_model_reads_ragged_slots_one_by_one_and_even_ones_together():
     pooled = _attention_pooled
     assert int(pooled.cheapest_reading(slot_blocks(RAGGED))) == pooled.APART
     assert int(pooled.cheapest_reading(slot_blocks(EVEN))) == pooled.TOGETHER
     # 16 slots, one at 8192 tokens and 15 at 256 (the pool benchmark): one by one
     assert int(pooled.cheapest_reading(jnp.asarray([128] + [4] * 15))) == pooled.APART
-    for lengths, reading in RING_LENGTHS.values():
-        assert int(pooled.cheapest_reading(slot_blocks(lengths, RING[2]), -(-RING[2] // 64))) == reading
 
 
 @pytest.mark.parametrize("implementation", ["loop", "native"])
@@ -116,8 +113,8 @@ def test_the_pooled_loop_compiles_once_for_both_choices_and_has_no_gather():
     hlo = f.lower(q, k, v, RAGGED).compile().as_text()
     assert " gather(" not in hlo and "conditional(" in hlo
     # plain vmap of the same loop (a batched trip count) reads every block by a gather of the whole cache
-    plain = jax.jit(jax.vmap(lambda q, k, v, n: _attention_blocks._read_blocks(
-        q, _dense._default_positions(q, n, None), {"k": k, "v": v, "lengths": n}, None,
+    plain = jax.jit(jax.vmap(lambda q, k, v, n: _append.read_blocks(
+        q, _operands.default_positions(q, n, None), {"k": k, "v": v, "lengths": n}, None,
         causal=True, scale=DIM ** -0.5, n=64)))
     assert " gather(" in plain.lower(q, k, v, RAGGED).compile().as_text()
 
@@ -126,7 +123,7 @@ def test_the_pooled_loop_compiles_once_for_both_choices_and_has_no_gather():
 def test_ring_views_under_vmap_read_each_slots_filled_slots(reading):
     sink, window, capacity = RING
     q, k, v = inputs(3, capacity)
-    lengths = RING_LENGTHS[reading][0]
+    lengths = RING_LENGTHS[reading]
     positions = np.stack([[ring_positions(int(n), capacity, sink) for n in slot] for slot in lengths])
     f = jax.jit(jax.vmap(lambda q, k, v, n, p: jss.attend_with_lse(
         q, jss.KVView(k=k, v=v, lengths=n, positions=p, window=window, sink=sink))))
@@ -168,7 +165,7 @@ def test_grad_through_vmapped_ring_attention_matches_float64_finite_differences(
 
 
 def test_grad_of_the_loop_outside_vmap_is_the_dense_softmax_gradient_jitted_or_not():
-    """The loop's VJP (the flash backward of ``_dense._float_append``) under ``jit``, where its trip count is
+    """The loop's VJP (the flash backward of ``_append._float_append``) under ``jit``, where its trip count is
     traced, and outside it."""
     q, k, v = (jnp.asarray(x[0]) for x in inputs(5, 200))
     lengths = jnp.asarray([150, 7], jnp.int32)

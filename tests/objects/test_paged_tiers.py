@@ -10,7 +10,7 @@ import pytest
 
 import jax_session_state as jss
 from jax_session_state._core import _library
-from jax_session_state.attention import _blocks as _attention_blocks
+from jax_session_state.attention import _key_blocks
 from tests.support.attention_reference import assert_close, reference
 
 SLOTS, H, D, PAGE = 3, 2, 32, 4
@@ -179,7 +179,7 @@ def test_attend_over_quantized_pages_matches_float64_over_the_dequantized_rows(q
     documented bound of attention over the rows written (random normal K/V).
     """
     rng = np.random.default_rng(4)
-    block = _attention_blocks.QUANTIZED_BLOCK_SIZE
+    block = _key_blocks.QUANTIZED_BLOCK_SIZE
     lengths = [block + 300, 17, 2 * block + 5]
     view, k, v = _quantized_paged_view(quantize, 16, lengths, rng)
     assert view.quantized and view.k_pages.dtype != jnp.float32
