@@ -271,7 +271,7 @@ def _flattened(q: Array, q_positions: Array | None, lead: tuple[int, ...]) -> tu
 
 def _rows_of(view: KVView | BranchKVView | PagedView, rows: Array) -> KVView | BranchKVView | PagedView:
     """The view of batch rows ``rows`` only: a paged view through its page table (no page is copied), a dense
-    view by gathering those rows.
+    view by gathering those rows.  Under ``jit`` a row out of range shows no key.
 
     Raises:
       PayloadError: an index is out of range or repeated (at once when ``rows`` is concrete).
@@ -286,11 +286,14 @@ def _rows_of(view: KVView | BranchKVView | PagedView, rows: Array) -> KVView | B
                                f"[0, {size}); got {found}.")
     if isinstance(view, BranchKVView):
         return BranchKVView(prefix=_rows_of(view.prefix, rows), window=_rows_of(view.window, rows))
+    valid = (index >= 0) & (index < size)  # traced: a row out of range sees nothing (zeros, lse -inf)
+    lengths = jnp.where(valid, view.lengths[index], 0)
     if isinstance(view, PagedView):
-        return view.replace(page_table=view.page_table[index], lengths=view.lengths[index], batch_shape=None)
+        return view.replace(page_table=view.page_table[index], lengths=lengths, batch_shape=None)
     taken = {name: None if getattr(view, name) is None else getattr(view, name)[index]
-             for name in ("k", "v", "k_scale", "v_scale", "lengths", "positions")}
-    return view.replace(**taken, batch_shape=None)
+             for name in ("k", "v", "k_scale", "v_scale")}
+    positions = jnp.where(valid[:, None], view.positions[index], -1)
+    return view.replace(**taken, lengths=lengths, positions=positions, batch_shape=None)
 
 
 def _checked_mask(view: KVView | BranchKVView | PagedView, causal: bool, frame: Any) -> int | None:

@@ -324,3 +324,15 @@ def test_branches_over_batch_axes_adopt_what_the_flattened_batch_adopts(kind):
     assert_same_state(shaped, flattened)
     for got, want in zip(shaped_outs, flat_outs):
         np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_a_traced_row_out_of_range_reads_nothing():
+    rng = np.random.default_rng(14)
+    for kind in ("append", "paged"):
+        cache = KINDS[kind]((B, P)).append(chunk(rng, (B, P), ragged=False))
+        q = jnp.asarray(rng.normal(size=(2, T, H, D)), jnp.float32)
+        out, lse = jax.jit(lambda q, view, rows: jss.attend_with_lse(q, view, rows=rows))(
+            q, cache.view(), jnp.array([1, 17]))
+        want, _ = jss.attend_with_lse(q[:1], cache.view(), rows=jnp.array([1]))
+        np.testing.assert_allclose(np.asarray(out[:1]), np.asarray(want), atol=1e-6)
+        assert not np.asarray(out[1]).any() and np.isneginf(np.asarray(lse[1])).all()
