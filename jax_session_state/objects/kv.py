@@ -43,7 +43,9 @@ class KVCache(StateObject, kw_only=True):
       chunks of ``C`` would, in one in-place write.  ``view(include_staged=False)`` shows the
       sinks and the last ``W`` committed tokens (what later queries need);
       ``view()`` shows every token still held, so attention right after an
-      ``append`` of a chunk sees each of its queries' whole window.
+      ``append`` of a chunk of at most ``C`` rows sees each of its queries'
+      whole window (a longer prefill's own queries attend it before it is
+      written).
       ``capacity`` is ``S + W`` (what stays visible) and the storage holds
       ``slots = S + W + C`` rows per batch row.
 
