@@ -22,7 +22,10 @@ kind               logical axes of its storage
 =================  ==========================================================
 
 One array's names are a :data:`LogicalAxes` tuple, ``None`` for an axis that
-is never sharded.  An axis whose name has no rule (or no name) is not sharded.  Objects remember
+is never sharded.  An axis that holds several logical axes flattened (a
+``KVCache`` allocated with ``batch=(B, P)`` stores ``B * P`` rows on one
+axis, named ``("batch", "batch_1")``) is sharded over the mesh axes of all
+its names, major first.  An axis whose name has no rule (or no name) is not sharded.  Objects remember
 their rules (``allocate(..., sharding=rules)`` or :func:`shard`), so ``empty()``
 allocates the same way and every lifecycle method returns storage sharded
 exactly like its input: under ``jit`` with donation each shard is written in
@@ -61,8 +64,9 @@ class _Placeable(Protocol):
 
     def with_sharding(self, rules: ShardingRules) -> Any: ...
 
-LogicalAxes = tuple["str | None", ...]
-"""The logical name of each axis of one array; None for an axis never sharded."""
+LogicalAxes = tuple["str | tuple[str, ...] | None", ...]
+"""The logical name of each axis of one array (a tuple of names for flattened axes); None for an axis never
+sharded."""
 
 T = TypeVar("T")
 
@@ -156,8 +160,14 @@ class ShardingRules:
         extra = ", replicate_indivisible=True" if self.replicate_indivisible else ""
         return f"ShardingRules(mesh={{{shape}}}, axes={{{axes}}}{extra})"
 
-    def mesh_axes(self, name: str | None) -> tuple[str, ...]:
-        """The mesh axes logical axis ``name`` is sharded over (empty: not sharded)."""
+    def mesh_axes(self, name: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        """The mesh axes logical axis ``name`` is sharded over (empty: not sharded).
+
+        A tuple of names (logical axes flattened into one) is sharded over
+        each name's mesh axes in turn, major first.
+        """
+        if isinstance(name, tuple):
+            return tuple(axis for part in name for axis in self.mesh_axes(part))
         return dict(self.axes).get(name, ()) if name is not None else ()
 
     def partition_spec(self, names: LogicalAxes, shape: Sequence[int], *, owner: str = "array") -> PartitionSpec:

@@ -49,13 +49,16 @@ def attend(
     q_positions: Array | None = None,
     implementation: str = "auto",
     frame: int | None = None,
+    rows: Array | None = None,
 ) -> Array:
     """Attention of ``q`` over a view.
 
     Args:
-      q: ``Float[Array, "batch T q_heads head_dim"]``, token-major;
-        ``q_heads`` a multiple of the view's ``kv_heads`` (GQA: query head
-        ``h`` reads kv head ``h // (q_heads // kv_heads)``).
+      q: ``Float[Array, "*batch T q_heads head_dim"]``, token-major, its
+        leading axes the view's batch shape (``[B, P, T, ...]`` over a cache
+        allocated with ``batch=(B, P)``, or those rows flattened), or
+        ``rows``' shape; ``q_heads`` a multiple of the view's ``kv_heads``
+        (GQA: query head ``h`` reads kv head ``h // (q_heads // kv_heads)``).
       view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
       causal: mask keys after each query's position (with a frame, after
         its frame's last position).  ``causal=False`` shows every valid key
@@ -63,7 +66,7 @@ def attend(
         no single meaning and raises: give the frame instead.
       scale: score scale, default ``1 / sqrt(head_dim)``; a traced scalar
         (or an array) is folded into the queries, in float32.
-      q_positions: ``Int[Array, "batch T"]`` absolute query positions;
+      q_positions: ``Int[Array, "*batch T"]`` absolute query positions;
         default the view's last ``T`` positions (the rows just written).
       implementation: how append-mode, ring and paged views are read (a
         ring by its runs of slots; a branch's own rows are always one
@@ -87,9 +90,15 @@ def attend(
         the causal mask and a ring's window.  Default: the frame the view's
         cache was allocated with (``KVCache.allocate(frame=N)``), else none;
         a different one raises.
+      rows: ``Int[Array, "*n"]`` distinct flat indices of the view's batch
+        rows that ``q``'s ``n`` batch entries read (query entry ``i`` reads
+        row ``rows[i]``): a query batch that is a subset of the cache's
+        rows.  A paged view reads them through its page table (no copy of
+        the pages); a dense view gathers the named rows (a copy of ``n``
+        rows, not of the cache).  None: every row.
 
     Returns:
-      ``Float[Array, "batch T q_heads head_dim"]`` in ``q``'s dtype.
+      ``Float[Array, "*batch T q_heads head_dim"]`` in ``q``'s dtype.
 
     Example:
       Causal attention of the 3 rows just written, against a dense numpy reference:
@@ -109,9 +118,21 @@ def attend(
 
       >>> bool(jnp.allclose(jss.attend(q, kv.view(), frame=3), jss.attend(q, kv.view(), causal=False), atol=1e-6))
       True
+
+      Leading batch axes (an axial model's batch of positions), and a query
+      batch reading some of the rows:
+
+      >>> kv = jss.KVCache.allocate(batch=(2, 3), kv_heads=1, head_dim=4, capacity=8)
+      >>> x = jax.random.normal(jax.random.key(2), (2, 3, 5, 1, 4))  # [B, P, T, heads, dim]
+      >>> kv = kv.append((x, x))
+      >>> jss.attend(x, kv.view()).shape
+      (2, 3, 5, 1, 4)
+      >>> some = jss.attend(x.reshape(6, 5, 1, 4)[jnp.array([4, 1])], kv.view(), rows=jnp.array([4, 1]))
+      >>> bool(jnp.allclose(some, jss.attend(x, kv.view()).reshape(6, 5, 1, 4)[jnp.array([4, 1])], atol=1e-6))
+      True
     """
     return attend_with_lse(q, view, causal=causal, scale=scale, q_positions=q_positions,
-                           implementation=implementation, frame=frame)[0]
+                           implementation=implementation, frame=frame, rows=rows)[0]
 
 
 def attend_with_lse(
@@ -123,26 +144,28 @@ def attend_with_lse(
     q_positions: Array | None = None,
     implementation: str = "auto",
     frame: int | None = None,
+    rows: Array | None = None,
 ) -> tuple[Array, Array]:
     """:func:`attend`, plus the log-sum-exp of each query's visible scores.
 
     Args:
-      q: ``Float[Array, "batch T q_heads head_dim"]``, token-major;
-        ``q_heads`` a multiple of the view's ``kv_heads``.
+      q: ``Float[Array, "*batch T q_heads head_dim"]``, token-major, as for
+        :func:`attend`; ``q_heads`` a multiple of the view's ``kv_heads``.
       view: a :class:`KVView`, :class:`BranchKVView` or :class:`PagedView`.
       causal: mask keys after each query's position, as for :func:`attend`.
       scale: score scale, default ``1 / sqrt(head_dim)``, as for :func:`attend`.
-      q_positions: ``Int[Array, "batch T"]`` absolute query positions;
+      q_positions: ``Int[Array, "*batch T"]`` absolute query positions;
         default the view's last ``T`` positions.
       implementation: ``"auto"``, ``"native"``, ``"loop"``,
         ``"bucketed"`` or ``"pallas"``, as for :func:`attend`.
       frame: queries in block-causal frames of this many tokens, as for
         :func:`attend`.
+      rows: the view's batch rows the query batch reads, as for :func:`attend`.
 
     Returns:
-      ``(out, lse)``: ``out`` is ``Float[Array, "batch T q_heads head_dim"]``
+      ``(out, lse)``: ``out`` is ``Float[Array, "*batch T q_heads head_dim"]``
       in ``q``'s dtype, as :func:`attend` returns it (zeros where a query
-      sees nothing); ``lse`` is ``Float32[Array, "batch T q_heads"]``,
+      sees nothing); ``lse`` is ``Float32[Array, "*batch T q_heads"]``,
       ``-inf`` where a query sees nothing.  Two results over disjoint keys
       merge exactly with :func:`merge_attention`.
 
@@ -158,8 +181,6 @@ def attend_with_lse(
       >>> bool(jnp.isneginf(nothing).all())
       True
     """
-    if q.ndim != 4:
-        raise PayloadError(f"attend(): q must be [batch, T, q_heads, head_dim]; got shape {list(q.shape)}.")
     if implementation not in IMPLEMENTATIONS:
         raise PayloadError(f"attend(): implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}.")
     if implementation == "native" and not _library.enabled():
@@ -167,10 +188,87 @@ def attend_with_lse(
     if not isinstance(view, (KVView, BranchKVView, PagedView)):
         raise PayloadTypeError(f"attend() reads a KVView, BranchKVView or PagedView; got {type(view).__name__}.")
     frame = _checked_mask(view, causal, frame)
+    lead = _batch_axes(q, view, rows)
+    q, q_positions = _flattened(q, q_positions, lead)
+    if rows is not None:
+        view = _rows_of(view, rows)
     if _eager(q, view, q_positions, scale):  # one compiled program per signature, not one per call
-        return _compiled_attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation,
-                                frame=frame, native=_library.enabled())
-    return _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation, frame=frame)
+        out, lse = _compiled_attend(q, view, q_positions, causal=causal, scale=scale,
+                                    implementation=implementation, frame=frame, native=_library.enabled())
+    else:
+        out, lse = _attend(q, view, q_positions, causal=causal, scale=scale, implementation=implementation,
+                           frame=frame)
+    return out.reshape(*lead, *out.shape[1:]), lse.reshape(*lead, *lse.shape[1:])
+
+
+def _batch_axes(q: Any, view: KVView | BranchKVView | PagedView, rows: Any) -> tuple[int, ...]:
+    """The leading (batch) axes of ``q``: the view's batch shape, its rows flattened, or ``rows``' shape.
+
+    Raises:
+      PayloadError: ``q`` has fewer than 4 axes, or leading axes the view
+        (or ``rows``) does not give, saying what was expected.
+      PayloadTypeError: ``rows`` is not an integer array.
+    """
+    if not hasattr(q, "ndim") or q.ndim < 4:
+        raise PayloadError(f"attend(): q must be [*batch, T, q_heads, head_dim]; got shape "
+                           f"{list(getattr(q, 'shape', ()))}.")
+    lead = tuple(q.shape[:-3])
+    if rows is not None:
+        if not hasattr(rows, "shape") or not jnp.issubdtype(rows.dtype, jnp.integer):
+            raise PayloadTypeError(f"attend(): rows must be an integer array of flat indices of the view's batch "
+                                   f"rows; got {type(rows).__name__}.")
+        if lead != tuple(rows.shape):
+            raise PayloadError(f"attend(): q's batch axes must be rows' shape {list(rows.shape)} (one query entry "
+                               f"per row read); got q of shape {list(q.shape)}.")
+        return lead
+    head = view.prefix if isinstance(view, BranchKVView) else view
+    size = head.page_table.shape[0] if isinstance(head, PagedView) else head.k.shape[0]
+    shape = head.batch_shape or (size,)
+    if lead not in (shape, (size,)):
+        raise PayloadError(
+            f"attend(): q must be [*batch, T, q_heads, head_dim] with batch {list(shape)} (the view's batch axes, "
+            f"or their {size} rows flattened; pass rows= to read some rows only); got q of shape {list(q.shape)}."
+        )
+    return lead
+
+
+def _flattened(q: Array, q_positions: Array | None, lead: tuple[int, ...]) -> tuple[Array, Array | None]:
+    """``q`` and ``q_positions`` with their batch axes flattened into one (a free reshape)."""
+    n = math.prod(lead)
+    q = q.reshape(n, *q.shape[len(lead):])
+    if q_positions is not None and jnp.ndim(q_positions) == len(lead) + 1:
+        if tuple(jnp.shape(q_positions)[:-1]) != lead:
+            raise PayloadError(f"attend(): q_positions must be [*batch, T] with batch {list(lead)}; got shape "
+                               f"{list(jnp.shape(q_positions))}.")
+        q_positions = jnp.reshape(q_positions, (n, -1))
+    return q, q_positions
+
+
+def _rows_of(view: KVView | BranchKVView | PagedView, rows: Array) -> KVView | BranchKVView | PagedView:
+    """The view of batch rows ``rows`` only: a paged view through its page table (no page is copied), a dense
+    view by gathering those rows.  Under ``jit`` a row out of range shows no key.
+
+    Raises:
+      PayloadError: an index is out of range or repeated (at once when ``rows`` is concrete).
+    """
+    index = jnp.reshape(rows, (-1,)).astype(jnp.int32)
+    head = view.prefix if isinstance(view, BranchKVView) else view
+    size = head.page_table.shape[0] if isinstance(head, PagedView) else head.k.shape[0]
+    if not isinstance(index, jax.core.Tracer):
+        found = index.tolist()
+        if any(i < 0 or i >= size for i in found) or len(set(found)) != len(found):
+            raise PayloadError(f"attend(): rows must be distinct flat indices of the view's batch rows in "
+                               f"[0, {size}); got {found}.")
+    if isinstance(view, BranchKVView):
+        return BranchKVView(prefix=_rows_of(view.prefix, rows), window=_rows_of(view.window, rows))
+    valid = (index >= 0) & (index < size)  # traced: a row out of range sees nothing (zeros, lse -inf)
+    lengths = jnp.where(valid, view.lengths[index], 0)
+    if isinstance(view, PagedView):
+        return view.replace(page_table=view.page_table[index], lengths=lengths, batch_shape=None)
+    taken = {name: None if getattr(view, name) is None else getattr(view, name)[index]
+             for name in ("k", "v", "k_scale", "v_scale")}
+    positions = jnp.where(valid[:, None], view.positions[index], -1)
+    return view.replace(**taken, lengths=lengths, positions=positions, batch_shape=None)
 
 
 def _checked_mask(view: KVView | BranchKVView | PagedView, causal: bool, frame: Any) -> int | None:

@@ -61,8 +61,7 @@ def block_f32(cache: Array, start: Array, n: int, rows: Rows = None) -> Array:
 
     A 16-bit cache is sliced as 16-bit integers: XLA:CPU widens bfloat16 and
     float16 operations to float32, and would widen the whole capacity on
-    every call to slice a block of it (measured: 84 ms against 0.2 ms for a
-    32k bfloat16 cache holding 4k tokens).
+    every call to slice a block of it (BENCHMARKS.md, the attention rows).
     """
     if cache.dtype.itemsize != 2:  # float32 as it is; int8 and fp8 values widened block by block
         return key_slice(cache, start, n, rows).astype(F32)

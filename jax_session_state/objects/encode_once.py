@@ -13,7 +13,8 @@ from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.building_blocks import allocator, refuse_now_if
 from jax_session_state.errors import CapacityError
-from jax_session_state.objects import _ring
+from jax_session_state.objects import _batch, _ring
+from jax_session_state.objects._batch import BatchShape
 from jax_session_state.objects.kv_views import KVChunk, KVView, read_chunk
 
 __all__ = ["EncodeOnceKV"]
@@ -42,16 +43,16 @@ class EncodeOnceKV(StateObject, kw_only=True):
       (True, Array([5], dtype=int32))
     """
 
-    batch: int = struct.field(pytree_node=False)
+    batch: BatchShape = struct.field(pytree_node=False)
     kv_heads: int = struct.field(pytree_node=False)
     head_dim: int = struct.field(pytree_node=False)
     capacity: int = struct.field(pytree_node=False)
     dtype: np.dtype = struct.field(pytree_node=False)
 
     k: Array | None = None
-    """``Float[Array, "batch kv_heads capacity head_dim"]``."""
+    """``Float[Array, "batch_size kv_heads capacity head_dim"]``, the batch axes flattened."""
     v: Array | None = None
-    """``Float[Array, "batch kv_heads capacity head_dim"]``."""
+    """``Float[Array, "batch_size kv_heads capacity head_dim"]``, the batch axes flattened."""
     lengths: Array | None = None
     """``Int[Array, "batch"]`` conditioning tokens per row, written or staged
     (0 while there are none): what ``view()`` shows, so a step reads it as
@@ -91,12 +92,14 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
     @classmethod
     @allocator()
-    def allocate(cls, *, batch: int, kv_heads: int, head_dim: int, capacity: int | None = None,
+    def allocate(cls, *, batch: BatchShape, kv_heads: int, head_dim: int, capacity: int | None = None,
                  dtype: Any = jnp.float32, **options: Any) -> EncodeOnceKV:
         """An empty, unwritten conditioning cache.
 
         Args:
-          batch: batch rows.
+          batch: batch rows, or a tuple of batch axes (``(B, P)``): payloads
+            lead with them and the storage holds their rows flattened, as
+            :meth:`KVCache.allocate <jax_session_state.KVCache.allocate>`.
           kv_heads: K/V heads.
           head_dim: size of each head.
           capacity: the most conditioning tokens per row.
@@ -106,23 +109,31 @@ class EncodeOnceKV(StateObject, kw_only=True):
             ``recompute_source``, typically the prompt embedding,
             ``recompute_cost``, ``sharding``).  Its storage axes are
             ``("batch", "kv_heads", "capacity", "head_dim")`` for k and v and
-            ``("batch",)`` for the lengths.
+            ``("batch",)`` for the lengths (``("batch", "batch_1")`` for the
+            flattened axis of ``batch=(B, P)``).
         """
         owner = "EncodeOnceKV.allocate"
         capacity = v.required(owner, "capacity", capacity)
-        sizes = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity)
+        sizes = {"batch": _batch.checked(owner, "batch", batch),
+                 **v.positive_ints(owner, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity)}
         return cls._allocated(options, **sizes, dtype=np.dtype(dtype))
 
     def storage_axes(self) -> dict[str, Any]:
-        kv = ("batch", "kv_heads", "capacity", "head_dim")
-        return {"k": kv, "v": kv, "lengths": ("batch",), "phase": (), "refused": ()}
+        batch = _batch.logical_name("batch", self.batch)
+        kv = (batch, "kv_heads", "capacity", "head_dim")
+        return {"k": kv, "v": kv, "lengths": (batch,), "phase": (), "refused": ()}
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading axes of payloads and queries: ``(batch,)``, or ``batch`` when it is a tuple."""
+        return _batch.shape_of(self.batch)
 
     def _empty_storage(self) -> dict[str, Any]:
-        shape = (self.batch, self.kv_heads, self.capacity, self.head_dim)
+        shape = (_batch.size_of(self.batch), self.kv_heads, self.capacity, self.head_dim)
         return {
             "k": jnp.zeros(shape, self.dtype),
             "v": jnp.zeros(shape, self.dtype),
-            "lengths": jnp.zeros((self.batch,), jnp.int32),
+            "lengths": jnp.zeros((_batch.size_of(self.batch),), jnp.int32),
             "phase": jnp.full((), _EMPTY, jnp.int32),
             "refused": jnp.zeros((), bool),
         }
@@ -132,12 +143,12 @@ class EncodeOnceKV(StateObject, kw_only=True):
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
-            Float[Array, "batch T kv_heads head_dim"]``; each row's count
+            Float[Array, "*batch T kv_heads head_dim"]``; each row's count
             (``T`` without counts) at most ``capacity``, or the write is
             refused (:class:`CapacityError` at once outside jit).
           operation: the public method, for messages.
         """
-        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
+        chunk, counts, bad_counts = read_chunk(self, payload, operation, batch=self.batch, subsets=False)
         T = chunk.k.shape[1]
         too_long = jnp.any(counts > self.capacity)  # rows past the capacity may be padding, not tokens
         refuse_now_if(
@@ -177,7 +188,7 @@ class EncodeOnceKV(StateObject, kw_only=True):
         self._require_resident("view")
         lengths = self.lengths if include_staged else jnp.where(self.written, self.lengths, 0)
         positions = _ring.slot_positions(self.capacity, lengths, sink=0, ring=None)
-        return KVView(k=self.k, v=self.v, lengths=lengths, positions=positions)
+        return KVView(k=self.k, v=self.v, lengths=lengths, positions=positions, batch_shape=self.batch_shape)
 
 
 def _write_tokens(cache: Array, slots: Array, rows: Array) -> Array:

@@ -13,7 +13,8 @@ from jax_session_state._core import _validation as v, _writes
 from jax_session_state.base import StateObject
 from jax_session_state.building_blocks import allocator, refuse_now_if, update_slice_or_keep
 from jax_session_state.errors import CapacityError, PayloadTypeError
-from jax_session_state.objects import _frames, _quantize, _ring
+from jax_session_state.objects import _batch, _frames, _quantize, _ring
+from jax_session_state.objects._batch import BatchShape
 from jax_session_state.objects.kv_views import BranchKVView, KVChunk, KVView, read_chunk
 
 __all__ = ["BranchKVView", "KVCache", "KVChunk", "KVView"]
@@ -36,10 +37,15 @@ class KVCache(StateObject, kw_only=True):
       chunk of up to ``C`` rows, staged or appended, never overwrites the
       window its own queries attend to, and ``discard()`` restores the
       committed view exactly.  Staging more than ``C`` rows at once
-      is a :class:`CapacityError`.  ``view(include_staged=False)`` shows the
+      is a :class:`CapacityError`; ``append`` (and ``commit(payload)``)
+      takes a chunk of any length, a prefill: the ring keeps its sinks
+      (from the chunk's first rows) and its last rows, as appending it in
+      chunks of ``C`` would, in one in-place write.  ``view(include_staged=False)`` shows the
       sinks and the last ``W`` committed tokens (what later queries need);
       ``view()`` shows every token still held, so attention right after an
-      ``append`` of a chunk sees each of its queries' whole window.
+      ``append`` of a chunk of at most ``C`` rows sees each of its queries'
+      whole window (a longer prefill's own queries attend it before it is
+      written).
       ``capacity`` is ``S + W`` (what stays visible) and the storage holds
       ``slots = S + W + C`` rows per batch row.
 
@@ -65,6 +71,12 @@ class KVCache(StateObject, kw_only=True):
     declares ``tiers=("int8",)`` may be demoted to that form (:meth:`demote`)
     when memory is short.
 
+    Batch axes (``batch=(B, P)``, an axial model's batch of spatial
+    positions): payloads, counts and queries lead with ``[B, P]`` and the
+    storage holds the ``B * P`` rows flattened, so reads and writes reuse
+    the one-axis paths with no copy.  A :class:`KVChunk` with ``rows=``
+    writes some rows only (their payload alone, scattered in place).
+
     Staging is in-buffer: ``stage`` writes rows past the committed length,
     ``commit()`` advances the length and ``discard()`` forgets the staged
     count, both O(1).  Under ``jit`` with the cache donated every write is in
@@ -80,7 +92,7 @@ class KVCache(StateObject, kw_only=True):
       Array([16,  5], dtype=int32)
     """
 
-    batch: int = struct.field(pytree_node=False)
+    batch: BatchShape = struct.field(pytree_node=False)
     kv_heads: int = struct.field(pytree_node=False)
     head_dim: int = struct.field(pytree_node=False)
     capacity: int = struct.field(pytree_node=False)
@@ -93,15 +105,16 @@ class KVCache(StateObject, kw_only=True):
     tiers: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
     k: Array | None = None
-    """``Float[Array, "batch kv_heads slots head_dim"]`` (int8 / fp8 values when quantized)."""
+    """``Float[Array, "batch_size kv_heads slots head_dim"]`` (int8 / fp8 values when quantized); the batch
+    axes flattened."""
     v: Array | None = None
-    """``Float[Array, "batch kv_heads slots head_dim"]`` (int8 / fp8 values when quantized)."""
+    """``Float[Array, "batch_size kv_heads slots head_dim"]`` (int8 / fp8 values when quantized)."""
     k_scale: Array | None = None
-    """``Float[Array, "batch kv_heads slots 1"]`` the scale of each row of ``k`` when quantized, else None."""
+    """``Float[Array, "batch_size kv_heads slots 1"]`` the scale of each row of ``k`` when quantized, else None."""
     v_scale: Array | None = None
-    """``Float[Array, "batch kv_heads slots 1"]`` the scale of each row of ``v`` when quantized, else None."""
+    """``Float[Array, "batch_size kv_heads slots 1"]`` the scale of each row of ``v`` when quantized, else None."""
     bookkeeping: Array | None = None
-    """``Int[Array, "4 batch"]``, per batch row: committed tokens, staged
+    """``Int[Array, "4 batch_size"]``, per (flat) batch row: committed tokens, staged
     tokens after them, the high-water mark (one past the largest position
     ever written; a ring slot holds the largest position below it that maps
     to the slot) and the writes refused under jit (the same in every row).
@@ -113,18 +126,28 @@ class KVCache(StateObject, kw_only=True):
     data_fields = ("k", "v")
 
     @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading axes of payloads and queries: ``(batch,)``, or ``batch`` when it is a tuple."""
+        return _batch.shape_of(self.batch)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of storage: the product of :attr:`batch_shape` (the flattened batch axes)."""
+        return _batch.size_of(self.batch)
+
+    @property
     def committed(self) -> Array | None:
-        """``Int[Array, "batch"]`` committed tokens per row."""
+        """``Int[Array, "batch_size"]`` committed tokens per (flat) row."""
         return self._counter(_COMMITTED)
 
     @property
     def staged(self) -> Array | None:
-        """``Int[Array, "batch"]`` staged tokens per row, after the committed ones."""
+        """``Int[Array, "batch_size"]`` staged tokens per (flat) row, after the committed ones."""
         return self._counter(_STAGED)
 
     @property
     def high_water(self) -> Array | None:
-        """``Int[Array, "batch"]`` one past the largest position ever written."""
+        """``Int[Array, "batch_size"]`` one past the largest position ever written."""
         return self._counter(_HIGH_WATER)
 
     @property
@@ -156,7 +179,7 @@ class KVCache(StateObject, kw_only=True):
     def allocate(
         cls,
         *,
-        batch: int,
+        batch: BatchShape,
         kv_heads: int,
         head_dim: int,
         capacity: int | None = None,
@@ -174,7 +197,12 @@ class KVCache(StateObject, kw_only=True):
         """An empty cache.
 
         Args:
-          batch: batch rows.
+          batch: batch rows, or a tuple of batch axes (``(B, P)``: an axial
+            model's batch of spatial positions, each with its own
+            sequence).  Payloads, counts and queries then lead with these
+            axes (``[B, P, T, kv_heads, head_dim]``); the storage holds
+            their ``B * P`` rows flattened, so nothing is copied or
+            transposed to write or read them.
           kv_heads: K/V heads.
           head_dim: size of each head.
           capacity: rows per batch row in append mode (in ring mode it is
@@ -202,13 +230,23 @@ class KVCache(StateObject, kw_only=True):
             ``recompute_source``, ``recompute_cost``, ``sharding``).  Its
             storage axes are ``("batch", "kv_heads", "capacity",
             "head_dim")`` for k and v and ``(None, "batch")`` for the
-            bookkeeping.
+            bookkeeping; with batch axes ``(B, P)`` the flattened axis is
+            named ``("batch", "batch_1")``, each axis its own logical name.
 
         Returns:
           An empty, resident cache.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jax_session_state as jss
+          >>> kv = jss.KVCache.allocate(batch=(2, 3), kv_heads=1, head_dim=4, capacity=8)
+          >>> kv = kv.append((jnp.ones((2, 3, 5, 1, 4)),) * 2)  # [B, P, T, kv_heads, head_dim]
+          >>> kv.k.shape, kv.view().lengths.shape  # stored flattened: no copy to read it
+          ((6, 1, 8, 4), (6,))
         """
         owner = "KVCache.allocate"
-        heads = v.positive_ints(owner, batch=batch, kv_heads=kv_heads, head_dim=head_dim)
+        heads = {"batch": _batch.checked(owner, "batch", batch),
+                 **v.positive_ints(owner, kv_heads=kv_heads, head_dim=head_dim)}
         frame = None if frame is None else v.positive_int(owner, "frame", frame)
         window, sink, max_staged = _frames.ring_in_tokens(owner, frame, window_frames, sink_frames, window, sink,
                                                           max_staged)
@@ -239,9 +277,10 @@ class KVCache(StateObject, kw_only=True):
         )
 
     def storage_axes(self) -> dict[str, Any]:
-        kv = ("batch", "kv_heads", "capacity", "head_dim")
-        scale = ("batch", "kv_heads", "capacity", None) if self.quantize else None
-        return {"k": kv, "v": kv, "k_scale": scale, "v_scale": scale, "bookkeeping": (None, "batch")}
+        batch = _batch.logical_name("batch", self.batch)
+        kv = (batch, "kv_heads", "capacity", "head_dim")
+        scale = (batch, "kv_heads", "capacity", None) if self.quantize else None
+        return {"k": kv, "v": kv, "k_scale": scale, "v_scale": scale, "bookkeeping": (None, batch)}
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -249,14 +288,14 @@ class KVCache(StateObject, kw_only=True):
         return self.dtype if self.quantize is None else _quantize.storage_dtype(self.quantize)
 
     def _empty_storage(self) -> dict[str, Any]:
-        shape = (self.batch, self.kv_heads, self.slots, self.head_dim)
+        shape = (self.batch_size, self.kv_heads, self.slots, self.head_dim)
         scale = jnp.ones((*shape[:-1], 1), jnp.float32) if self.quantize else None
         return {
             "k": jnp.zeros(shape, self.storage_dtype),
             "v": jnp.zeros(shape, self.storage_dtype),
             "k_scale": scale,
             "v_scale": None if scale is None else jnp.ones_like(scale),
-            "bookkeeping": jnp.zeros((4, self.batch), jnp.int32),
+            "bookkeeping": jnp.zeros((4, self.batch_size), jnp.int32),
         }
 
     @property
@@ -265,30 +304,44 @@ class KVCache(StateObject, kw_only=True):
         return None if self.window is None else self.slots - self.sink
 
     # ------------------------------------------------------------- writes
-    def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str) -> tuple[KVCache, Array]:
+    def _write_and_commit(self, payload: KVChunk | tuple[Array, ...], operation: str) -> KVCache:
+        """``append`` / ``commit(payload)``: a ring takes a chunk of any length (a prefill), keeping what it shows."""
+        written, refused = self._stage(payload, operation, committing=True)
+        return written._commit_staged(when=jnp.logical_not(refused))
+
+    def _stage(self, payload: KVChunk | tuple[Array, ...], operation: str, *,
+               committing: bool = False) -> tuple[KVCache, Array]:
         """Writes rows after the committed ones, replacing what was staged.
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v)`` / ``(k, v, counts)`` with
-            ``k, v: Float[Array, "batch T kv_heads head_dim"]`` of the cache's
-            dtype and ``counts: Int[Array, "batch"]`` in ``[0, T]``.
+            ``k, v: Float[Array, "*batch T kv_heads head_dim"]`` of the cache's
+            dtype and ``counts: Int[Array, "*batch"]`` in ``[0, T]``; with
+            ``rows`` (a :class:`KVChunk` of some batch rows) the leading axes
+            are ``rows``' and only those rows are written, the others
+            staging nothing.
           operation: the public method, for messages.
+          committing: the rows are committed at once (``append``,
+          ``commit(payload)``): a ring then takes a chunk longer than
+          ``max_staged`` (a prefill), keeping its rows among the sinks and
+          the last ``slots - sink`` positions, as row-by-row appends would;
+          rows a later position replaces in the ring are not written.
 
         Returns:
           The cache with the rows staged, and whether the write was refused:
           if any row would overflow (append mode: past capacity; ring mode:
-          more than ``max_staged`` rows) or a count is out of range, nothing
-          is written: eagerly a :class:`CapacityError` / :class:`ValueError`
-          is raised, under jit ``overflowed`` is set.
+          more than ``max_staged`` rows staged) or a count or row index is out of
+          range, nothing is written: eagerly a :class:`CapacityError` /
+          :class:`ValueError` is raised, under jit ``overflowed`` is set.
         """
-        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.batch)
-        start = self.committed
+        chunk, counts, bad_input = read_chunk(self, payload, operation, batch=self.batch)
+        start = self.committed if chunk.rows is None else self.committed[chunk.rows]
         if self.window is None:
             room = self.capacity - start
             limit = f"capacity {self.capacity}"
         else:
-            room = jnp.full_like(start, self.max_staged)
-            limit = f"max_staged {self.max_staged} rows staged between commits"
+            room = jnp.full_like(start, np.iinfo(np.int32).max if committing else self.max_staged)
+            limit = f"max_staged {self.max_staged} rows staged between commits (append takes any length)"
         too_long = jnp.any(counts > room)
         refuse_now_if(
             too_long,
@@ -298,18 +351,25 @@ class KVCache(StateObject, kw_only=True):
                 "more, or commit sooner."
             ),
         )
-        refused = bad_counts | too_long
+        refused = bad_input | too_long
         written = jnp.where(refused, 0, counts)
         rows = {"k": chunk.k, "v": chunk.v}
         if self.quantize is not None:
             for name in ("k", "v"):
                 rows[name], rows[f"{name}_scale"] = _quantize.quantize(rows[name], self.quantize)
+        if chunk.rows is None:
+            storage = {name: self._write_rows(getattr(self, name), x, start, written, whole=chunk.counts is None)
+                       for name, x in rows.items()}
+            written_per_row = written
+        else:
+            storage = {name: self._write_some_rows(getattr(self, name), x, chunk.rows, start, written)
+                       for name, x in rows.items()}
+            written_per_row = jnp.zeros_like(self.committed).at[chunk.rows].set(written)
         new = self._with_bookkeeping(
-            **{name: self._write_rows(getattr(self, name), x, start, written, whole=chunk.counts is None)
-               for name, x in rows.items()},
+            **storage,
             committed=self.committed,
-            staged=jnp.where(refused, self.staged, written),
-            high_water=jnp.maximum(self.high_water, start + written),
+            staged=jnp.where(refused, self.staged, written_per_row),
+            high_water=jnp.maximum(self.high_water, self.committed + written_per_row),
             refused=self.bookkeeping[..., _REFUSED, :] + refused,
         )
         return new, refused
@@ -353,6 +413,7 @@ class KVCache(StateObject, kw_only=True):
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             frame=self.frame,
+            batch_shape=self.batch_shape,
         )
 
     # -------------------------------------------------------------- tiers
@@ -397,12 +458,32 @@ class KVCache(StateObject, kw_only=True):
         ``whole``: each ``written[b]`` is all of ``rows`` or nothing.
         """
         T = rows.shape[1]
-        if self.window is None and self.batch == 1 and self.sharding is None and T <= self.slots:
+        if self.window is None and self.batch_size == 1 and self.sharding is None and T <= self.slots:
             return _write_row_slice(cache, rows, start[0], written[0], whole=whole)
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        return _writes.write_rows(cache, self._slots_of(start, written, T), rows.transpose(0, 2, 1, 3), axis=2)
+
+    def _write_some_rows(self, cache: Array, rows: Array, index: Array, start: Array, written: Array) -> Array:
+        """``cache`` with ``rows[i, :written[i]]`` written into batch row ``index[i]`` at positions from ``start[i]``.
+
+        One scatter of the ``len(index) * T`` rows, in place under donation:
+        no other batch row is read or written.
+        """
+        slots = self._slots_of(start, written, rows.shape[1])
+        return cache.at[index[:, None], :, slots].set(rows, mode="drop")
+
+    def _slots_of(self, start: Array, written: Array, T: int) -> Array:
+        """``Int[Array, "n T"]`` the slot of each chunk row, ``slots`` (out of range: dropped) past ``written``.
+
+        A ring also drops the rows a later row of the same chunk replaces
+        (more rows than its ring slots: a prefill), so no slot is written twice.
+        """
+        index = jnp.arange(T, dtype=jnp.int32)
+        positions = start[:, None] + index
         slots = _ring.slot_of(positions, sink=self.sink, ring=self.ring_slots)
-        slots = jnp.where(jnp.arange(T) < written[:, None], slots, self.slots)  # out of range: dropped
-        return _writes.write_rows(cache, slots, rows.transpose(0, 2, 1, 3), axis=2)
+        kept = index < written[:, None]
+        if self.ring_slots is not None and T > self.ring_slots:
+            kept &= (positions < self.sink) | (index >= written[:, None] - self.ring_slots)
+        return jnp.where(kept, slots, self.slots)
 
     # ------------------------------------------------------------ branches
     def branch_window(self, size: int | None) -> KVCache:
@@ -431,6 +512,7 @@ class KVCache(StateObject, kw_only=True):
                 k_scale=rows.k_scale,
                 v_scale=rows.v_scale,
                 frame=self.frame,
+                batch_shape=self.batch_shape,
             ),
         )
 
@@ -443,11 +525,15 @@ class KVCache(StateObject, kw_only=True):
         counts = window.committed + window.staged
         k, v = (_quantize.dequantize(x, scale, self.dtype).transpose(0, 2, 1, 3)  # token-major, window-sized
                 for x, scale in ((window.k, window.k_scale), (window.v, window.v_scale)))
+        k, v = (x.reshape(*self.batch_shape, *x.shape[1:]) for x in (k, v))
+        counts = counts.reshape(self.batch_shape)
         piece = window.capacity if self.window is None else self.max_staged
         cache = self
         for start in range(0, window.capacity, piece):
             taken = jnp.clip(counts - start, 0, piece).astype(jnp.int32)
-            cache = cache.append(KVChunk(k[:, start:start + piece], v[:, start:start + piece], taken))
+            lead = (slice(None),) * len(self.batch_shape)
+            cache = cache.append(KVChunk(k[(*lead, slice(start, start + piece))],
+                                         v[(*lead, slice(start, start + piece))], taken))
         return cache.with_storage(
             bookkeeping=cache.bookkeeping.at[..., _REFUSED, :].add(window.bookkeeping[..., _REFUSED, :])
         )

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from jax_session_state._core import _validation as v
 from jax_session_state.base import StateObject
 from jax_session_state.building_blocks import refuse_now_if
 from jax_session_state.errors import PayloadError, PayloadTypeError
+from jax_session_state.objects import _batch
+from jax_session_state.objects._batch import BatchShape
 from jax_session_state.objects._quantize import dequantize
 
 __all__ = ["BranchKVView", "KVChunk", "KVView", "PagedView", "read_chunk"]
@@ -25,11 +28,20 @@ class KVChunk(NamedTuple):
     """A chunk of K/V rows to write, token-major as a model produces them.
 
     Attributes:
-      k: ``Float[Array, "batch T kv_heads head_dim"]``.
-      v: ``Float[Array, "batch T kv_heads head_dim"]``.
-      counts: ``Int[Array, "batch"]`` rows of the chunk each batch row takes
+      k: ``Float[Array, "*batch T kv_heads head_dim"]``, the cache's batch
+        shape leading (``[B, P, T, ...]`` for ``batch=(B, P)``), or
+        ``rows``' shape when ``rows`` is given.
+      v: ``Float[Array, "*batch T kv_heads head_dim"]``, as ``k``.
+      counts: ``Int[Array, "*batch"]`` rows of the chunk each batch row takes
         (a ragged write: row ``b`` takes ``k[b, :counts[b]]``), or None for
         all ``T``.
+      rows: ``Int[Array, "*n"]`` distinct flat batch-row indices (into the
+        flattened batch shape; ``jnp.ravel_multi_index`` turns per-axis
+        indices into them) written by this chunk, whose ``k``, ``v`` and
+        ``counts`` then lead with ``rows``' shape: only those rows are
+        written, scattered in place (no full-size payload), as a full chunk
+        with ``counts`` 0 for every other row would write them.  None: every
+        batch row.
 
     Example:
       >>> import jax.numpy as jnp
@@ -38,27 +50,38 @@ class KVChunk(NamedTuple):
       >>> kv = jss.KVCache.allocate(batch=2, kv_heads=1, head_dim=8, capacity=16)
       >>> kv.append(jss.KVChunk(rows, rows, counts=jnp.array([4, 1], jnp.int32))).committed
       Array([4, 1], dtype=int32)
+      >>> one = jnp.ones((1, 3, 1, 8))  # 3 rows for batch row 1 alone
+      >>> kv.append(jss.KVChunk(one, one, rows=jnp.array([1]))).committed
+      Array([0, 3], dtype=int32)
     """
 
     k: Array
     v: Array
     counts: Array | None = None
+    rows: Array | None = None
 
 
-def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> tuple[KVChunk, Array, Array]:
-    """Checks a K/V payload written by ``obj.operation``.
+def read_chunk(obj: StateObject, payload: Any, operation: str, *, batch: BatchShape,
+               subsets: bool = True) -> tuple[KVChunk, Array, Array]:
+    """Checks a K/V payload written by ``obj.operation`` and flattens its batch axes.
 
     Args:
       obj: the object written; its ``kv_heads``, ``head_dim`` and ``dtype``
         fix the payload's trailing shape and dtype.
-      payload: a :class:`KVChunk` or ``(k, v[, counts])`` tuple.
+      payload: a :class:`KVChunk` or ``(k, v[, counts[, rows]])`` tuple.
       operation: the public method, for messages.
-      rows: the payload's leading size (batch rows, sequence slots).
+      batch: the object's batch shape (batch rows, sequence slots): the
+        payload's leading axes unless it names ``rows``.
+      subsets: whether ``obj`` takes a chunk of some rows (``rows=``).
 
     Returns:
-      The chunk, its counts ``Int[Array, "rows"]`` (all ``T`` when None) and
-      whether a count lies outside ``[0, T]``: eagerly that raises
-      ``ValueError`` at once; under jit the caller refuses the write.
+      The chunk with ``k``, ``v`` ``[n, T, kv_heads, head_dim]`` and
+      ``counts`` flattened over the batch axes (``n`` the batch's rows, or
+      the rows named) and ``rows`` the flat indices (checked, or None), its
+      counts ``Int[Array, "n"]`` (all ``T`` when None) and whether a count
+      lies outside ``[0, T]`` or a row index is out of range or repeated:
+      eagerly that raises ``ValueError`` at once; under jit the caller
+      refuses the write.
 
     Raises:
       PayloadTypeError, PayloadError: the wrong structure, shape or dtype, naming ``obj``.
@@ -67,35 +90,49 @@ def read_chunk(obj: StateObject, payload: Any, operation: str, *, rows: int) -> 
       >>> import jax.numpy as jnp
       >>> import jax_session_state as jss
       >>> from jax_session_state.objects.kv_views import read_chunk
-      >>> kv = jss.KVCache.allocate(batch=2, kv_heads=1, head_dim=2, capacity=8)
-      >>> rows = jnp.ones((2, 3, 1, 2))
-      >>> chunk, counts, out_of_range = read_chunk(kv, (rows, rows, jnp.array([3, 1])), "append", rows=2)
-      >>> chunk.k.shape, counts, bool(out_of_range)  # batch row 1 writes only its first row
-      ((2, 3, 1, 2), Array([3, 1], dtype=int32), False)
+      >>> kv = jss.KVCache.allocate(batch=(2, 3), kv_heads=1, head_dim=2, capacity=8)
+      >>> rows = jnp.ones((2, 3, 5, 1, 2))  # [*batch, T, kv_heads, head_dim]
+      >>> chunk, counts, refused = read_chunk(kv, (rows, rows), "append", batch=kv.batch)
+      >>> chunk.k.shape, counts.tolist(), bool(refused)  # stored flattened: [B * P, T, ...]
+      ((6, 5, 1, 2), [5, 5, 5, 5, 5, 5], False)
     """
     owner = f"{obj.describe()}.{operation}"
-    if not isinstance(payload, tuple) or len(payload) not in (2, 3):
+    if not isinstance(payload, tuple) or len(payload) not in (2, 3, 4):
         raise PayloadTypeError(
-            f"{owner}: payload must be a KVChunk(k, v[, counts]) or a (k, v[, counts]) "
+            f"{owner}: payload must be a KVChunk(k, v[, counts][, rows]) or a (k, v[, counts[, rows]]) "
             f"tuple; got {type(payload).__name__}."
         )
     chunk = KVChunk(*payload)
+    index, bad_rows = None, jnp.zeros((), bool)
+    if chunk.rows is None:
+        lead = _batch.shape_of(batch)
+    elif not subsets:
+        raise PayloadTypeError(f"{owner}: takes every batch row at once; write it without rows=.")
+    else:
+        index, lead, bad_rows = _batch.flat_rows(owner, chunk.rows, _batch.size_of(batch))
+    n = math.prod(lead)
     sizes: dict[str, int] = {}
-    pattern = (rows, "T", obj.kv_heads, obj.head_dim)
+    pattern = (*lead, "T", obj.kv_heads, obj.head_dim)
     v.check_array(chunk.k, owner=owner, what="k", shape=pattern, dtype=obj.dtype, sizes=sizes)
     v.check_array(chunk.v, owner=owner, what="v", shape=pattern, dtype=obj.dtype, sizes=sizes)
     T = sizes["T"]
     if chunk.counts is None:
-        counts = jnp.full((rows,), T, jnp.int32)
+        counts = jnp.full((n,), T, jnp.int32)
     else:
-        v.check_array(chunk.counts, owner=owner, what="counts", shape=(rows,), dtype=jnp.int32)
-        counts = chunk.counts
+        v.check_array(chunk.counts, owner=owner, what="counts", shape=lead, dtype=jnp.int32)
+        counts = chunk.counts.reshape(n)
     bad_counts = jnp.any((counts < 0) | (counts > T))
     refuse_now_if(
         bad_counts,
         lambda: PayloadError(f"{owner}: counts must lie in [0, {T}]; got {np.asarray(counts).tolist()}."),
     )
-    return chunk, counts, bad_counts
+    flat = KVChunk(
+        chunk.k.reshape(n, T, obj.kv_heads, obj.head_dim),
+        chunk.v.reshape(n, T, obj.kv_heads, obj.head_dim),
+        None if chunk.counts is None else counts,
+        index,
+    )
+    return flat, counts, bad_counts | bad_rows
 
 
 class KVView(struct.PyTreeNode):
@@ -131,6 +168,11 @@ class KVView(struct.PyTreeNode):
         ``k * k_scale``), None otherwise.  Attention dequantizes block by
         block, never the whole cache.
       v_scale: the same for ``v``.
+      batch_shape: the batch axes the rows were allocated with
+        (``KVCache.allocate(batch=(B, P))``), flattened into the first axis of
+        ``k``, ``v``, ``lengths`` and ``positions``; queries lead with them
+        (:func:`~jax_session_state.attend` flattens and unflattens them).
+        None: one batch axis, ``k``'s first.
 
     Example:
       >>> import jax.numpy as jnp
@@ -152,6 +194,7 @@ class KVView(struct.PyTreeNode):
     k_scale: Array | None = None
     v_scale: Array | None = None
     frame: int | None = struct.field(pytree_node=False, default=None)
+    batch_shape: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def quantized(self) -> bool:
@@ -159,7 +202,7 @@ class KVView(struct.PyTreeNode):
         return self.k_scale is not None
 
     def materialize(self) -> list[dict[str, np.ndarray]]:
-        """The visible rows of each batch row in position order, on the host (dequantized).
+        """The visible rows of each (flat) batch row in position order, on the host (dequantized).
 
         Returns:
           One dict per batch row with ``positions`` ``[n]``, ``k`` and ``v``
@@ -248,6 +291,9 @@ class PagedView(struct.PyTreeNode):
         otherwise.  Attention applies the scales block by block, never to
         the whole pool.
       v_scale: the same for ``v_pages``.
+      batch_shape: the slot axes the cache was allocated with
+        (``PagedKVCache.allocate(max_slots=(B, P))``), flattened into the
+        first axis of ``page_table`` and ``lengths``; None: one slot axis.
     """
 
     k_pages: Array
@@ -257,6 +303,7 @@ class PagedView(struct.PyTreeNode):
     page_size: int = struct.field(pytree_node=False)
     k_scale: Array | None = None
     v_scale: Array | None = None
+    batch_shape: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @property
     def quantized(self) -> bool:
@@ -292,7 +339,7 @@ class PagedView(struct.PyTreeNode):
 
         return KVView(
             k=gather(self.k_pages), v=gather(self.v_pages), lengths=self.lengths, positions=self.positions(),
-            k_scale=gather(self.k_scale), v_scale=gather(self.v_scale),
+            k_scale=gather(self.k_scale), v_scale=gather(self.v_scale), batch_shape=self.batch_shape,
         )
 
     def materialize(self) -> list[dict[str, np.ndarray]]:

@@ -25,7 +25,8 @@ from jax_session_state._core import _validation as v
 from jax_session_state.base import StateObject
 from jax_session_state.building_blocks import allocator, overwrite, refuse_now_if
 from jax_session_state.errors import CapacityError, PayloadError, PayloadTypeError
-from jax_session_state.objects import _pages, _quantize
+from jax_session_state.objects import _batch, _pages, _quantize
+from jax_session_state.objects._batch import BatchShape
 from jax_session_state.objects.kv_views import KVChunk, PagedView, read_chunk
 
 __all__ = ["PagedKVCache", "PagedView"]
@@ -80,7 +81,7 @@ class PagedKVCache(StateObject, kw_only=True):
       (Array([6, 6], dtype=int32), 5)
     """
 
-    max_slots: int = struct.field(pytree_node=False)
+    max_slots: BatchShape = struct.field(pytree_node=False)
     kv_heads: int = struct.field(pytree_node=False)
     head_dim: int = struct.field(pytree_node=False)
     page_size: int = struct.field(pytree_node=False)
@@ -119,6 +120,16 @@ class PagedKVCache(StateObject, kw_only=True):
     data_fields = ("k_pages", "v_pages")
 
     @property
+    def slot_count(self) -> int:
+        """Sequence slots held: ``max_slots``, or the product of its axes when it is a tuple (stored flattened)."""
+        return _batch.size_of(self.max_slots)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leading axes of payloads and queries: ``(max_slots,)``, or ``max_slots`` when it is a tuple."""
+        return _batch.shape_of(self.max_slots)
+
+    @property
     def capacity(self) -> int:
         """The most rows one slot can hold: ``max_pages_per_slot * page_size``."""
         return self.max_pages_per_slot * self.page_size
@@ -133,7 +144,7 @@ class PagedKVCache(StateObject, kw_only=True):
     def allocate(
         cls,
         *,
-        max_slots: int,
+        max_slots: BatchShape,
         kv_heads: int,
         head_dim: int,
         page_size: int,
@@ -147,7 +158,10 @@ class PagedKVCache(StateObject, kw_only=True):
         """An empty cache: every slot free, every page on the free list.
 
         Args:
-          max_slots: sequence slots.
+          max_slots: sequence slots, or a tuple of slot axes (``(B, P)``):
+            payloads and queries then lead with them and the page tables
+            hold their slots flattened (slot indices of :meth:`fork` and
+            :meth:`free` are flat).
           kv_heads: K/V heads.
           head_dim: size of each head.
           page_size: rows per page.
@@ -167,7 +181,9 @@ class PagedKVCache(StateObject, kw_only=True):
             storage axes are ``("num_pages", "page_size", "kv_heads",
             "head_dim")`` for the pools (and their scales), ``("max_slots",
             "max_pages_per_slot")`` for the page table, ``("max_slots",)``
-            for the committed and staged rows and ``("num_pages",)`` for the free list.
+            for the committed and staged rows and ``("num_pages",)`` for the free list;
+            ``max_slots=(B, P)`` names the flattened slot axis
+            ``("max_slots", "max_slots_1")``.
 
         Returns:
           An empty, resident cache.
@@ -186,7 +202,7 @@ class PagedKVCache(StateObject, kw_only=True):
         quantize, tiers = _quantize.check_args(owner, dtype, quantize, tiers)
         return cls._allocated(
             options,
-            max_slots=v.positive_int(owner, "max_slots", max_slots),
+            max_slots=_batch.checked(owner, "max_slots", max_slots),
             kv_heads=v.positive_int(owner, "kv_heads", kv_heads),
             head_dim=v.positive_int(owner, "head_dim", head_dim),
             page_size=v.positive_int(owner, "page_size", page_size),
@@ -199,11 +215,12 @@ class PagedKVCache(StateObject, kw_only=True):
 
     def storage_axes(self) -> dict[str, Any]:
         pool = ("num_pages", "page_size", "kv_heads", "head_dim")
-        slots, pages = ("max_slots",), ("num_pages",)
+        slot = _batch.logical_name("max_slots", self.max_slots)
+        slots, pages = (slot,), ("num_pages",)
         scale = (*pool[:3], None) if self.quantize else None
         return {
             "k_pages": pool, "v_pages": pool, "k_scale": scale, "v_scale": scale,
-            "page_table": ("max_slots", "max_pages_per_slot"),
+            "page_table": (slot, "max_pages_per_slot"),
             "committed": slots, "staged": slots, "refcounts": pages, "free_pages": pages,
             "free_count": (), "refused": (),
         }
@@ -220,14 +237,14 @@ class PagedKVCache(StateObject, kw_only=True):
 
     def _empty_storage(self) -> dict[str, Any]:
         pool = (self.num_pages, self.page_size, self.kv_heads, self.head_dim)
-        slots = jnp.zeros((self.max_slots,), jnp.int32)
+        slots = jnp.zeros((self.slot_count,), jnp.int32)
         scale = jnp.ones((*pool[:3], 1), jnp.float32) if self.quantize else None
         return {
             "k_pages": jnp.zeros(pool, self.storage_dtype),
             "v_pages": jnp.zeros(pool, self.storage_dtype),
             "k_scale": scale,
             "v_scale": None if scale is None else jnp.ones_like(scale),
-            "page_table": jnp.full((self.max_slots, self.max_pages_per_slot), -1, jnp.int32),
+            "page_table": jnp.full((self.slot_count, self.max_pages_per_slot), -1, jnp.int32),
             "committed": slots,
             "staged": jnp.zeros_like(slots),
             "refcounts": jnp.zeros((self.num_pages,), jnp.int32),
@@ -242,8 +259,11 @@ class PagedKVCache(StateObject, kw_only=True):
 
         Args:
           payload: a :class:`KVChunk` or ``(k, v[, counts])`` with ``k, v:
-            Float[Array, "max_slots T kv_heads head_dim"]`` of the cache's
-            dtype and ``counts: Int[Array, "max_slots"]`` in ``[0, T]``.
+            Float[Array, "*max_slots T kv_heads head_dim"]`` of the cache's
+            dtype and ``counts: Int[Array, "*max_slots"]`` in ``[0, T]``;
+            with ``rows`` (a :class:`KVChunk` of some slots) the leading
+            axes are ``rows``' and only those slots are written, the others
+            staging nothing.
           operation: the public method, for messages.
 
         Returns:
@@ -251,9 +271,11 @@ class PagedKVCache(StateObject, kw_only=True):
           (a count out of range, a slot past ``max_pages_per_slot`` pages, or
           more new pages needed than are free): then nothing is written.
         """
-        chunk, counts, bad_counts = read_chunk(self, payload, operation, rows=self.max_slots)
+        chunk, counts, bad_counts = read_chunk(self, payload, operation, batch=self.max_slots)
         T = chunk.k.shape[1]
         owner = f"{self.describe()}.{operation}"
+        if chunk.rows is not None:  # only the named slots: the others write (and stage) nothing
+            counts = jnp.zeros_like(self.committed).at[chunk.rows].set(jnp.where(bad_counts, 0, counts))
         start = self.committed
         end = start + counts
         no_room = jnp.any(end > self.capacity)
@@ -279,10 +301,11 @@ class PagedKVCache(StateObject, kw_only=True):
         )
         refused = bad_counts | no_room | no_pages
         taken = self.with_storage(**_pages.take(self, need))
-        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)
+        written_slots = slice(None) if chunk.rows is None else chunk.rows  # the chunk's rows' slots
+        positions = start[written_slots, None] + jnp.arange(T, dtype=jnp.int32)
         entries = jnp.minimum(positions // self.page_size, self.max_pages_per_slot - 1)
-        pages = jnp.take_along_axis(taken.page_table, entries, axis=1)
-        written = (jnp.arange(T) < counts[:, None]) & ~refused
+        pages = jnp.take_along_axis(taken.page_table[written_slots], entries, axis=1)
+        written = (jnp.arange(T) < counts[written_slots, None]) & ~refused
         pages = jnp.where(written, pages, self.num_pages)  # out of range: dropped
         offsets = positions % self.page_size
         rows = {"k_pages": chunk.k, "v_pages": chunk.v}
@@ -429,15 +452,15 @@ class PagedKVCache(StateObject, kw_only=True):
             got = f"shape {list(np.shape(index))} and dtype {index.dtype}" if hasattr(index, "dtype") else repr(index)
             raise PayloadTypeError(f"{self.describe()}.{operation}: {name} must be an integer scalar; got {got}.")
         index = jnp.asarray(index)
-        bad = (index < 0) | (index >= self.max_slots)
+        bad = (index < 0) | (index >= self.slot_count)
         refuse_now_if(
             bad,
             lambda: IndexError(
-                f"{self.describe()}.{operation}: {name} must be a slot in [0, {self.max_slots}); "
+                f"{self.describe()}.{operation}: {name} must be a slot in [0, {self.slot_count}); "
                 f"got {int(index)}."
             ),
         )
-        return jnp.clip(index, 0, self.max_slots - 1).astype(jnp.int32), bad
+        return jnp.clip(index, 0, self.slot_count - 1).astype(jnp.int32), bad
 
     # -------------------------------------------------------------- reads
     def view(self, *, include_staged: bool = True) -> PagedView:
@@ -452,6 +475,7 @@ class PagedKVCache(StateObject, kw_only=True):
             page_size=self.page_size,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            batch_shape=self.batch_shape,
         )
 
     # -------------------------------------------------------------- tiers

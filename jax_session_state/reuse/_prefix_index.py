@@ -98,10 +98,10 @@ class PrefixIndex:
         """``slot`` as an int, checked on the host: an out-of-range slot would read or map another slot's pages."""
         if not is_integer_scalar(slot) or isinstance(slot, jax.core.Tracer):
             raise PayloadTypeError(f"{self!r}.{where}: slot must be an integer (not traced); got {slot!r}.")
-        if not 0 <= int(slot) < cache.max_slots:
+        if not 0 <= int(slot) < cache.slot_count:
             raise IndexError(
                 f"{self!r}.{where}: slot {int(slot)} is out of range: {cache.describe()} has slots "
-                f"[0, {cache.max_slots})."
+                f"[0, {cache.slot_count})."
             )
         return int(slot)
 

@@ -344,9 +344,9 @@ def test_bfloat16_cache_accumulates_in_float32():
     "q_shape, match",
     [
         ((1, 4, 3, 8), r"q_heads=3 is not a multiple of the view's kv_heads=2"),
-        ((2, 4, 4, 8), "q has batch 2 but the view has batch 1"),
+        ((2, 4, 4, 8), r"q must be \[\*batch, T, q_heads, head_dim\] with batch \[1\].*got q of shape \[2, 4, 4, 8\]"),
         ((1, 4, 4, 16), "q has head_dim 16 but the view has head_dim 8"),
-        ((4, 4, 8), r"q must be \[batch, T, q_heads, head_dim\]"),
+        ((4, 4, 8), r"q must be \[\*batch, T, q_heads, head_dim\]; got shape \[4, 4, 8\]"),
     ],
 )
 def test_bad_queries_are_named(q_shape, match):

@@ -20,7 +20,7 @@ class EncodeOnceModel:
 
     def apply(self, op):
         if op.name in ("stage", "commit_payload", "append"):
-            k, v, counts = op.payload
+            k, v, counts = op.payload.k, op.payload.v, op.payload.counts
             T = k.shape[1]
             counts = [T] * B if counts is None else list(np.asarray(counts))
             if any(c < 0 or c > T for c in counts):

@@ -16,8 +16,14 @@ def kv_payload(rng: np.random.Generator, T: int = 5, dtype=jnp.float32) -> jss.K
     return jss.KVChunk(k, v)
 
 
+def batch_axes_kv_payload(rng: np.random.Generator, T: int = 5) -> jss.KVChunk:
+    """A ragged chunk for a cache of batch shape ``(1, B)``: ``[1, B, T, heads, dim]``."""
+    k, v, counts = ragged_kv_payload(rng, T)[:3]
+    return jss.KVChunk(k[None], v[None], counts[None])
+
+
 def ragged_kv_payload(rng: np.random.Generator, T: int = 5) -> jss.KVChunk:
-    k, v, _ = kv_payload(rng, T)
+    k, v = kv_payload(rng, T)[:2]
     return jss.KVChunk(k, v, jnp.asarray(rng.integers(0, T + 1, size=B), jnp.int32))
 
 
@@ -37,6 +43,10 @@ KINDS = {
     "kv_ring_fp8": (
         lambda: jss.KVCache.allocate(batch=B, kv_heads=H, head_dim=D, window=6, sink=2, max_staged=5, quantize="fp8"),
         ragged_kv_payload,
+    ),
+    "kv_ring_batch_axes": (
+        lambda: jss.KVCache.allocate(batch=(1, B), kv_heads=H, head_dim=D, window=6, sink=2, max_staged=5),
+        batch_axes_kv_payload,
     ),
     "encode_once": (
         lambda: jss.EncodeOnceKV.allocate(batch=B, kv_heads=H, head_dim=D, capacity=8),
@@ -66,6 +76,12 @@ KINDS = {
             max_slots=B, kv_heads=H, head_dim=D, page_size=4, num_pages=24, max_pages_per_slot=16
         ),
         ragged_kv_payload,
+    ),
+    "paged_batch_axes": (
+        lambda: jss.PagedKVCache.allocate(
+            max_slots=(1, B), kv_heads=H, head_dim=D, page_size=4, num_pages=24, max_pages_per_slot=16
+        ),
+        batch_axes_kv_payload,
     ),
     "paged_int8": (
         lambda: jss.PagedKVCache.allocate(

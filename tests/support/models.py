@@ -104,14 +104,19 @@ class KVModel:
         self.overflowed = False
         self.heads, self.head_dim = heads, head_dim
 
-    def _write(self, chunk: jss.KVChunk) -> str:
+    def _write(self, chunk: jss.KVChunk, committing: bool) -> str:
+        """A ring takes a chunk of any length when it is committed at once (a prefill), at most
+        ``max_staged`` rows to stage."""
         k, v = np.asarray(chunk.k), np.asarray(chunk.v)
         T = k.shape[1]
         counts = [T] * len(self.rows) if chunk.counts is None else list(np.asarray(chunk.counts))
         if any(c < 0 or c > T for c in counts):
             return REFUSED_COUNTS
         for c, committed in zip(counts, self.committed):
-            room = self.capacity - committed if self.window is None else self.max_staged
+            if self.window is None:
+                room = self.capacity - committed
+            else:
+                room = T if committing else self.max_staged
             if c > room:
                 return REFUSED_CAPACITY
         for b, c in enumerate(counts):  # a write replaces what was staged
@@ -121,7 +126,7 @@ class KVModel:
 
     def apply(self, op: Op) -> str:
         if op.name in ("stage", "commit_payload", "append"):
-            outcome = self._write(op.payload)
+            outcome = self._write(op.payload, committing=op.name != "stage")
             if outcome != OK or op.name == "stage":
                 return outcome
         if op.name == "discard":
