@@ -301,25 +301,45 @@ def rollout_cached(model: Dynamics, prompt: jax.Array, actions: jax.Array, *, on
     return jnp.concatenate(frames, axis=1), np.asarray(seconds)
 
 
+def recompute_frame(model: Dynamics, buffer: jax.Array, actions: jax.Array,
+                    index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One frame without a session: every MaskGIT pass runs the model over the whole buffer.
+
+    Args:
+      buffer: ``Int[Array, "B max_frames P"]`` the frames so far (later frames are never seen: causal).
+      actions: ``Int[Array, "B max_frames"]``.
+      index: the frame to decode.
+
+    Returns:
+      The buffer with the frame written, and the frame ``[B, P]``.
+    """
+    c = model.config
+    tokens = jnp.full((buffer.shape[0], c.positions), c.vocab, jnp.int32)
+    for step in range(c.steps):
+        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, tokens[:, None], index, axis=1)
+        logits = jax.lax.dynamic_index_in_dim(model.dense(buffer, actions), index, 1, keepdims=False)
+        tokens = unmask(tokens, logits, step, c)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, tokens[:, None], index, axis=1), tokens
+
+
+def recompute_buffers(config: GenieConfig, prompt: jax.Array, actions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The recomputing sampler's buffers of ``max_frames`` frames: the prompt (the rest masked) and the actions."""
+    B, F = prompt.shape[:2]
+    buffer = jnp.full((B, config.max_frames, config.positions), config.vocab, jnp.int32).at[:, :F].set(prompt)
+    return buffer, jnp.zeros((B, config.max_frames), actions.dtype).at[:, :actions.shape[1]].set(actions)
+
+
 def rollout_recomputed(model: Dynamics, prompt: jax.Array, actions: jax.Array, *, on_frame=None):
     """:func:`rollout_cached` without a session: every pass recomputes every frame of the rollout's buffer."""
-    c, graphdef, params = model.config, *nnx.split(model)
-    B, F = prompt.shape[:2]
-    buffer = jnp.full((B, c.max_frames, c.positions), c.vocab, jnp.int32).at[:, :F].set(prompt)
-    actions_buffer = jnp.zeros((B, c.max_frames), actions.dtype).at[:, :actions.shape[1]].set(actions)
+    graphdef, params = nnx.split(model)
+    buffer, actions_buffer = recompute_buffers(model.config, prompt, actions)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step(params, buffer, index):
-        model = nnx.merge(graphdef, params)
-        tokens = jnp.full((B, c.positions), c.vocab, jnp.int32)
-        for pass_ in range(c.steps):
-            buffer = jax.lax.dynamic_update_slice_in_dim(buffer, tokens[:, None], index, axis=1)
-            logits = jax.lax.dynamic_index_in_dim(model.dense(buffer, actions_buffer), index, 1, keepdims=False)
-            tokens = unmask(tokens, logits, pass_, c)
-        return jax.lax.dynamic_update_slice_in_dim(buffer, tokens[:, None], index, axis=1), tokens
+        return recompute_frame(nnx.merge(graphdef, params), buffer, actions_buffer, index)
 
     seconds = []
-    for index in range(F, actions.shape[1]):
+    for index in range(prompt.shape[1], actions.shape[1]):
         start = time.perf_counter()
         buffer, tokens = step(params, buffer, jnp.asarray(index))
         tokens.block_until_ready()
