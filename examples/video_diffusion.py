@@ -196,9 +196,9 @@ class Model(nnx.Module):
       >>> config = VideoConfig(layers=1)
       >>> model = Model(config, rngs=nnx.Rngs(0))
       >>> session = make_session(config, batch=1)
-      >>> session, frame = denoise_frame(model, (session,), jnp.array([1]), jnp.asarray(0),
-      ...                                jax.random.key(0), guidance=1.0)
-      >>> frame.shape, int(session[0]["kv_0"].lengths[0])
+      >>> sessions, frame = denoise_frame(model, (session,), jnp.array([1]), jnp.asarray(0),
+      ...                                 jax.random.key(0), guidance=1.0)
+      >>> frame.shape, int(sessions[0]["kv_0"].lengths[0])
       ((1, 16, 16), 16)
     """
 
@@ -317,7 +317,7 @@ def stream_labels(label: jax.Array, streams: int) -> list[jax.Array]:
 
 
 def denoise_frame(model: Model, sessions: tuple[jss.Session, ...], label: jax.Array, frame_index: jax.Array,
-                  key: jax.Array, *, guidance: float) -> tuple[tuple[jss.Session, ...], jax.Array]:
+                  key: jax.Array, *, guidance: float | None = None) -> tuple[tuple[jss.Session, ...], jax.Array]:
     """One frame: ``steps`` denoising steps (stage, attend) in every stream, then the clean frame committed.
 
     Args:
@@ -325,6 +325,7 @@ def denoise_frame(model: Model, sessions: tuple[jss.Session, ...], label: jax.Ar
       label: ``Int[Array, "B"]`` the shape to draw.
       frame_index: the frame's index in the video.
       key: the noise of this frame.
+      guidance: the guidance scale (with two streams); default the config's.
 
     Returns:
       The sessions with the clean frame committed, and the frame ``[B, size, size]``.
