@@ -21,7 +21,7 @@ The model is fitted with optax for a few seconds to the synthetic scene
 the same block-causal, rolling mask in one dense pass (``Model.dense``), the
 pass that :func:`sample_without_cache` recomputes for every step.
 
-Run:  python examples/video_diffusion.py [--frames 24] [--train-steps 300] [--out out/video_diffusion]
+Run:  python examples/video_diffusion.py [--frames 24] [--train-steps 600] [--out out/video_diffusion]
 """
 
 from __future__ import annotations
@@ -480,7 +480,7 @@ def train(model: Model, steps: int, batch: int, key: jax.Array, *, on_step=None)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--frames", type=int, default=24, help="frames to generate after the prompt")
-    p.add_argument("--train-steps", type=int, default=300, help="optax steps fitting the model to the scene")
+    p.add_argument("--train-steps", type=int, default=600, help="optax steps fitting the model to the scene")
     p.add_argument("--batch", type=int, default=8, help="training clips per step")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=64)
