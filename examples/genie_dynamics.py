@@ -81,6 +81,7 @@ class GenieConfig:
 
 
 # ------------------------------------------------------------------ the scene
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def sprite_scene(key: jax.Array, config: GenieConfig, frames: int) -> tuple[jax.Array, jax.Array]:
     """A 2 x 2 sprite of a random colour moved by random actions.
 
@@ -439,7 +440,7 @@ def main() -> None:
     args = parse_args()
     config = GenieConfig(layers=args.layers, d_model=args.d_model, max_frames=args.frames + 1)
     key = jax.random.key(args.seed)
-    model = Dynamics(config, rngs=nnx.Rngs(args.seed))
+    model = nnx.jit(lambda: Dynamics(config, rngs=nnx.Rngs(args.seed)))()  # one compiled init, not op by op
     with tqdm(total=args.train_steps, unit="step", desc="fitting to the scene") as bar:
         losses = train(model, args.train_steps, args.clips, jax.random.fold_in(key, 1), on_step=lambda i: bar.update())
     tail = max(1, len(losses) // 10)

@@ -99,6 +99,7 @@ class VideoConfig:
 
 
 # ------------------------------------------------------------------ the scene
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def moving_shapes(key: jax.Array, config: VideoConfig, batch: int, frames: int) -> tuple[jax.Array, jax.Array]:
     """Clips of a disc or a square rolling to the right, one patch a frame, round the frame's edges.
 
@@ -399,33 +400,39 @@ def sample(model: Model, prompt: jax.Array, label: jax.Array, frames: int, key: 
 
 def sample_without_cache(model: Model, prompt: jax.Array, label: jax.Array, frames: int, key: jax.Array, *,
                          guidance: float | None = None) -> np.ndarray:
-    """:func:`sample` with no session: every denoising step recomputes every frame before it (``Model.dense``)."""
+    """:func:`sample` with no session: every denoising step recomputes every frame before it (``Model.dense``).
+
+    The video is a buffer of all its frames, the ones not generated yet
+    included: the mask hides them from the frame being denoised (it sees only
+    the clean frames before it), so one compiled step serves every frame.
+    """
     c = model.config
     guidance = c.guidance if guidance is None else guidance
     streams = 1 if guidance == 1 else 2
     levels = c.noise_levels()
     B, P = prompt.shape[:2]
+    total = P + frames
+    history = jnp.arange(total)
 
     @jax.jit
-    def predict(video: jax.Array, x: jax.Array, t: jax.Array) -> jax.Array:
-        F = video.shape[1]
+    def predict(video: jax.Array, x: jax.Array, t: jax.Array, index: jax.Array) -> jax.Array:
         predictions = []
         for label_i in stream_labels(label, streams):
-            history_labels = jnp.where(jnp.arange(F) < P, NULL_LABEL, label_i[:, None])
-            predictions.append(model.dense(video, jnp.arange(F), history_labels, x[:, None], jnp.full((B, 1), t),
-                                           label_i[:, None], jnp.asarray([F]))[:, 0])
+            history_labels = jnp.where(history < P, NULL_LABEL, label_i[:, None])
+            predictions.append(model.dense(video, history, history_labels, x[:, None], jnp.full((B, 1), t),
+                                           label_i[:, None], index[None])[:, 0])
         return guided(predictions, guidance)
 
-    video = jnp.asarray(prompt)
-    for frame_key in frame_keys(key, frames):
+    video = jnp.zeros((B, total, c.size, c.size), c.dtype).at[:, :P].set(prompt)
+    for index, frame_key in enumerate(frame_keys(key, frames), start=P):
         keys = jax.random.split(frame_key, c.steps)
         x = jax.random.normal(keys[0], (B, c.size, c.size), c.dtype)
         for step in range(c.steps):
-            clean = predict(video, x, levels[step])
+            clean = predict(video, x, levels[step], jnp.asarray(index))
             if step + 1 < c.steps:
                 x = (1 - levels[step + 1]) * clean + levels[step + 1] * jax.random.normal(keys[step + 1], x.shape,
                                                                                           c.dtype)
-        video = jnp.concatenate([video, clean[:, None]], axis=1)
+        video = video.at[:, index].set(clean)
     return np.asarray(video[:, P:])
 
 
@@ -536,7 +543,7 @@ def main() -> None:
     config = VideoConfig(size=args.size, layers=args.layers, d_model=args.d_model, guidance=args.guidance,
                          dtype=args.dtype)
     key = jax.random.key(args.seed)
-    model = Model(config, rngs=nnx.Rngs(args.seed))
+    model = nnx.jit(lambda: Model(config, rngs=nnx.Rngs(args.seed)))()  # one compiled init, not op by op
 
     with tqdm(total=args.train_steps, unit="step", desc="fitting to the scene") as bar:
         losses = train(model, args.train_steps, args.batch, jax.random.fold_in(key, 1), on_step=lambda i: bar.update())
