@@ -167,7 +167,7 @@ def test_shared_scenes_encode_each_scene_once_and_serve_the_same_frames():
 def test_video_diffusion_with_sessions_samples_what_recomputing_samples(tmp_path):
     """At float64, the sessions (rolling caches, two forked streams) give the frames of recomputing every step."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "video_diffusion.py"), "--frames", "5", "--train-steps", "1", "--batch", "2",
+        [sys.executable, str(EXAMPLES / "video_diffusion.py"), "--frames", "5", "--train-steps", "0", "--batch", "2",
          "--layers", "1", "--d-model", "32", "--size", "8", "--dtype", "float64", "--compare", "--out", str(tmp_path)],
         cwd=EXAMPLES, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_ENABLE_X64": "1"},
     )
@@ -175,7 +175,7 @@ def test_video_diffusion_with_sessions_samples_what_recomputing_samples(tmp_path
     found = re.search(r"largest difference (\S+) \(frames up to (\S+)\)", done.stdout)
     difference, largest = map(float, found.groups())
     assert largest > 0.1 and difference <= 1e-5 * largest, done.stdout  # 5 frames: past the ring of 4 with its sink
-    assert "5 frames of 4 tokens" in done.stdout and "denoising loss: first" in done.stdout
+    assert "5 frames of 4 tokens" in done.stdout
     assert_png(tmp_path / "video_diffusion.png", 300)
 
 
