@@ -15,7 +15,12 @@ step per denoising step (``stage`` the frame, replacing the last step's, and
   ``scaled_dot_product_attention`` over the valid slice (bar <= 1.25);
 - ring step / append step over the same number of keys (bar <= 1.15);
 - T = 1 decode on a ring of a 4k window against the same keys in append mode
-  (bar <= 1.15).
+  (bar <= 1.15);
+- a MaskGIT rollout (``examples/genie_dynamics.py``: axial blocks, 8 x 8
+  positions, 4 passes per frame, random weights), its temporal K/V in a
+  session: a frame decoded at frame 16 against one at frame 4 (flat: bar
+  <= 1.2), and against the same model recomputing its 16 frames of context
+  at every pass (bar <= 0.2).
 
 Every native path this CPU runs is measured in a process of its own (as
 ``benchmarks.attention`` does), PyTorch held to the same instruction set.
@@ -34,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jax_session_state as jss
 from benchmarks import _attention_parts as parts
@@ -49,14 +55,16 @@ from benchmarks._attention_parts import (
     torch_candidates,
     torch_reference,
 )
-from benchmarks._common import cli, native_paths
+from benchmarks._common import cli, native_paths, with_lengths
+from examples import genie_dynamics as genie
 from jax_session_state._core import _library
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 FRAMES = (64, 256)
 PASTS = (2048, 8192)
 DECODE_WINDOW = 4096
-BARS = {"torch": 1.25, "ring_vs_append": 1.15, "decode": 1.15}
+BARS = {"torch": 1.25, "ring_vs_append": 1.15, "decode": 1.15, "maskgit_flat": 1.2, "maskgit_vs_recompute": 0.2}
+MASKGIT_FRAMES = (4, 16)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -163,6 +171,56 @@ def decode_rows(rounds: int) -> list[dict]:
                 t["append"] * 1e6, "us", bar=BARS["decode"])]
 
 
+def maskgit_rows(rounds: int) -> list[dict]:
+    """Per-frame time of a MaskGIT rollout with its temporal K/V in a session, at frames 4 and 16, and recomputing.
+
+    Each timed call decodes frame ``f`` from a session rewound to ``f``
+    committed frames (every call writes the same rows), or from the
+    recomputing sampler's buffer holding ``f`` frames.
+    """
+    early, late = MASKGIT_FRAMES
+    config = genie.GenieConfig(max_frames=late + 1)
+    model = genie.Dynamics(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens, actions = genie.sprite_scene(jax.random.key(0), config, config.max_frames)
+    session = jax.jit(lambda p: genie.prompt_session(nnx.merge(graphdef, p), tokens[:, :late], actions[:, :late]))(
+        params)
+    buffer, actions_buffer = genie.recompute_buffers(config, tokens[:, :late], actions)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def cached(params, session, index):
+        session = jss.Session(objects={name: with_lengths(session[name], index) for name in session.objects})
+        return genie.decode_frame(nnx.merge(graphdef, params), session, actions[:, index], index)
+
+    @jax.jit
+    def recomputed(params, buffer, index):
+        return genie.recompute_frame(nnx.merge(graphdef, params), buffer, actions_buffer, index)
+
+    state = {"session": session, "buffer": buffer}
+
+    def with_session(frame: int):
+        def call():
+            state["session"], out = cached(params, state["session"], jnp.asarray(frame))
+            return out.block_until_ready()
+
+        return call
+
+    def recomputing():
+        _, out = recomputed(params, state["buffer"], jnp.asarray(late))  # not donated: the buffer is kept
+        return out.block_until_ready()
+
+    first = with_session(late)()
+    assert np.array_equal(first, recomputing()), "the session and recomputing decoded different tokens"
+    t = timed({"early": with_session(early), "late": with_session(late), "recompute": recomputing}, rounds)
+    case = f"{config.positions} positions, {config.steps} passes, {config.layers} blocks"
+    return [
+        row("maskgit", f"frame {late} / frame {early} with the session, {case}", t["late"] * 1e6, t["early"] * 1e6,
+            "us", bar=BARS["maskgit_flat"]),
+        row("maskgit", f"session / recomputing at frame {late}, {case}", t["late"] * 1e6, t["recompute"] * 1e6,
+            "us", bar=BARS["maskgit_vs_recompute"]),
+    ]
+
+
 def check_against_reference() -> None:
     """The step's output over a wrapped ring equals float64 attention over the keys it should see."""
     n, past = 64, 256
@@ -187,7 +245,7 @@ def one_path(*, full: bool) -> list[dict]:
     check_against_reference()
     rounds = 15 if full else 7
     rows = [r for dtype in DTYPES for n in FRAMES for past in PASTS for r in frame_rows(n, past, dtype, rounds)]
-    return rows + decode_rows(rounds)
+    return rows + decode_rows(rounds) + maskgit_rows(rounds)
 
 
 def run(*, full: bool) -> list[dict]:

@@ -3,14 +3,18 @@
 import importlib
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import matplotlib.image
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.support.devices import DEVICE
 
@@ -158,3 +162,52 @@ def test_shared_scenes_encode_each_scene_once_and_serve_the_same_frames():
     hits, misses = map(int, re.search(r"store: (\d+) hits, (\d+) misses", done.stdout).groups())
     assert (hits, misses) == (users - shared, shared)
     assert "every user's frames equal with and without reuse: yes" in done.stdout
+
+
+def test_video_diffusion_with_sessions_samples_what_recomputing_samples(tmp_path):
+    """At float64, the sessions (rolling caches, two forked streams) give the frames of recomputing every step."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "video_diffusion.py"), "--frames", "5", "--train-steps", "0", "--batch", "2",
+         "--layers", "1", "--d-model", "32", "--size", "8", "--dtype", "float64", "--compare", "--out", str(tmp_path)],
+        cwd=EXAMPLES, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_ENABLE_X64": "1"},
+    )
+    assert done.returncode == 0, f"video_diffusion.py failed:\n{done.stdout}\n{done.stderr}"
+    found = re.search(r"largest difference (\S+) \(frames up to (\S+)\)", done.stdout)
+    difference, largest = map(float, found.groups())
+    assert largest > 0.1 and difference <= 1e-5 * largest, done.stdout  # 5 frames: past the ring of 4 with its sink
+    assert "5 frames of 4 tokens" in done.stdout
+    assert_png(tmp_path / "video_diffusion.png", 300)
+
+
+def test_genie_dynamics_decodes_the_same_tokens_with_the_session(tmp_path):
+    done = run_example("genie_dynamics.py", "--frames", "3", "--train-steps", "0", "--layers", "1", "--d-model", "32",
+                       "--out", str(tmp_path))
+    assert "tokens agree: True" in done.stdout, done.stdout
+    cached, recomputed = map(float, re.search(r"session median ([\d.]+) ms, recomputing median ([\d.]+) ms",
+                                              done.stdout).groups())
+    assert cached > 0 and recomputed > 0
+    assert_png(tmp_path / "genie_dynamics.png", 300)
+
+
+def test_genie_dynamics_session_matches_recomputing_on_random_weights(monkeypatch):
+    """Greedy MaskGIT over an untrained model: the session's tokens and logits are the recomputed ones."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    genie = importlib.import_module("genie_dynamics")
+    config = genie.GenieConfig(side=4, layers=2, d_model=32, max_frames=5, steps=2, batch=2)
+    model = nnx.jit(lambda: genie.Dynamics(config, rngs=nnx.Rngs(3)))()
+    tokens, actions = genie.sprite_scene(jax.random.key(1), config, config.max_frames)
+    cached, _ = genie.rollout_cached(model, tokens[:, :2], actions)
+    recomputed, _ = genie.rollout_recomputed(model, tokens[:, :2], actions)
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(recomputed))
+    assert cached.shape == (2, 5, 16) and len(np.unique(np.asarray(cached)[:, 2:])) > 1  # decoded, not constant
+    # the logits of the last frame's first pass, cached against the dense pass over the whole context
+    masked = jnp.full((2, config.positions), config.vocab, jnp.int32)
+
+    @jax.jit
+    def last_frame_logits(frames):
+        session = genie.prompt_session(model, frames[:, :4], actions[:, :4])
+        _, logits = model.frame_step(session, masked, actions[:, 4], jnp.asarray(4))
+        return logits, model.dense(frames.at[:, 4].set(masked), actions)[:, 4]
+
+    logits, dense = last_frame_logits(cached)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), rtol=1e-4, atol=1e-4)
