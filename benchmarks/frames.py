@@ -20,7 +20,11 @@ step per denoising step (``stage`` the frame, replacing the last step's, and
   positions, 4 passes per frame, random weights), its temporal K/V in a
   session: a frame decoded at frame 16 against one at frame 4 (flat: bar
   <= 1.2), and against the same model recomputing its 16 frames of context
-  at every pass (bar <= 0.2).
+  at every pass (bar <= 0.2);
+- an axial temporal step (16 x 16 positions, 16 frames of past): stage one
+  frame's K/V per position and attend, with the batch shape ``(1, 256)``
+  (``[B, P, T, heads, dim]`` payloads and queries) against the same cache
+  allocated flat (``batch=256``, ``[B*P, T, ...]``) (bar <= 1.05).
 
 Every native path this CPU runs is measured in a process of its own (as
 ``benchmarks.attention`` does), PyTorch held to the same instruction set.
@@ -63,7 +67,7 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 64
 FRAMES = (64, 256)
 PASTS = (2048, 8192)
 DECODE_WINDOW = 4096
-BARS = {"torch": 1.25, "ring_vs_append": 1.15, "decode": 1.15, "maskgit_flat": 1.2, "maskgit_vs_recompute": 0.2}
+BARS = {"torch": 1.25, "ring_vs_append": 1.15, "decode": 1.15, "maskgit_flat": 1.2, "maskgit_vs_recompute": 0.2, "axial": 1.05}
 MASKGIT_FRAMES = (4, 16)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -221,6 +225,48 @@ def maskgit_rows(rounds: int) -> list[dict]:
     ]
 
 
+AXIAL_POSITIONS, AXIAL_PAST = 256, 16
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def temporal_step(cache: jss.KVCache, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jss.KVCache, jax.Array]:
+    """Stage one frame's K/V per position (replacing the last pass's) and attend causally across frames."""
+    staged = cache.stage((k, v))
+    return staged, jss.attend(q, staged.view())
+
+
+def axial_rows(rounds: int) -> list[dict]:
+    """The temporal step with leading batch axes ``(1, P)`` against the same cache allocated flat (``P`` rows)."""
+    batches = {"axes": (1, AXIAL_POSITIONS), "flat": (AXIAL_POSITIONS,)}
+    past = jnp.asarray(randn(2, AXIAL_POSITIONS, AXIAL_PAST, HEADS, HEAD_DIM))
+    frame = jnp.asarray(randn(3, AXIAL_POSITIONS, 1, HEADS, HEAD_DIM))
+    state, outputs = {}, {}
+    for name, batch in batches.items():
+        cache = jss.KVCache.allocate(batch=batch if len(batch) > 1 else batch[0], kv_heads=HEADS,
+                                     head_dim=HEAD_DIM, capacity=AXIAL_PAST + 1)
+        shape = lambda x, batch=batch: x.reshape(*batch, *x.shape[1:])  # noqa: E731 - the layout under test
+        state[name] = (_filled(cache, shape(past[0]), shape(past[1])), *(shape(x) for x in frame))
+
+    def stepping(name: str):
+        def call():
+            cache, q, k, v = state[name]
+            cache, out = temporal_step(cache, q, k, v)
+            state[name] = (cache, q, k, v)
+            outputs[name] = out
+            return out.block_until_ready()
+
+        return call
+
+    candidates = {name: stepping(name) for name in batches}
+    for call in candidates.values():
+        call()
+    np.testing.assert_array_equal(np.asarray(outputs["axes"]).reshape(outputs["flat"].shape), outputs["flat"])
+    t = timed(candidates, rounds)
+    case = f"{AXIAL_POSITIONS} positions, {AXIAL_PAST} frames past, stage + attend"
+    return [row("axial", f"batch shape (1, {AXIAL_POSITIONS}) / flat batch {AXIAL_POSITIONS}, {case}",
+                t["axes"] * 1e6, t["flat"] * 1e6, "us", bar=BARS["axial"])]
+
+
 def check_against_reference() -> None:
     """The step's output over a wrapped ring equals float64 attention over the keys it should see."""
     n, past = 64, 256
@@ -245,7 +291,7 @@ def one_path(*, full: bool) -> list[dict]:
     check_against_reference()
     rounds = 15 if full else 7
     rows = [r for dtype in DTYPES for n in FRAMES for past in PASTS for r in frame_rows(n, past, dtype, rounds)]
-    return rows + decode_rows(rounds) + maskgit_rows(rounds)
+    return rows + decode_rows(rounds) + maskgit_rows(rounds) + axial_rows(rounds)
 
 
 def run(*, full: bool) -> list[dict]:

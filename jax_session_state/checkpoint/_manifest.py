@@ -29,7 +29,7 @@ from jax_session_state.errors import CheckpointError
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "ArrayTable", "read", "write"]
 
 FORMAT = "jax_session_state.checkpoint"
-VERSION = 4
+VERSION = 5
 """The checkpoint format version this library writes and reads (CHANGELOG.md lists each)."""
 
 MANIFEST = "manifest.json"

@@ -248,11 +248,11 @@ def test_a_dtype_the_table_does_not_hold_is_refused_at_save_before_writing(tmp_p
     assert not any(tmp_path.iterdir())
 
 
-def test_a_checkpoint_written_before_restores_trust_was_checked_restores_bit_for_bit(tmp_path):
-    """``data/format4`` was written by the library before this change (the format is still version 4)."""
+def test_a_checkpoint_written_by_an_earlier_commit_of_this_format_restores_bit_for_bit(tmp_path):
+    """``data/format5`` was written by an earlier commit: a change that alters the format must bump its version."""
     from tests.checkpoint.test_checkpoint import host_leaves  # also defines the checkpoint's Carry namedtuple
 
-    data = Path(__file__).parent / "data" / "format4"
+    data = Path(__file__).parent / "data" / "format5"
     restored = checkpoint.restore(data / "checkpoint")
     leaves = host_leaves(restored)
     expected = np.load(data / "expected.npz")

@@ -259,7 +259,7 @@ def test_session_step_keeps_every_placement_compiles_once_and_matches_unsharded(
 
 
 def test_paged_fork_and_free_keep_sharding_and_write_in_place():
-    k, v, _ = kv_chunk(np.random.default_rng(6), T=6)
+    k, v = kv_chunk(np.random.default_rng(6), T=6)[:2]
     cache = KINDS["paged"][0](sharding=RULES).append(jss.KVChunk(k, v, jnp.array([6, 0], jnp.int32)))
     placement, pointers = shardings(cache), shard_pointers(cache)
     fork = jax.jit(lambda c: c.fork(0, 1), donate_argnums=0)
