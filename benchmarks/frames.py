@@ -67,7 +67,8 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 64
 FRAMES = (64, 256)
 PASTS = (2048, 8192)
 DECODE_WINDOW = 4096
-BARS = {"torch": 1.25, "ring_vs_append": 1.15, "decode": 1.15, "maskgit_flat": 1.2, "maskgit_vs_recompute": 0.2, "axial": 1.05}
+BARS = {"torch": 1.25, "ring_vs_append": 1.15, "decode": 1.15, "maskgit_flat": 1.2, "maskgit_vs_recompute": 0.2,
+        "axial": 1.05}
 MASKGIT_FRAMES = (4, 16)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -18,8 +18,8 @@ import numpy as np
 from jax import Array
 
 from jax_session_state._core import _validation as v
-from jax_session_state.errors import PayloadError, PayloadTypeError
 from jax_session_state.building_blocks import refuse_now_if
+from jax_session_state.errors import PayloadError, PayloadTypeError
 
 BatchShape = int | tuple[int, ...]
 """What ``allocate(batch=...)`` takes: one size, or a tuple of sizes (leading axes, major first)."""
