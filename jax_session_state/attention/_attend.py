@@ -136,14 +136,8 @@ def attend(
 
 
 def attend_with_lse(
-    q: Array,
-    view: KVView | BranchKVView | PagedView,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    q_positions: Array | None = None,
-    implementation: str = "auto",
-    frame: int | None = None,
+    q: Array, view: KVView | BranchKVView | PagedView, *, causal: bool = True, scale: float | None = None,
+    q_positions: Array | None = None, implementation: str = "auto", frame: int | None = None,
     rows: Array | None = None,
 ) -> tuple[Array, Array]:
     """:func:`attend`, plus the log-sum-exp of each query's visible scores.

@@ -15,23 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from jax_session_state.attention import _native, _pallas, _pallas_tpu
+from jax_session_state.attention import _native, _pallas, _pallas_tpu, _softmax as softmax
 from jax_session_state.attention._backward import backward_rows, flash_block_grads, flash_loop
 from jax_session_state.attention._bucketed import read_buckets
 from jax_session_state.attention._choice import by_platform, pallas_wanted, tpu_kernel, use_native
 from jax_session_state.attention._key_blocks import BLOCK_SIZE, QUANTIZED_BLOCK_SIZE, row_blocks
 from jax_session_state.attention._operands import absolute, checked, default_positions, query_positions
 from jax_session_state.attention._pooled import fold_rows, fold_slots
-from jax_session_state.attention._softmax import (
-    F32,
-    empty_state,
-    finish,
-    last_rows,
-    last_visible,
-    online_update,
-    scores,
-    to_rows,
-)
 from jax_session_state.objects.paged import PagedView
 
 
@@ -93,11 +83,11 @@ def pallas_read(q: Array, view: PagedView, q_positions: Array, *, causal: bool, 
         if interpret is _pallas_tpu.TPU and not _pallas_tpu.fits_tpu(view.k_pages, view.page_size):
             raise _pallas_tpu.Untileable(f"pages of {view.page_size} rows of {view.k_pages.dtype}")
         reader = _pallas_tpu
-    last = last_rows(q, view.lengths, q_positions, causal, kv_heads, view.page_table.shape[1] * view.page_size)
-    state = reader.paged_state(to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
+    last = softmax.last_rows(q, view.lengths, q_positions, causal, kv_heads, view.page_table.shape[1] * view.page_size)
+    state = reader.paged_state(softmax.to_rows(q, kv_heads), q.dtype, last, view.page_table, view.k_pages,
                                view.v_pages, page_size=view.page_size, scale=scale, interpret=interpret,
                                k_scale_pages=view.k_scale, v_scale_pages=view.v_scale)
-    return finish(q, state)
+    return softmax.finish(q, state)
 
 
 def _gather_pages(view: PagedView, first: Any, count: int, pools: tuple[str, ...] = ("k_pages", "v_pages")
@@ -121,7 +111,7 @@ def _gather_pages(view: PagedView, first: Any, count: int, pools: tuple[str, ...
 
 def _gather_dequantized(view: PagedView, first: Any, count: int) -> tuple[Array, Array]:
     """:func:`_gather_pages` of keys and values as float32, times their row scales where quantized."""
-    keys, values = (x.astype(F32) for x in _gather_pages(view, first, count))
+    keys, values = (x.astype(softmax.F32) for x in _gather_pages(view, first, count))
     if not view.quantized:
         return keys, values
     k_scale, v_scale = _gather_pages(view, first, count, ("k_scale", "v_scale"))
@@ -210,21 +200,21 @@ def _read_pages(q: Array, view: PagedView, q_positions: Array, causal: bool, sca
     columns = view.page_table.shape[1]
     view = _padded_table(view, pages)
     n = pages * size
-    qh = to_rows(q, kv_heads)
-    last = last_visible(view.lengths, q_positions, causal, groups)
+    qh = softmax.to_rows(q, kv_heads)
+    last = softmax.last_visible(view.lengths, q_positions, causal, groups)
 
     def body(i: Array, state: Any) -> Any:
         keys, values = _gather_pages(view, i * pages, pages)
         key_position = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3)
         visible = key_position <= last
-        block_scores = scores(keys.astype(F32) * scale, qh)
+        block_scores = softmax.scores(keys.astype(softmax.F32) * scale, qh)
         if not view.quantized:
-            return online_update(state, block_scores, visible, values.astype(F32))
+            return softmax.online_update(state, block_scores, visible, values.astype(softmax.F32))
         scales = _gather_pages(view, i * pages, pages, ("k_scale", "v_scale"))
         k_scale, v_scale = (jnp.swapaxes(x, 2, 3) for x in scales)
-        return online_update(state, block_scores * k_scale, visible, values.astype(F32), v_scale)
+        return softmax.online_update(state, block_scores * k_scale, visible, values.astype(softmax.F32), v_scale)
 
-    return finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, empty_state(qh)))
+    return softmax.finish(q, lax.fori_loop(0, _paged_blocks(view, columns, n), body, softmax.empty_state(qh)))
 
 
 def _paged_blocks(view: PagedView, columns: int, n: int) -> Array:
@@ -310,10 +300,10 @@ def _paged_flash_bwd(causal: bool, scale: float, relative: bool, page_size: int,
     pages, columns = _paged_block_pages(view), page_table.shape[1]
     view, n, slots = _padded_table(view, pages), pages * page_size, page_table.shape[0]
     qh, d_rows, lse_rows, delta = backward_rows(q, kv_heads, d_out, d_lse, out, lse)
-    last = last_visible(lengths, absolute(lengths, q_positions, relative), causal, q.shape[2] // kv_heads)
+    last = softmax.last_visible(lengths, absolute(lengths, q_positions, relative), causal, q.shape[2] // kv_heads)
 
     def body(i: Array, grads: Any) -> Any:
-        keys, values = (x.astype(F32) for x in _gather_pages(view, i * pages, pages))
+        keys, values = (x.astype(softmax.F32) for x in _gather_pages(view, i * pages, pages))
         visible = i * n + lax.broadcasted_iota(jnp.int32, (1, 1, 1, n), 3) <= last
         ids = lax.dynamic_slice_in_dim(view.page_table, i * pages, pages, axis=1)
         ids = jnp.where(ids >= 0, ids, num_pages)  # out of range: dropped
