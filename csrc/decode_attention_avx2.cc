@@ -22,6 +22,7 @@ namespace jss::attention::avx2 {  // x86-64-v3: 16 ymm registers
 #define JSS_PAIR_KEYS 4
 #define JSS_DENSE_FLOAT_TILE 1024
 #define JSS_DENSE_PAIR_TILE 1024
+#define JSS_LARGEST_DIM 256
 #include "decode_attention_isa.h"
 }  // namespace jss::attention::avx2
 #if defined(__clang__)

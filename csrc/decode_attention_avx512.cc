@@ -22,6 +22,7 @@ namespace jss::attention::avx512 {  // x86-64-v4: 32 zmm registers
 #define JSS_PAIR_KEYS 8
 #define JSS_DENSE_FLOAT_TILE 1024
 #define JSS_DENSE_PAIR_TILE 1024
+#define JSS_LARGEST_DIM 256
 #include "decode_attention_isa.h"
 }  // namespace jss::attention::avx512
 #if defined(__clang__)

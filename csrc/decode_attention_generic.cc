@@ -15,6 +15,7 @@ namespace jss::attention::generic {  // any other target (aarch64: NEON, 32 regi
 #define JSS_PAIR_KEYS 8
 #define JSS_DENSE_FLOAT_TILE 64
 #define JSS_DENSE_PAIR_TILE 256
+#define JSS_LARGEST_DIM 256
 #include "decode_attention_isa.h"
 }  // namespace jss::attention::generic
 #endif

@@ -12,6 +12,7 @@
 //   JSS_PAIR_KEYS  keys scored together over bfloat16 rows read as pairs,
 //   JSS_DENSE_FLOAT_TILE, JSS_DENSE_PAIR_TILE  keys per tile where few query
 //                  rows read a dense pair's float32 or bfloat16 rows in place;
+//   JSS_LARGEST_DIM  the largest head dim built for (128 or 256, run_chunks);
 // it undefines them at its end, for the next.
 // Vectors are exactly one register wide, so nothing is split in two and the
 // accumulators of a loop nest fit the register file (16 registers for SSE2
@@ -78,14 +79,18 @@ JSS_INLINE void run_chunks_dim(const ChunkInput* ins, const Chunk* chunks, int64
 }
 
 // count chunks of one key range (pairs of one cache dtype) at the head dim's
-// specialisation (a multiple of kLanes), or any head dim.
+// specialisation, or any head dim.  The specialisations are the head dims of
+// published models (64, 128 and, up to JSS_LARGEST_DIM, 256): each costs
+// about as much compile time as the rest of the path, and the build is what
+// every install waits for.  Any other head dim runs the same loops with the
+// head dim read at run time.
 void run_chunks(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64_t M, int64_t dim) {
   switch (dim) {
-    case 16: return run_chunks_dim<16>(ins, chunks, count, M, dim);
-    case 32: return run_chunks_dim<32>(ins, chunks, count, M, dim);
     case 64: return run_chunks_dim<64>(ins, chunks, count, M, dim);
     case 128: return run_chunks_dim<128>(ins, chunks, count, M, dim);
+#if JSS_LARGEST_DIM >= 256
     case 256: return run_chunks_dim<256>(ins, chunks, count, M, dim);
+#endif
     default: return run_chunks_dim<0>(ins, chunks, count, M, dim);
   }
 }
@@ -98,3 +103,4 @@ void run_chunks(const ChunkInput* ins, const Chunk* chunks, int64_t count, int64
 #undef JSS_PAIR_KEYS
 #undef JSS_DENSE_FLOAT_TILE
 #undef JSS_DENSE_PAIR_TILE
+#undef JSS_LARGEST_DIM

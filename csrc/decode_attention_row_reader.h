@@ -16,37 +16,51 @@ constexpr int64_t kRowKeys = kPaired<kDim, E> ? kPairKeys : kKeys;
 // The largest power of two <= n (n >= 1).
 constexpr int64_t floor_pow2(int64_t n) { return n >= 2 ? 2 * floor_pow2(n / 2) : 1; }
 
-// For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
-// values[j], j < n (row j at values + j * value_stride).  The head dim goes
-// in slabs of registers, so the rows' accumulators of a slab stay in
+// For each of kRows rows, over the slab of kSlab vectors from vector c0 on:
+// acc = acc * decay + sum_j weight[j * stride] * values[j], j < n (row j at
+// values + j * value_stride).  The rows' accumulators of the slab stay in
 // registers over the tile's keys.  Where ahead is not 0, each slab of a row
 // asks for the same slab ahead elements on.
+template <int64_t kRows, int64_t kSlab, typename E>
+JSS_INLINE void accumulate_slab(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
+                                const E* values, int64_t n, int64_t value_stride, int64_t c0, int64_t ahead) {
+  Floats local[kRows][kSlab];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
+  for (int64_t j = 0; j < n; ++j) {
+    if (ahead != 0) prefetch_lines(values, j * value_stride + c0 * kLanes + ahead, kSlab * kLanes * sizeof(E));
+    for (int64_t c = 0; c < kSlab; ++c) {
+      const Floats value = load_elements(values + j * value_stride + (c0 + c) * kLanes);
+      for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
+}
+
+// For each of kRows rows: acc[D] = acc * decay + sum_j weight[j * stride] *
+// values[j], j < n, the head dim in slabs of registers (accumulate_slab).  At
+// a head dim without a build of its own (kDim = 0) each slab is one vector,
+// their count read at run time (a slab of more would be one more copy of the
+// loop nest for the compiler to build, per caller); the elements past the
+// last whole vector go one at a time.
 template <int64_t kDim, int64_t kRows, typename E = float>
 JSS_INLINE void accumulate_values(float* const* acc, const float* decay, const float* const* weight, int64_t stride,
                                   const E* values, int64_t n, int64_t dim, int64_t value_stride, int64_t ahead = 0) {
   if constexpr (kDim > 0) {
     constexpr int64_t kChunks = kDim / kLanes;
     constexpr int64_t kSlab = std::min(kChunks, floor_pow2(std::max<int64_t>(1, kRegs / kRows)));
-    for (int64_t c0 = 0; c0 < kChunks; c0 += kSlab) {
-      Floats local[kRows][kSlab];
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t c = 0; c < kSlab; ++c) local[r][c] = load(acc[r] + (c0 + c) * kLanes) * decay[r];
-      for (int64_t j = 0; j < n; ++j) {
-        if (ahead != 0) prefetch_lines(values, j * value_stride + c0 * kLanes + ahead, kSlab * kLanes * sizeof(E));
-        for (int64_t c = 0; c < kSlab; ++c) {
-          const Floats value = load_elements(values + j * value_stride + (c0 + c) * kLanes);
-          for (int64_t r = 0; r < kRows; ++r) local[r][c] += weight[r][j * stride] * value;
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t c = 0; c < kSlab; ++c) store(acc[r] + (c0 + c) * kLanes, local[r][c]);
-    }
+    for (int64_t c0 = 0; c0 < kChunks; c0 += kSlab)
+      accumulate_slab<kRows, kSlab>(acc, decay, weight, stride, values, n, value_stride, c0, ahead);
   } else {
     static_assert(std::is_same<E, float>::value, "any head dim: float32 tiles only");
+    const int64_t vectors = dim / kLanes;
+    for (int64_t c0 = 0; c0 < vectors; ++c0)
+      accumulate_slab<kRows, 1>(acc, decay, weight, stride, values, n, value_stride, c0, ahead);
     for (int64_t r = 0; r < kRows; ++r) {
-      for (int64_t d = 0; d < dim; ++d) acc[r][d] *= decay[r];
+      for (int64_t d = vectors * kLanes; d < dim; ++d) acc[r][d] *= decay[r];
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * value_stride + d];
+        for (int64_t d = vectors * kLanes; d < dim; ++d) acc[r][d] += weight[r][j * stride] * values[j * value_stride + d];
     }
   }
 }

@@ -2,7 +2,7 @@
 
 Few query rows (under four per kv head) read a dense cache's rows in place
 where they are float32, or bfloat16 at a head dim the kernel is built for
-(16, 32, 64, 128, 256); at any other head dim bfloat16 rows, like float16
+(64, 128, 256); at any other head dim bfloat16 rows, like float16
 ones, are widened into tile buffers of 64 rows, so valid lengths around and
 well past one tile are read here.  Each path runs in a process of its own
 (``JSS_NATIVE_ISA`` is read at import).
