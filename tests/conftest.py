@@ -1,10 +1,15 @@
-"""Test configuration: hypothesis profiles sized for CI, and where multi-device tests run.
+"""Test configuration: hypothesis profiles sized for CI, where multi-device tests run, and which tests are slow.
 
 Tests under ``tests/multidevice`` need 8 (fake) devices, which XLA only makes
 when ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` is set before jax
 is imported.  A normal run skips collecting them and ``test_multidevice.py``
 runs them in a subprocess with the flag; a run with the flag set collects
 them directly instead.
+
+A test is marked ``slow`` where its recorded time (``tests/durations.json``,
+written by ``tests/support/durations.py`` from a ``--durations=0`` report) is
+at least 0.75 s: ``pytest -m "not slow"`` is the inner loop, and CI runs
+every test.
 """
 
 import os
@@ -19,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from jax_session_state.attention import _native
+from tests.support import durations
 
 settings.register_profile(
     "ci",
@@ -38,6 +44,14 @@ MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 collect_ignore = (
     ["test_multidevice.py"] if MULTIDEVICE_FLAG in os.environ.get("XLA_FLAGS", "") else ["multidevice"]
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``slow`` every test recorded at ``durations.SLOW_SECONDS`` or more."""
+    seconds = durations.recorded()
+    for item in items:
+        if seconds.get(item.nodeid, 0.0) >= durations.SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
