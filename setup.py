@@ -27,13 +27,20 @@ KERNEL_PARTS = ["chunks", "isa", "vectors", "elements", "tiles", "prefetch", "ro
 
 
 def compile_in_parallel(compiler, jobs: int) -> None:
-    """Makes ``compiler.compile`` compile its sources in ``jobs`` threads, each source by the compiler's own method."""
+    """Makes ``compiler.compile`` compile its sources in ``jobs`` threads, each source by the compiler's own method.
+
+    The sources start in ``SOURCES``' order, longest first (setuptools hands them over sorted by name, which
+    would start the SSE2 path last and leave one core idle at the end); the objects keep the order given.
+    """
     compile_serially = compiler.compile
 
     def compile_sources(sources, *args, **kwargs):
+        rank = {source: i for i, source in enumerate(SOURCES)}
+        start_order = sorted(sources, key=lambda source: rank.get(source, len(rank)))
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            objects = pool.map(lambda source: compile_serially([source], *args, **kwargs), sources)
-            return [path for one in objects for path in one]
+            objects = dict(zip(start_order, pool.map(lambda source: compile_serially([source], *args, **kwargs),
+                                                     start_order)))
+            return [path for source in sources for path in objects[source]]
 
     compiler.compile = compile_sources
 
