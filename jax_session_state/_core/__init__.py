@@ -6,8 +6,7 @@ in place under donation, natively where XLA:CPU would convert the whole
 buffer), ``_library`` (the native CPU library built from ``csrc/``: loaded
 once, its instruction-set path chosen, its XLA FFI targets registered),
 ``_crc32`` (zlib's CRC-32, natively where the CPU multiplies carry-less),
-``_masked_step`` (a step run for the live slots of a pool only),
-``_pool_placement`` (a pool's slot axis placed on a mesh), ``_placement``
+``_placement``
 (where an object's arrays live and putting them back there; whether a
 donated step took them) and ``_coordination`` (the key-value store of JAX's
 distributed runtime, which the manager and checkpoints agree through).

@@ -252,7 +252,7 @@ def bf16_step(session: jss.Session, rows: jax.Array) -> tuple[jss.Session, jax.A
 
 @needs_native
 def test_a_pool_step_masks_the_native_writes_of_its_inactive_slots():
-    from jax_session_state._core._masked_step import run_masked
+    from jax_session_state.pool._masked_step import run_masked
 
     rows = jnp.asarray(np.random.default_rng(5).normal(size=(1, 2, 2, 8)), jnp.bfloat16)
     session = bf16_session(0)

@@ -16,6 +16,10 @@ positions, ring counts, RNG keys and counters in ``attrs`` -- slots may be
 at different points of their rollouts.  Inactive slots are left bit for bit
 as they were by :meth:`map`.
 
+Owns ``_masked_step`` (a step run for the live slots only) and
+``_placement`` (the slot axis placed on a mesh). May import every module
+below the session (``_core``, ``objects``, ``attention``) and ``session``.
+
 A slot operation that cannot be done writes nothing: eagerly it raises at
 once (``IndexError`` for a slot out of range, ``ValueError`` for an insert
 into a live slot or a read of an empty one); under ``jit`` the pool's
@@ -52,13 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_session_state._core import _pool_placement
-from jax_session_state._core._masked_step import run_masked
 from jax_session_state._core._validation import is_integer_scalar, positive_int
 from jax_session_state.accounting import SeenStorages, tree_bytes_by_device
 from jax_session_state.base import check
 from jax_session_state.building_blocks import update_slice_or_keep
 from jax_session_state.errors import NotResidentError, PayloadError, PayloadTypeError
+from jax_session_state.pool import _placement
+from jax_session_state.pool._masked_step import run_masked
 from jax_session_state.session import Session
 
 __all__ = ["SessionPool"]
@@ -128,7 +132,7 @@ class SessionPool(struct.PyTreeNode):
             raise PayloadTypeError(f"SessionPool.allocate: template must be a Session; got {type(template).__name__}.")
         slots = positive_int("SessionPool.allocate", "slots", slots)
         if sharding is not None:
-            sharding = _pool_placement.check_slot_sharding(sharding, slots)
+            sharding = _placement.check_slot_sharding(sharding, slots)
         for name, obj in template.objects.items():
             if not obj.resident:
                 raise NotResidentError(
@@ -142,8 +146,8 @@ class SessionPool(struct.PyTreeNode):
                     "allocate(..., sharding=NamedSharding(mesh, P('data')))). Allocate the template without sharding."
                 )
         if sharding is not None:
-            sessions, active, refused = _pool_placement.stacked_on_mesh(template, slots, sharding)
-            tag = _pool_placement.replicated_scalar(next(_TAGS), np.int32, sharding)
+            sessions, active, refused = _placement.stacked_on_mesh(template, slots, sharding)
+            tag = _placement.replicated_scalar(next(_TAGS), np.int32, sharding)
             return cls(sessions=sessions, active=active, refused=refused, tag=tag, slot_sharding=sharding)
         leaves = [x for x in jax.tree_util.tree_leaves(template) if isinstance(x, jax.Array) and _concrete(x)]
         device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
@@ -368,7 +372,7 @@ class SessionPool(struct.PyTreeNode):
             return tree.unflatten(kept), jax.tree_util.tree_map(lambda x: _select(live, x, jnp.zeros_like(x)), out)
 
         sessions, out = jax.vmap(one)(self.sessions, self.active, *per_slot)
-        sessions, out = _pool_placement.constrain_slots((sessions, out), self.slot_sharding)
+        sessions, out = _placement.constrain_slots((sessions, out), self.slot_sharding)
         return self.replace(sessions=sessions), out
 
     # ------------------------------------------------------------- helpers
