@@ -40,6 +40,8 @@ from flax import nnx
 
 import jax_session_state as jss
 
+from fitting import fit
+
 MOVES = np.array([[0, 0], [-1, 0], [1, 0], [0, -1], [0, 1]])
 """The actions' moves (row, column): stay, up, down, left, right."""
 
@@ -355,7 +357,7 @@ def train(model: Dynamics, steps: int, clips: int, key: jax.Array, *, on_step=No
     c = model.config
     if steps == 0:
         return []
-    graphdef, params = nnx.split(model)
+    graphdef, _ = nnx.split(model)
     optimizer = optax.adamw(optax.cosine_onecycle_schedule(steps, 3e-3), weight_decay=1e-4)
     batch_config = dataclasses.replace(c, batch=clips)
 
@@ -368,21 +370,7 @@ def train(model: Dynamics, steps: int, clips: int, key: jax.Array, *, on_step=No
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
         return jnp.sum(losses * masked) / jnp.maximum(masked.sum(), 1)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params, opt_state, key):
-        loss, grads = jax.value_and_grad(loss_fn)(params, key)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    opt_state = optimizer.init(params)
-    losses = []
-    for i in range(steps):
-        params, opt_state, loss = update(params, opt_state, jax.random.fold_in(key, i))
-        losses.append(float(loss))
-        if on_step is not None:
-            on_step(i)
-    nnx.update(model, params)
-    return losses
+    return fit(model, loss_fn, optimizer, steps, key, on_step=on_step)
 
 
 # ------------------------------------------------------------------ the demo

@@ -41,6 +41,8 @@ from flax import nnx
 
 import jax_session_state as jss
 
+from fitting import fit
+
 NULL_LABEL = 0
 """The label of the unconditioned stream and of the prompt frames (shapes are 1: disc, 2: square)."""
 
@@ -461,26 +463,14 @@ def train(model: Model, steps: int, batch: int, key: jax.Array, *, on_step=None)
     c = model.config
     if steps == 0:
         return []
-    graphdef, params = nnx.split(model)
+    graphdef, _ = nnx.split(model)
     optimizer = optax.adamw(optax.cosine_onecycle_schedule(steps, 3e-3), weight_decay=1e-4)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params, opt_state, key):
+    def loss_fn(params, key):
         clips, labels = moving_shapes(key, c, batch, c.clip_frames)
-        loss, grads = jax.value_and_grad(lambda p: clip_loss(nnx.merge(graphdef, p), clips, labels,
-                                                             jax.random.fold_in(key, 1)))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return clip_loss(nnx.merge(graphdef, params), clips, labels, jax.random.fold_in(key, 1))
 
-    opt_state = optimizer.init(params)
-    losses = []
-    for i in range(steps):
-        params, opt_state, loss = update(params, opt_state, jax.random.fold_in(key, i))
-        losses.append(float(loss))
-        if on_step is not None:
-            on_step(i)
-    nnx.update(model, params)
-    return losses
+    return fit(model, loss_fn, optimizer, steps, key, on_step=on_step)
 
 
 # ------------------------------------------------------------------ the demo

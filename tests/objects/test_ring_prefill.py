@@ -26,20 +26,20 @@ def ring(sink, batch=B):
     return jss.KVCache.allocate(batch=batch, kv_heads=H, head_dim=D, window=WINDOW, sink=sink, max_staged=MAX_STAGED)
 
 
+def prefill_chunk(draw, rng):
+    """Rows of a length within the staging margin, past it, or past the whole ring; ragged half of the time."""
+    T = draw(st.sampled_from((2, 7, 19)))
+    k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) for _ in range(2))
+    counts = jnp.asarray([draw(st.integers(0, T)) for _ in range(B)], jnp.int32) if draw(st.booleans()) else None
+    return jss.KVChunk(k, v, counts)
+
+
 @st.composite
 def prefill_ops(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    ops = []
-    for _ in range(draw(st.integers(1, 8))):
-        name = draw(st.sampled_from(["append", "append", "commit_payload", "stage", "commit", "discard"]))
-        if name in ("commit", "discard"):
-            ops.append(Op(name))
-            continue
-        T = draw(st.sampled_from((2, 7, 19)))  # within the margin, past it, past the whole ring
-        k, v = (jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32) for _ in range(2))
-        counts = jnp.asarray([draw(st.integers(0, T)) for _ in range(B)], jnp.int32) if draw(st.booleans()) else None
-        ops.append(Op(name, jss.KVChunk(k, v, counts)))
-    return ops
+    names = draw(st.lists(st.sampled_from(["append", "append", "commit_payload", "stage", "commit", "discard"]),
+                          min_size=1, max_size=8))
+    return [Op(name) if name in ("commit", "discard") else Op(name, prefill_chunk(draw, rng)) for name in names]
 
 
 class TestRingPrefillMatchesModel(chex.TestCase):
