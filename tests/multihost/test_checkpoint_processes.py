@@ -134,7 +134,10 @@ def test_two_processes_step_save_and_restore_on_any_process_count(tmp_path):
             assert "kv.['k']" in message and "does not match its digest" in message
         message = report["errors"]["vanishing"]  # process 1's own read failed; process 0's failed or was told
         assert f"{tmp_path / 'vanishing'}" in message, message
-        assert "the arrays cannot be read" in message or "at step 'read', process 1 raised" in message, message
+        # Which process notices first depends on timing: a read that fails, or a size check that finds the
+        # files already gone; either way nothing was read.
+        assert ("the arrays cannot be read" in message or "at step 'read', process 1 raised" in message
+                or ("the manifest does not describe these files" in message and "Nothing was read" in message)), message
 
 
 def test_four_processes_round_trip(tmp_path):
