@@ -17,8 +17,8 @@ at different points of their rollouts.  Inactive slots are left bit for bit
 as they were by :meth:`map`.
 
 Owns ``_masked_step`` (a step run for the live slots only) and
-``_placement`` (the slot axis placed on a mesh). May import every module
-below the session (``_core``, ``objects``, ``attention``) and ``session``.
+``_placement`` (the slot axis placed on a mesh). May import ``_core``,
+``accounting``, ``base``, ``building_blocks``, ``errors`` and ``session``.
 
 A slot operation that cannot be done writes nothing: eagerly it raises at
 once (``IndexError`` for a slot out of range, ``ValueError`` for an insert
